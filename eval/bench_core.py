@@ -1,0 +1,139 @@
+"""Core benchmark: prefill overhead, decode step time and kept bytes of each press on the default model.
+
+Every ratio is measured side by side in one run (runs alternate, medians taken), because the machine
+is shared and noisy. Writes `eval/results/core.json`:
+
+    {"prefill_overhead": {press: t_press / t_none}, "decode_step_ratio": {press: step time at
+     4K context with r=0.75 / full-cache step time}, "kept_bytes_ratio": {press: kept / full bytes}}
+
+Run: `make bench` (or `python -m kvpress.eval.bench_core --help`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+import kvpress
+
+PRESSES = ("snapkv", "h2o", "sink-window", "knorm", "random")
+
+
+def long_ids(tokenizer, n_tokens: int) -> torch.Tensor:
+    """`[1, n_tokens]` ids of English text from CPython's own documentation (on every machine)."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :n_tokens]
+    if ids.shape[1] < n_tokens:
+        raise ValueError(f"the text has only {ids.shape[1]} tokens, fewer than {n_tokens}")
+    return ids
+
+
+def prefill(model, ids: torch.Tensor, press=None) -> tuple[DynamicCache, float]:
+    cache = DynamicCache(config=model.config)
+    start = time.perf_counter()
+    if press is None:
+        model(ids, cache=cache, use_cache=True)
+    else:
+        with press(model):
+            model(ids, cache=cache, use_cache=True)
+    return cache, time.perf_counter() - start
+
+
+def decode_step(model, cache: DynamicCache, token: torch.Tensor, press=None) -> float:
+    start = time.perf_counter()
+    if press is None:
+        model(token, cache=cache, use_cache=True)
+    else:
+        with press(model):
+            model(token, cache=cache, use_cache=True)
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def run(args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    model, tokenizer = kvpress.load_model(args.model)
+    presses = {name: kvpress.press_from_name(name, compression_ratio=args.ratio) for name in args.presses}
+    result: dict = {
+        "model": args.model or kvpress.models.DEFAULT_MODEL,
+        "compression_ratio": args.ratio,
+        "prefill_tokens": args.prefill_tokens,
+        "decode_context": args.decode_context,
+        "decode_steps": args.decode_steps,
+        "threads": torch.get_num_threads(),
+        "prefill_overhead": {},
+        "decode_step_ratio": {},
+        "kept_bytes_ratio": {},
+        "seconds": {},
+    }
+
+    # prefill overhead: press and no press alternate, medians of the paired runs
+    ids = long_ids(tokenizer, args.prefill_tokens)
+    prefill(model, ids[:, :64])  # warm-up
+    for name, press in presses.items():
+        base, pressed = [], []
+        for _ in range(args.repeats):
+            base.append(prefill(model, ids)[1])
+            pressed.append(prefill(model, ids, press)[1])
+        result["prefill_overhead"][name] = round(statistics.median(pressed) / statistics.median(base), 3)
+        result["seconds"][f"prefill_{name}"] = round(statistics.median(pressed), 3)
+        result["seconds"][f"prefill_none_vs_{name}"] = round(statistics.median(base), 3)
+        print(f"prefill {args.prefill_tokens} tokens  {name:12s} overhead x{result['prefill_overhead'][name]}")
+
+    # decode: one full cache and one compressed cache per press; steps alternate between them
+    ids = long_ids(tokenizer, args.decode_context)
+    full, _ = prefill(model, ids)
+    full_bytes = kvpress.cache_bytes(full)
+    result["full_bytes"] = full_bytes
+    token = ids[:, -1:]
+    for name, press in presses.items():
+        cache, _ = prefill(model, ids, press)
+        result["kept_bytes_ratio"][name] = round(kvpress.cache_bytes(cache) / full_bytes, 4)
+        base, pressed = [], []
+        for step in range(args.decode_steps + 2):
+            t_full = decode_step(model, full, token)
+            t_press = decode_step(model, cache, token, press)
+            if step >= 2:  # the first steps warm up
+                base.append(t_full)
+                pressed.append(t_press)
+        full.crop(-(args.decode_steps + 2))  # the full cache goes back to the context
+        result["decode_step_ratio"][name] = round(statistics.median(pressed) / statistics.median(base), 3)
+        result["seconds"][f"decode_step_{name}"] = round(statistics.median(pressed), 4)
+        result["seconds"][f"decode_step_full_vs_{name}"] = round(statistics.median(base), 4)
+        print(
+            f"decode at {args.decode_context} {name:12s} step ratio x{result['decode_step_ratio'][name]}"
+            f"  kept bytes {result['kept_bytes_ratio'][name]}"
+        )
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model name or local directory (default: SmolLM2-135M)")
+    parser.add_argument("--presses", default=",".join(PRESSES), type=lambda s: s.split(","))
+    parser.add_argument("--ratio", type=float, default=0.75)
+    parser.add_argument("--prefill-tokens", type=int, default=1024)
+    parser.add_argument("--decode-context", type=int, default=4096)
+    parser.add_argument("--decode-steps", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "core.json"))
+    args = parser.parse_args(argv)
+    for name in args.presses:
+        if name not in kvpress.PRESSES:
+            parser.error(f"unknown press {name!r}; choose from {', '.join(sorted(kvpress.PRESSES))}")
+    result = run(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

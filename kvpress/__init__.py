@@ -1,0 +1,43 @@
+"""kvpress: KV-cache compression for Hugging Face transformers that frees real memory.
+
+    press = kvpress.SnapKVPress(compression_ratio=0.5)
+    with press(model):
+        model.generate(...)
+
+Importing kvpress patches nothing; entering a press does, and leaving it restores the model.
+"""
+
+from kvpress.cache import PressedLayer, cache_bytes
+from kvpress.models import load_model
+from kvpress.pipeline import generate
+from kvpress.presses import (
+    PRESSES,
+    BasePress,
+    H2OPress,
+    HeavyHitterPress,
+    KnormPress,
+    Observation,
+    RandomPress,
+    SinkWindowPress,
+    SnapKVPress,
+    StreamingLLMPress,
+    press_from_name,
+)
+
+__all__ = [
+    "BasePress",
+    "H2OPress",
+    "HeavyHitterPress",
+    "KnormPress",
+    "Observation",
+    "PRESSES",
+    "PressedLayer",
+    "RandomPress",
+    "SinkWindowPress",
+    "SnapKVPress",
+    "StreamingLLMPress",
+    "cache_bytes",
+    "generate",
+    "load_model",
+    "press_from_name",
+]

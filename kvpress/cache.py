@@ -1,0 +1,296 @@
+"""A cache layer that really shrinks: it knows the tokens it has seen and the slots it holds.
+
+`PressedLayer` is a transformers `DynamicLayer` whose slots can be evicted. Evicted slots are freed
+(kept slots are copied into smaller tensors, or a slot is overwritten in place), never masked.
+
+Storage, all of it counted by `cache_bytes`:
+- `keys`, `values`: `[batch, kv_heads, capacity, head_dim]`; the first `n` slots are in use.
+- `slots`: per-slot tensors `[batch, kv_heads, capacity]`: `"pos"` (int32, the token's position among
+  the row's real tokens), `"valid"` (bool, only while some slot is padding or an unused hole) and
+  whatever state a press keeps per token (for example H2O's accumulated attention).
+- `real_seen` / `shift`: per row, real (non-padding) tokens seen and real tokens evicted.
+
+`get_seq_length()` returns the tokens seen, so positions keep counting; `get_mask_sizes()` describes
+the slots held, so transformers' own masks stay right for unpadded continuation.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class PressedLayer(DynamicLayer):
+    """A `DynamicLayer` whose slots a press can evict; see the module docstring for its storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+        self.n = 0
+        self.pending = 0
+        self.slots: dict[str, torch.Tensor] = {}
+        self.real_seen: torch.Tensor | None = None
+        self.shift: torch.Tensor | None = None
+        self.driven = False  # True while an installed press describes each update (padding, positions)
+        self.adopted = False  # holds tokens written before a press drove it: padding not known yet
+        self.padded = False  # some row has seen a padding token (else every row holds `n` of `seen`)
+        self.rotated = False  # True once keys were re-rotated to positions inside the cache
+
+    # ----- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_layer(cls, layer: DynamicLayer) -> PressedLayer:
+        """Adopt the content of a plain `DynamicLayer` (a cache that already holds a conversation)."""
+        new = cls()
+        if layer.is_initialized and layer.keys is not None and layer.keys.numel() > 0:
+            new.keys, new.values = layer.keys, layer.values
+            new.device, new.is_initialized = layer.device, True
+            new.seen = new.n = new.pending = new.keys.shape[-2]
+            new.commit(None)
+            new.adopted = True
+        return new
+
+    # ----- the transformers layer API -----------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append new keys/values, in place when a freed slot is available."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.pending:
+            raise RuntimeError("PressedLayer.update called twice without a commit (internal error)")
+        if not self.driven and self.padded and self.compressed:
+            raise RuntimeError(
+                "this compressed cache holds padded rows whose slots no longer match the 2D attention mask; "
+                "continue it inside `with press(model):` so the press builds the right masks"
+            )
+        q = key_states.shape[-2]
+        capacity = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        if self.n + q <= capacity:
+            self.keys[:, :, self.n : self.n + q] = key_states
+            self.values[:, :, self.n : self.n + q] = value_states
+        else:
+            self.keys = torch.cat([self.keys[:, :, : self.n], key_states], dim=-2) if self.n else key_states
+            self.values = torch.cat([self.values[:, :, : self.n], value_states], dim=-2) if self.n else value_states
+            self.keys, self.values = self.keys.contiguous(), self.values.contiguous()
+        self.n += q
+        self.seen += q
+        self.pending = q
+        if not self.driven:
+            self.commit(None)
+        return self.keys[:, :, : self.n], self.values[:, :, : self.n]
+
+    def get_seq_length(self) -> int:
+        """Tokens seen (padding included), which is what positions and `generate` count."""
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """Slots held plus the query; the offset makes transformers' causal mask line up with them."""
+        return self.n + query_length, self.seen - self.n
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self.seen != self.n:
+            raise NotImplementedError("a compressed cache cannot be cropped: its evicted tokens are gone")
+        super().crop(tokens_to_remove)
+        self.seen = self.n = self.keys.shape[-2]
+        self._truncate_slots(self.n)
+
+    def reset(self) -> None:
+        super().reset()
+        self.seen = self.n = self.pending = 0
+        self.slots, self.real_seen, self.shift, self.rotated, self.padded = {}, None, None, False, False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_rows(lambda t: t[indices])
+
+    def offload(self) -> None:
+        if self.is_initialized:
+            self._map_all(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.is_initialized and self.keys.device != self.device:
+            self._map_all(lambda t: t.to(self.device, non_blocking=True))
+
+    # ----- what a press reads ---------------------------------------------------------------------
+    @property
+    def valid(self) -> torch.Tensor | None:
+        """`[B, H, n]` bool, or None when every held slot is a real token."""
+        v = self.slots.get("valid")
+        return None if v is None else v[..., : self.n]
+
+    @property
+    def pos(self) -> torch.Tensor:
+        """`[B, H, n]` int32 positions (among each row's real tokens) of the held slots."""
+        return self.slots["pos"][..., : self.n]
+
+    def slot(self, name: str) -> torch.Tensor:
+        """A per-slot tensor `[B, H, n]` kept aligned with the slots (created as zeros on first use)."""
+        if name not in self.slots:
+            b, h = self.keys.shape[:2]
+            self.slots[name] = torch.zeros(b, h, self.n, dtype=torch.float32, device=self.keys.device)
+        return self.slots[name][..., : self.n]
+
+    def held(self) -> torch.Tensor:
+        """`[B]` real tokens held per row (every head of a row holds the same number)."""
+        v = self.valid
+        if v is None:
+            return torch.full((self.keys.shape[0],), self.n, dtype=torch.long, device=self.keys.device)
+        return v[:, 0].sum(-1)
+
+    def position_order(self) -> torch.Tensor:
+        """`[B, H, n]` slot indices sorted by token position, padding and holes last."""
+        pos = self.pos.long()
+        valid = self.valid
+        return (pos if valid is None else pos.masked_fill(~valid, torch.iinfo(torch.long).max)).argsort(dim=-1)
+
+    @property
+    def compressed(self) -> bool:
+        """Whether slots no longer line up with token positions (masks must come from the layer)."""
+        return self.n != self.seen or "valid" in self.slots
+
+    # ----- what the intercept and the presses do ----------------------------------------------------
+    def commit(self, new_valid: torch.Tensor | None) -> None:
+        """Describe the `pending` tokens of the last update: `new_valid` `[B, q]` marks real tokens."""
+        q, self.pending = self.pending, 0
+        b, h = self.keys.shape[:2]
+        device = self.keys.device
+        if self.real_seen is None:
+            self.real_seen = torch.zeros(b, dtype=torch.long, device=device)
+            self.shift = torch.zeros(b, dtype=torch.long, device=device)
+        if new_valid is None and not self.padded:  # every row has seen `seen` real tokens
+            pos = torch.arange(self.seen - q, self.seen, device=device).expand(b, q)
+            self.real_seen += q
+        elif new_valid is None:
+            pos = self.real_seen[:, None] + torch.arange(q, device=device)
+            self.real_seen = self.real_seen + q
+        else:
+            self.padded = True
+            new_valid = new_valid.to(device=device, dtype=torch.bool)
+            counts = new_valid.long().cumsum(-1)
+            pos = (self.real_seen[:, None] + counts - 1).clamp_min(0)
+            self.real_seen = self.real_seen + counts[:, -1]
+            if "valid" not in self.slots:
+                self.slots["valid"] = torch.ones(b, h, self.n - q, dtype=torch.bool, device=device)
+        self._append_slot("pos", pos.to(torch.int32)[:, None].expand(b, h, q))
+        if self.rotated:
+            self._append_slot("rot", (pos - self.shift[:, None]).to(torch.int32)[:, None].expand(b, h, q))
+        for name, t in self.slots.items():
+            if name == "valid":
+                fill = new_valid[:, None].expand(b, h, q) if new_valid is not None else t.new_ones(b, h, q)
+                self._append_slot(name, fill)
+            elif name not in ("pos", "rot"):
+                self._append_slot(name, t.new_zeros(b, h, q))
+
+    def adopt_padding(self, history: torch.Tensor) -> None:
+        """Learn which adopted slots are padding from the 2D mask `history` `[B, seen]` of those tokens."""
+        self.adopted = False
+        if bool(history.all()):
+            return
+        b, h = self.keys.shape[:2]
+        history = history.to(device=self.keys.device, dtype=torch.bool)
+        counts = history.long().cumsum(-1)
+        self.padded = True
+        self.slots["pos"] = (counts - 1).clamp_min(0).to(torch.int32)[:, None].expand(b, h, -1).contiguous()
+        self.slots["valid"] = history[:, None].expand(b, h, -1).contiguous()
+        self.real_seen = counts[:, -1]
+
+    def keep(self, index: torch.Tensor, keep_valid: torch.Tensor | None = None, capacity: int | None = None) -> None:
+        """Keep the slots `index` `[B, H, k]` (sorted per head) in new tensors of `capacity` slots (>= k);
+        `keep_valid` marks the real ones."""
+        self._count_evicted(keep_valid if keep_valid is not None else self._gather_valid(index))
+        k = index.shape[-1]
+        capacity = max(k, capacity or k)
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            idx = index if t.dim() == 3 else index[..., None].expand(*index.shape, t.shape[-1])
+            kept = t[:, :, : self.n].gather(2, idx)
+            if capacity == k:
+                return kept
+            out = t.new_empty(*kept.shape[:2], capacity, *kept.shape[3:])
+            out[:, :, :k] = kept
+            return out
+
+        self.keys, self.values = take(self.keys), take(self.values)
+        if keep_valid is not None and "valid" not in self.slots:
+            self.slots["valid"] = torch.ones_like(self.slots["pos"], dtype=torch.bool)
+        self.slots = {name: take(t) for name, t in self.slots.items()}
+        self.n = k
+        if keep_valid is not None:
+            self.slots["valid"][..., :k] &= keep_valid
+        if "valid" in self.slots and bool(self.valid.all()):
+            del self.slots["valid"]
+
+    def remove_one(self, index: torch.Tensor) -> None:
+        """Evict one slot per head, `index` `[B, H]`, by moving the last slot into it (no copy of the rest)."""
+        self._count_evicted(torch.ones(*index.shape, self.n - 1, dtype=torch.bool, device=index.device))
+        last = self.n - 1
+        for name in ("keys", "values"):
+            t = getattr(self, name)
+            src = t[:, :, last : last + 1].clone()
+            t.scatter_(2, index[..., None, None].expand(*index.shape, 1, t.shape[-1]), src)
+        for t in self.slots.values():
+            t.scatter_(2, index[..., None], t[:, :, last : last + 1].clone())
+        self.n = last
+
+    def set_rotation(self, rot: torch.Tensor) -> None:
+        """Record the positions `[B, H, n]` the held keys are now rotated to."""
+        self.rotated = True
+        self.slots["rot"] = rot.to(torch.int32)
+
+    # ----- helpers ----------------------------------------------------------------------------------
+    def _gather_valid(self, index: torch.Tensor) -> torch.Tensor:
+        v = self.valid
+        if v is None:
+            return torch.ones(index.shape, dtype=torch.bool, device=index.device)
+        return v.gather(2, index)
+
+    def _count_evicted(self, kept_valid: torch.Tensor) -> None:
+        """Add to `shift` the real tokens of each row that the eviction drops."""
+        self.shift = self.shift + (self.held() - kept_valid[:, 0].sum(-1))
+
+    def _append_slot(self, name: str, new: torch.Tensor) -> None:
+        t = self.slots.get(name)
+        start = self.n - new.shape[-1]
+        if t is not None and t.shape[-1] >= self.n:
+            t[..., start : self.n] = new
+        elif t is None:
+            self.slots[name] = new.contiguous()
+        else:
+            self.slots[name] = torch.cat([t[..., :start], new], dim=-1)
+
+    def _truncate_slots(self, n: int) -> None:
+        self.slots = {name: t[..., :n] for name, t in self.slots.items()}
+
+    def _map_rows(self, fn) -> None:
+        if not self.is_initialized or self.keys.numel() == 0:
+            return
+        self._map_all(fn)
+        if self.real_seen is not None:
+            self.real_seen, self.shift = fn(self.real_seen), fn(self.shift)
+
+    def _map_all(self, fn) -> None:
+        self.keys, self.values = fn(self.keys), fn(self.values)
+        self.slots = {name: fn(t) for name, t in self.slots.items()}
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a view of a large tensor counts it whole)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel() > 0:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def layer_tensors(layer) -> list[torch.Tensor]:
+    """Every tensor a cache layer keeps."""
+    return [v for v in vars(layer).values() if isinstance(v, torch.Tensor)] + list(getattr(layer, "slots", {}).values())
+
+
+def cache_bytes(cache: Cache) -> int:
+    """Bytes held by every tensor of every layer of `cache` (keys, values, positions, masks, scores)."""
+    return tensor_bytes(t for layer in cache.layers for t in layer_tensors(layer))

@@ -1,0 +1,117 @@
+"""The `kvpress` command: `demo` (the main job), `generate`, `bench`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+DEMO_FACT = "The secret code of the vault is 7319."
+DEMO_QUESTION = "What is the secret code of the vault? Answer with the number only."
+DEMO_ANSWER = "7319"
+
+
+def demo_document(n_words: int = 600, depth: float = 0.7) -> str:
+    """English text from CPython's documentation with `DEMO_FACT` hidden at `depth` (0 = start)."""
+    from pydoc_data.topics import topics
+
+    words = "\n\n".join(topics[k] for k in sorted(topics)).split()[:n_words]
+    cut = int(len(words) * depth)
+    return " ".join(words[:cut]) + "\n\n" + DEMO_FACT + "\n\n" + " ".join(words[cut:])
+
+
+def _press(name: str | None, ratio: float | None, max_tokens: int | None):
+    import kvpress
+
+    if name is None or name == "none":
+        return None
+    if ratio is None and max_tokens is None:
+        ratio = 0.5
+    return kvpress.press_from_name(name, compression_ratio=ratio, max_tokens=max_tokens)
+
+
+def _answer(model, tokenizer, context: str, question: str, press, max_new_tokens: int) -> tuple[str, int, float]:
+    """(answer, KV bytes held at the end, seconds)."""
+    from transformers import DynamicCache
+
+    import kvpress
+
+    cache = DynamicCache(config=model.config)
+    start = time.perf_counter()
+    text = kvpress.generate(model, tokenizer, context, question, press, max_new_tokens=max_new_tokens, cache=cache)
+    return text, kvpress.cache_bytes(cache), time.perf_counter() - start
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import kvpress
+
+    model, tokenizer = kvpress.load_model(args.model)
+    context = demo_document()
+    n_tokens = sum(t.shape[1] for t in kvpress.pipeline.split_prompt(tokenizer, context, DEMO_QUESTION))
+    print(f"document: {n_tokens} tokens of Python documentation; hidden fact: {DEMO_FACT!r}")
+    print(f"question: {DEMO_QUESTION}\n")
+    print(f"{'press':12s} {'ratio':>5s} {'KV bytes':>12s} {'kept':>6s} {'seconds':>7s}  answer")
+    full_text, full_bytes, seconds = _answer(model, tokenizer, context, DEMO_QUESTION, None, args.max_new_tokens)
+    print(f"{'none':12s} {0:5.2f} {full_bytes:12,d} {1:6.0%} {seconds:7.1f}  {full_text!r}")
+    for name in args.presses.split(","):
+        press = _press(name, args.ratio, None)
+        text, kept, seconds = _answer(model, tokenizer, context, DEMO_QUESTION, press, args.max_new_tokens)
+        mark = "" if DEMO_ANSWER in text else "  (fact lost)"
+        print(f"{name:12s} {args.ratio:5.2f} {kept:12,d} {kept / full_bytes:6.0%} {seconds:7.1f}  {text!r}{mark}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import kvpress
+
+    path = Path(args.context_file)
+    if not path.is_file():
+        print(f"kvpress generate: --context-file {path} does not exist", file=sys.stderr)
+        return 2
+    press = _press(args.press, args.ratio, args.max_tokens)
+    model, tokenizer = kvpress.load_model(args.model)
+    text, kv_bytes, seconds = _answer(model, tokenizer, path.read_text(), args.question, press, args.max_new_tokens)
+    print(text)
+    print(f"[{args.press or 'none'}: {kv_bytes:,d} KV bytes held, {seconds:.1f} s]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import kvpress
+
+    parser = argparse.ArgumentParser(prog="kvpress", description="KV-cache compression for transformers")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="answer a question about a long document with and without compression")
+    demo.add_argument("--model", default=None, help="packaged model name or local directory (default SmolLM2-135M)")
+    demo.add_argument("--presses", default="snapkv,h2o,sink-window,knorm,random")
+    demo.add_argument("--ratio", type=float, default=0.5)
+    demo.add_argument("--max-new-tokens", type=int, default=16)
+    demo.set_defaults(fn=cmd_demo)
+
+    gen = sub.add_parser("generate", help="answer --question about --context-file with a press")
+    gen.add_argument("--press", default="snapkv", help=f"one of: none, {', '.join(sorted(kvpress.PRESSES))}")
+    gen.add_argument("--ratio", type=float, default=None, help="compression ratio in [0, 1) (default 0.5)")
+    gen.add_argument("--max-tokens", type=int, default=None, help="a fixed token budget instead of --ratio")
+    gen.add_argument("--context-file", required=True)
+    gen.add_argument("--question", required=True)
+    gen.add_argument("--model", default=None)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.set_defaults(fn=cmd_generate)
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "demo":
+            for name in args.presses.split(","):
+                _press(name, args.ratio, None)  # validate before loading the model
+        elif args.press != "none":
+            _press(args.press, args.ratio, args.max_tokens)
+        return args.fn(args)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"kvpress {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""`kvpress.generate`: compress a context once, then answer a question about it."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from kvpress.presses.base import BasePress
+
+
+def split_prompt(tokenizer, context: str, question: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids `[1, n]` of the context part and of the question part of one chat (or plain) prompt."""
+    if not isinstance(context, str) or not context:
+        raise ValueError("context must be a non-empty string")
+    if not isinstance(question, str) or not question:
+        raise ValueError("question must be a non-empty string")
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": f"{context}\n\n{question}"}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        cut = text.rindex(question)
+        head, tail = text[:cut], text[cut:]
+        special = False
+    else:
+        head, tail, special = context + "\n\n", question, True
+    ids_head = tokenizer(head, add_special_tokens=special, return_tensors="pt").input_ids
+    ids_tail = tokenizer(tail, add_special_tokens=False, return_tensors="pt").input_ids
+    return ids_head, ids_tail
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    tokenizer,
+    context: str,
+    question: str,
+    press: BasePress | None = None,
+    max_new_tokens: int = 64,
+    cache: DynamicCache | None = None,
+) -> str:
+    """Greedy answer to `question` about `context`, with only the context compressed by `press`.
+
+    The context is prefilled and compressed once; the question and the answer are then appended to
+    the compressed cache without further eviction (pass `cache=` to inspect it afterwards).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = model.device
+    ctx_ids, q_ids = split_prompt(tokenizer, context, question)
+    ctx_ids, q_ids = ctx_ids.to(device), q_ids.to(device)
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    ids = torch.cat([ctx_ids, q_ids], dim=-1)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def answer():
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            cache=cache,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+
+    if press is None:
+        model(ctx_ids, cache=cache, use_cache=True)
+        out = answer()
+    else:
+        with press(model) as installed:
+            model(ctx_ids, cache=cache, use_cache=True)
+            with installed.frozen():
+                out = answer()
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()

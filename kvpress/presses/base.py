@@ -1,0 +1,198 @@
+"""The press API: a press decides, per layer and KV head, which cached tokens stay.
+
+A press is a dataclass with a budget (`compression_ratio` or `max_tokens`) and a `score()`:
+higher scores stay. `with press(model):` installs it; after each attention call the installed
+intercept hands the press an `Observation`, and when a row holds more real tokens than its
+budget the press scores the held slots and the layer evicts the lowest (freeing their storage).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvpress.cache import PressedLayer
+
+
+@dataclass
+class Observation:
+    """What a press sees after one attention call of one layer."""
+
+    module: nn.Module
+    query: torch.Tensor  # [B, Hq, q, D] post-RoPE queries of this forward
+    keys: torch.Tensor  # [B, Hkv, n, D] every held key, the q new ones last
+    values: torch.Tensor  # [B, Hkv, n, Dv]
+    layer: PressedLayer
+
+    @property
+    def q_len(self) -> int:
+        return self.query.shape[2]
+
+    @property
+    def layer_idx(self) -> int:
+        return self.module.layer_idx
+
+    def attention_probs(self, start: int, stop: int) -> torch.Tensor:
+        """Softmax attention of the new queries `start:stop` over the slots they can see, fp32.
+
+        Returns `[B, Hkv, g, w, m]`: the query heads grouped by the KV head they share (GQA), and the
+        first `m = n_old + stop` slots (later new tokens are in these queries' future). Masked like the
+        real attention: padding and holes excluded, causal among the new tokens.
+        """
+        b, hq, _, d = self.query.shape
+        hkv = self.keys.shape[1]
+        g, w = hq // hkv, stop - start
+        n_old = self.keys.shape[2] - self.q_len
+        m = n_old + stop
+        q = self.query[:, :, start:stop].reshape(b, hkv, g * w, d).float() * float(self.module.scaling)
+        logits = q @ self.keys[:, :, :m].float().transpose(-1, -2)
+        softcap = getattr(self.module, "attn_logit_softcapping", None)
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        logits = logits.view(b, hkv, g, w, m)
+        valid = self.layer.valid
+        if w > 1 or valid is not None:
+            slot = torch.arange(m, device=logits.device)
+            query_slot = n_old + torch.arange(start, stop, device=logits.device)[:, None]
+            visible = slot <= query_slot  # [w, m], causal
+            if valid is not None:
+                visible = visible & valid[:, :, None, None, :m] | (slot == query_slot)
+            logits = logits.masked_fill(~visible, float("-inf"))
+        return logits.softmax(dim=-1)
+
+
+def _check_ratio(value: float | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"compression_ratio must be a number in [0, 1), got {value!r}")
+    if not 0 <= value < 1:
+        raise ValueError(f"compression_ratio must be in [0, 1) (the fraction of cached tokens removed), got {value}")
+
+
+@dataclass
+class BasePress:
+    """Base of every press.
+
+    Parameters:
+        compression_ratio: fraction r in [0, 1) of each row's cached tokens removed (r = 0: no eviction).
+        max_tokens: a fixed budget of tokens per layer and KV head instead. Exactly one of the two.
+        rerotate: re-rotate kept keys to positions inside the cache (StreamingLLM), so the model never
+            sees a position beyond the cache size and can run past `max_position_embeddings`.
+        decode_slack: while decoding, a row over its budget is cut to `budget - decode_slack * budget`
+            tokens at once, so scoring and copying run every few steps instead of every step (the cache
+            never exceeds its budget). 0 evicts one token per step.
+    """
+
+    compression_ratio: float | None = None
+    max_tokens: int | None = None
+    rerotate: bool = False
+    decode_slack: float = 0.02
+
+    def __post_init__(self) -> None:
+        _check_ratio(self.compression_ratio)
+        if not isinstance(self.decode_slack, (int, float)) or not 0 <= self.decode_slack < 1:
+            raise ValueError(f"decode_slack must be a fraction in [0, 1), got {self.decode_slack!r}")
+        if (self.compression_ratio is None) == (self.max_tokens is None):
+            raise ValueError(
+                f"{type(self).__name__} takes exactly one of compression_ratio (a fraction in [0, 1)) or "
+                f"max_tokens (a token budget), got compression_ratio={self.compression_ratio}, "
+                f"max_tokens={self.max_tokens}"
+            )
+        if self.max_tokens is not None:
+            if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            protected = self.sink_count() + self.recent_count(self.max_tokens)
+            if self.max_tokens < protected:
+                raise ValueError(
+                    f"max_tokens={self.max_tokens} is smaller than the protected tokens of {type(self).__name__} "
+                    f"({self.sink_count()} sinks + a window of {self.recent_count(self.max_tokens)}); "
+                    f"use max_tokens >= {protected} or a smaller window"
+                )
+
+    # ----- what a press defines -----------------------------------------------------------------------
+    def score(self, obs: Observation) -> torch.Tensor:
+        """Importance of each held slot, `[B, Hkv, n]`: the lowest are evicted."""
+        raise NotImplementedError
+
+    def observe(self, obs: Observation) -> None:
+        """Called after every attention call, before any eviction (accumulating presses override it)."""
+
+    def sink_count(self) -> int:
+        """Leading tokens always kept (attention sinks)."""
+        return 0
+
+    def recent_count(self, budget):
+        """Most recent tokens always kept, for a budget `budget` (an int, or a tensor of per-row budgets)."""
+        return 0
+
+    # ----- budgets ------------------------------------------------------------------------------------
+    def budget(self, seen: torch.Tensor) -> torch.Tensor:
+        """Tokens each row may keep, `[B]`, given the real tokens it has seen."""
+        if self.max_tokens is not None:
+            return seen.clamp(max=self.max_tokens)
+        keep = seen - torch.floor(seen.double() * self.compression_ratio).long()
+        protected = self.sink_count() + self.recent_count(keep)
+        return torch.maximum(keep, torch.minimum(seen, torch.as_tensor(protected, device=seen.device)))
+
+    def _budget_of(self, seen: int) -> int:
+        """`budget` for one row, in plain integers (the per-step check of unpadded batches)."""
+        if self.max_tokens is not None:
+            return min(seen, self.max_tokens)
+        keep = seen - math.floor(seen * self.compression_ratio)
+        return max(keep, min(seen, self.sink_count() + self.recent_count(keep)))
+
+    def target(self, budget: torch.Tensor, q_len: int) -> torch.Tensor:
+        """What a row over `budget` is cut to: the budget at prefill, `decode_slack` below it when decoding."""
+        if q_len > 1 or not self.decode_slack:
+            return budget
+        floor = torch.minimum(budget, torch.as_tensor(self.sink_count() + self.recent_count(budget)))
+        return torch.maximum(budget - (budget * self.decode_slack).long(), floor)
+
+    def _protected(self, layer: PressedLayer, budgets: torch.Tensor) -> torch.Tensor:
+        """`[B, H, n]` True for the sinks and the recent window of each row."""
+        pos = layer.pos
+        recent_start = layer.real_seen - torch.as_tensor(self.recent_count(budgets), device=pos.device)
+        return (pos < self.sink_count()) | (pos >= recent_start[:, None, None])
+
+    # ----- eviction ---------------------------------------------------------------------------------
+    def after_attention(self, obs: Observation, rerank=None) -> None:
+        """Observe, then evict what exceeds each row's budget. `rerank` re-rotates keys (rerotate=True)."""
+        self.observe(obs)
+        layer = obs.layer
+        if not layer.padded:  # every row holds n of `seen` tokens: decide on one row, cheaply
+            if layer.n <= self._budget_of(layer.seen):
+                return
+            budget = self.budget(torch.tensor([layer.seen]))
+            held = torch.full_like(budget, layer.n)
+        else:
+            held, budget = layer.held(), self.budget(layer.real_seen)
+            if not bool((held > budget).any()):
+                return
+        keep = torch.where(held > budget, self.target(budget, obs.q_len), held)
+        scores = self.score(obs).float()
+        scores = scores.masked_fill(self._protected(layer, budget.to(scores.device)), math.inf)
+        valid = layer.valid
+        k = int(keep.max())
+        if valid is None and not layer.padded and k == layer.n - 1:
+            layer.remove_one(scores.argmin(dim=-1))  # one slot per head, overwritten in place
+        else:
+            if valid is not None:
+                scores = scores.masked_fill(~valid, -math.inf)
+            index, order = scores.topk(k, dim=-1).indices.sort(dim=-1)
+            ranked = None
+            if layer.padded:
+                ranked = torch.arange(k, device=index.device) < keep.to(index.device)[:, None, None]
+                ranked = ranked.expand_as(index).gather(-1, order)
+            layer.keep(index, ranked, capacity=int(budget.max()))
+        if rerank is not None:
+            rerank(layer)
+
+    def __call__(self, model: nn.Module):
+        """`with press(model):` installs the press; the model is restored on exit, even on error."""
+        from kvpress.patches.install import PressInstallation
+
+        return PressInstallation(model, self)

@@ -1,0 +1,49 @@
+"""Sink + window: keep the first `n_sink` tokens and the most recent ones.
+
+StreamingLLM, Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks"
+(arXiv:2309.17453): 4 sink tokens plus a recent window keep perplexity stable over millions of
+tokens, provided keys are re-rotated to positions inside the cache (`rerotate=True`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpress.presses.base import BasePress, Observation
+
+
+@dataclass
+class SinkWindowPress(BasePress):
+    """Keep `n_sink` attention sinks plus the most recent tokens.
+
+    Parameters:
+        compression_ratio / max_tokens: the budget (see `BasePress`); or `window`:
+        window: recent tokens kept besides the sinks; sets `max_tokens = n_sink + window`.
+        n_sink: leading tokens always kept (default 4, as in the paper).
+        rerotate: re-rotate kept keys to positions inside the cache, as StreamingLLM does.
+    """
+
+    n_sink: int = 4
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise ValueError(f"n_sink must be a non-negative integer, got {self.n_sink!r}")
+        if self.window is not None:
+            if not isinstance(self.window, int) or self.window < 1:
+                raise ValueError(f"window must be a positive integer, got {self.window!r}")
+            if self.max_tokens is not None or self.compression_ratio is not None:
+                raise ValueError("SinkWindowPress takes window= or a budget (compression_ratio / max_tokens), not both")
+            self.max_tokens = self.n_sink + self.window
+        super().__post_init__()
+
+    def sink_count(self) -> int:
+        return self.n_sink
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        return obs.layer.pos.float()
+
+
+StreamingLLMPress = SinkWindowPress

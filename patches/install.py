@@ -1,0 +1,187 @@
+"""`PressInstallation`: installs a press on a model for the length of a `with` block.
+
+On entry: registers the intercept under a name of its own, switches the model's attention
+implementation to it and adds one forward pre-hook to the model (it finds or makes the cache and
+turns its full-attention layers into `PressedLayer`s). On exit, error or not, all three are undone.
+Importing kvpress patches nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache
+
+from kvpress.cache import PressedLayer
+from kvpress.patches import attention, model_access, rope
+from kvpress.presses.base import BasePress, Observation
+
+_PREFIX = "kvpress_"
+_counter = itertools.count()
+
+
+class PressInstallation:
+    """The context `with press(model):` returns. `frozen()` pauses eviction inside it."""
+
+    def __init__(self, model: nn.Module, press: BasePress) -> None:
+        if not isinstance(press, BasePress):
+            raise TypeError(f"press must be a kvpress press, got {type(press).__name__}")
+        model_access.check_supported(model)
+        if press.rerotate and model_access.has_sliding_layers(model):
+            raise ValueError(
+                f"rerotate=True is not supported on {type(model).__name__}: its sliding-window layers "
+                "keep their own positions, so in-cache positions cannot be shared by all layers"
+            )
+        self.model, self.press = model, press
+        self.name = f"{_PREFIX}{next(_counter)}"
+        self.compressing = True
+        self.cache: DynamicCache | None = None
+        self._caches: weakref.WeakSet = weakref.WeakSet()
+        self._hook = None
+        self._original: str | None = None
+        self._inner: dict[int, object] = {}
+
+    # ----- install / uninstall ----------------------------------------------------------------------
+    def __enter__(self) -> PressInstallation:
+        current = self.model.config._attn_implementation
+        if current is not None and current.startswith(_PREFIX):
+            raise RuntimeError(
+                f"a press is already active on this {type(self.model).__name__}; leave its `with` block first"
+            )
+        if current not in ("sdpa", "eager") and not (current or "").startswith("flash_attention"):
+            raise ValueError(
+                f"attention implementation {current!r} is not supported; use 'sdpa', 'eager' or 'flash_attention_2'"
+            )
+        self._original = current
+        self._modules = model_access.attention_modules(self.model)
+        self._inner = {i: model_access.inner_attention(self.model, current, m) for i, m in self._modules.items()}
+        self._cache_key = model_access.cache_keyword(self.model)
+        self._inv_freq = model_access.inv_freq(self.model) if self.press.rerotate else None
+        attention.register(self.name, self._attention, attention.original_mask_function(current))
+        try:
+            self.model.set_attn_implementation(self.name)
+            self._hook = self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.model.config._attn_implementation == self.name:
+            self.model.set_attn_implementation(self._original)
+        attention.unregister(self.name)
+        for cache in list(self._caches):
+            for layer in cache.layers:
+                if isinstance(layer, PressedLayer):
+                    layer.driven = False
+        self.cache = None
+
+    @contextlib.contextmanager
+    def frozen(self):
+        """Inside this block the cache grows without eviction (for example while a question is read)."""
+        previous, self.compressing = self.compressing, False
+        try:
+            yield self
+        finally:
+            self.compressing = previous
+
+    # ----- per forward --------------------------------------------------------------------------------
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        cache = kwargs.get(self._cache_key, kwargs.get("past_key_values"))
+        if cache is None:
+            if kwargs.get("use_cache") is False:
+                raise ValueError("a press compresses the KV cache: call the model with use_cache=True")
+            cache = model_access.new_cache(self.model)
+            kwargs[self._cache_key] = cache
+        if not isinstance(cache, DynamicCache):
+            raise TypeError(
+                f"kvpress compresses a DynamicCache in place; got {type(cache).__name__}. "
+                "Pass DynamicCache() or let generate make one."
+            )
+        model_access.complete_layers(cache, self.model)
+        for i, layer in enumerate(cache.layers):
+            if model_access.is_plain_full_layer(layer):
+                cache.layers[i] = layer = PressedLayer.from_layer(layer)
+            if isinstance(layer, PressedLayer):
+                layer.driven = True
+        self.cache = cache
+        self._caches.add(cache)
+        if self.press.rerotate:
+            kwargs["position_ids"] = self._cache_positions(cache, args, kwargs)
+        return args, kwargs
+
+    def _cache_positions(self, cache: DynamicCache, args: tuple, kwargs: dict) -> torch.Tensor:
+        """Positions inside the cache for the new tokens: true positions minus the tokens evicted before."""
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        if inputs is None:
+            inputs = kwargs["inputs_embeds"]
+        q = inputs.shape[1]
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            mask = kwargs.get("attention_mask")
+            if mask is not None and mask.dim() == 2:
+                positions = (mask.long().cumsum(-1) - 1).clamp_min(0)[:, -q:]
+            else:
+                positions = torch.arange(q, device=inputs.device)[None] + cache.get_seq_length()
+        layer = next(layer for layer in cache.layers if isinstance(layer, PressedLayer))
+        if layer.shift is None:
+            return positions
+        return positions - layer.shift.to(positions.device)[:, None]
+
+    def _attention(self, module: nn.Module, query, key, value, attention_mask, **kwargs):
+        info = attention_mask if isinstance(attention_mask, attention.MaskInfo) else None
+        inner = self._inner[module.layer_idx]
+        layer = self.cache.layers[module.layer_idx] if self.cache is not None else None
+        if not isinstance(layer, PressedLayer):  # a layer the press leaves alone
+            return inner(module, query, key, value, info.standard() if info else attention_mask, **kwargs)
+        if info is None and attention_mask is not None:
+            raise ValueError("kvpress builds its own masks: pass a 2D attention_mask, not a 4D one")
+        q_len = query.shape[2]
+        if layer.pending != q_len:
+            raise RuntimeError(
+                "the cache seen by the attention is not the one the press prepared; pass it by keyword "
+                f"({self._cache_key}=...)"
+            )
+        if layer.adopted and info is not None and info.padding is not None:
+            layer.adopt_padding(info.padding[:, : layer.seen - q_len])
+        layer.commit(info.new_valid(q_len) if info is not None else None)
+        mask = info.standard() if info is not None else None
+        if layer.compressed:
+            fn = self._original
+            if fn.startswith("flash_attention") and "valid" in layer.slots:
+                inner, fn = model_access.inner_attention(self.model, "sdpa", module), "sdpa"
+            mask = (
+                None
+                if fn.startswith("flash_attention")
+                else attention.layer_mask(
+                    layer, q_len, query.shape[1] // key.shape[1], query.dtype, additive=fn == "eager"
+                )
+            )
+        out = inner(module, query, key, value, mask, **kwargs)
+        if self.compressing:
+            obs = Observation(module, query, key, value, layer)
+            self.press.after_attention(obs, self._rerank if self.press.rerotate else None)
+        return out
+
+    def _rerank(self, layer: PressedLayer) -> None:
+        """Re-rotate held keys to their rank among the row's held real tokens (StreamingLLM positions)."""
+        pos, valid = layer.pos.long(), layer.valid
+        order = layer.position_order()
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(layer.n, device=pos.device).expand_as(order))
+        current = layer.slots["rot"][..., : layer.n].long() if layer.rotated else pos
+        delta = rank - current
+        if valid is not None:
+            delta = delta.masked_fill(~valid, 0)
+        if bool(delta.any()):
+            layer.keys[:, :, : layer.n] = rope.rerotate(layer.keys[:, :, : layer.n], delta, self._inv_freq)
+        layer.set_rotation(rank)

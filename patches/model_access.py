@@ -1,0 +1,92 @@
+"""What kvpress needs to know about a model family, read from transformers' modeling code."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+# families whose attention is tested here; others that use the attention interface should work too
+TESTED_FAMILIES = ("llama", "qwen2", "mistral", "phi3", "gemma3_text")
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise TypeError unless `model` is a decoder-only transformers model using `AttentionInterface`."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "_can_set_attn_implementation"):
+        raise TypeError(f"kvpress needs a transformers PreTrainedModel, got {type(model).__name__}")
+    if getattr(config, "is_encoder_decoder", False):
+        raise TypeError(f"{type(model).__name__} is an encoder-decoder model; kvpress supports decoder-only models")
+    if not model._can_set_attn_implementation():
+        raise TypeError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
+            "so kvpress cannot intercept it"
+        )
+    if not attention_modules(model):
+        raise TypeError(f"{type(model).__name__} has no attention module with a `layer_idx`; not supported")
+
+
+def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """The self-attention modules by layer index."""
+    found = {}
+    for name, module in model.named_modules():
+        if name.endswith(("self_attn", "attention")) and isinstance(getattr(module, "layer_idx", None), int):
+            found[module.layer_idx] = module
+    return found
+
+
+def text_config(model: nn.Module):
+    return model.config.get_text_config(decoder=True)
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword this transformers version's forward takes the cache under."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def new_cache(model: nn.Module) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+def complete_layers(cache: DynamicCache, model: nn.Module) -> None:
+    """Create the layers a lazily-built DynamicCache has not made yet, with the model's layer types."""
+    n_layers = text_config(model).num_hidden_layers
+    if len(cache.layers) < n_layers:
+        cache.layers.extend(new_cache(model).layers[len(cache.layers) : n_layers])
+
+
+def is_plain_full_layer(layer) -> bool:
+    return type(layer) is DynamicLayer
+
+
+def inner_attention(model: nn.Module, implementation: str, module: nn.Module):
+    """The attention function `implementation` resolves to for `module` (eager is per model family)."""
+    if implementation == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    if implementation == "sdpa":
+        return sdpa_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def rotary_embedding(model: nn.Module) -> nn.Module:
+    """The rotary embedding module of the decoder (shared by all layers)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    rotary = getattr(decoder, "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        raise TypeError(f"{type(model).__name__} has no rotary embedding kvpress can re-rotate keys with")
+    return rotary
+
+
+def inv_freq(model: nn.Module) -> torch.Tensor:
+    return rotary_embedding(model).inv_freq
+
+
+def has_sliding_layers(model: nn.Module) -> bool:
+    types = getattr(text_config(model), "layer_types", None) or []
+    return any(t != "full_attention" for t in types)

@@ -1,0 +1,28 @@
+"""Re-rotating cached keys: RoPE is a rotation, so a key rotated to position p moves to p + d by R(d)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rerotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Keys `[B, H, n, D]` rotated by `delta` `[B, H, n]` positions (transformers' half-split RoPE layout).
+
+    Works for every RoPE variant that transformers expresses by an `inv_freq` vector (default, linear,
+    llama3, yarn, longrope at a fixed length): yarn's attention factor is already in the stored key.
+    With partial rotary embeddings only the first `2 * len(inv_freq)` features rotate.
+    """
+    rot_dim = 2 * inv_freq.shape[-1]
+    # few distinct shifts in practice: compute the angles once per distinct shift, in float64
+    shifts, which = torch.unique(delta, return_inverse=True)
+    angles = shifts.to(torch.float64)[:, None] * inv_freq.to(device=keys.device, dtype=torch.float64)
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(keys.dtype)[which], angles.sin().to(keys.dtype)[which]
+    k_rot, k_pass = keys[..., :rot_dim], keys[..., rot_dim:]
+    k_rot = k_rot * cos + rotate_half(k_rot) * sin
+    return torch.cat((k_rot, k_pass), dim=-1) if k_pass.shape[-1] else k_rot

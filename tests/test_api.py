@@ -1,0 +1,111 @@
+"""The public API's names, validation and error messages."""
+
+import subprocess
+import sys
+
+import pytest
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+import kvpress
+from kvpress import (
+    H2OPress,
+    HeavyHitterPress,
+    KnormPress,
+    RandomPress,
+    SinkWindowPress,
+    SnapKVPress,
+    StreamingLLMPress,
+)
+
+ALL = [SnapKVPress, HeavyHitterPress, SinkWindowPress, KnormPress, RandomPress]
+
+
+def test_aliases():
+    assert StreamingLLMPress is SinkWindowPress
+    assert H2OPress is HeavyHitterPress
+
+
+def test_import_patches_nothing():
+    names = list(AttentionInterface._global_mapping) + list(AttentionMaskInterface._global_mapping)
+    assert not [n for n in names if n.startswith("kvpress")]
+
+
+@pytest.mark.parametrize("press", ALL)
+@pytest.mark.parametrize("ratio", [-0.1, 1.0, 1.5])
+def test_ratio_out_of_range(press, ratio):
+    with pytest.raises(ValueError, match=r"compression_ratio must be in \[0, 1\)"):
+        press(compression_ratio=ratio)
+
+
+def test_ratio_wrong_type():
+    with pytest.raises(TypeError, match="compression_ratio"):
+        SnapKVPress(compression_ratio="0.5")
+
+
+@pytest.mark.parametrize("press", ALL)
+def test_exactly_one_budget(press):
+    with pytest.raises(ValueError, match="exactly one of compression_ratio"):
+        press()
+    with pytest.raises(ValueError, match="exactly one of compression_ratio"):
+        press(compression_ratio=0.5, max_tokens=10)
+
+
+def test_budget_smaller_than_protected_window():
+    with pytest.raises(ValueError, match=r"max_tokens=10 is smaller than the protected tokens.*>= 64"):
+        SnapKVPress(max_tokens=10)
+    with pytest.raises(ValueError, match="smaller than the protected"):
+        SinkWindowPress(max_tokens=3, n_sink=4)
+    with pytest.raises(ValueError, match="smaller than the protected"):
+        HeavyHitterPress(max_tokens=8, window=16)
+    assert SnapKVPress(max_tokens=64).max_tokens == 64
+
+
+def test_bad_max_tokens():
+    with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
+        KnormPress(max_tokens=0)
+    with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
+        KnormPress(max_tokens=2.5)
+
+
+def test_sink_window_window():
+    assert SinkWindowPress(n_sink=4, window=60).max_tokens == 64
+    with pytest.raises(ValueError, match="not both"):
+        SinkWindowPress(window=8, compression_ratio=0.5)
+
+
+def test_unknown_press_name():
+    with pytest.raises(ValueError, match="unknown press 'nope'; choose one of: .*snapkv"):
+        kvpress.press_from_name("nope", compression_ratio=0.5)
+
+
+def test_press_requires_a_press():
+    from kvpress.patches.install import PressInstallation
+    from tiny import tiny_model
+
+    with pytest.raises(TypeError, match="press must be a kvpress press"):
+        PressInstallation(tiny_model(), object())
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "kvpress.cli", *args], capture_output=True, text=True)
+
+
+def test_cli_unknown_press(tmp_path):
+    (tmp_path / "c.txt").write_text("hello")
+    res = _cli("generate", "--press", "nope", "--context-file", str(tmp_path / "c.txt"), "--question", "q")
+    assert res.returncode == 2
+    assert "unknown press 'nope'" in res.stderr
+
+
+def test_cli_missing_file(tmp_path):
+    res = _cli("generate", "--press", "snapkv", "--context-file", str(tmp_path / "none.txt"), "--question", "q")
+    assert res.returncode == 2
+    assert "none.txt does not exist" in res.stderr
+
+
+def test_cli_bad_ratio(tmp_path):
+    (tmp_path / "c.txt").write_text("hello")
+    res = _cli("generate", "--ratio", "1.2", "--context-file", str(tmp_path / "c.txt"), "--question", "q")
+    assert res.returncode == 2
+    assert "compression_ratio must be in [0, 1)" in res.stderr

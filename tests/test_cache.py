@@ -1,0 +1,122 @@
+"""The caches users hand to generate are compressed in place and stay usable."""
+
+import warnings
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from kvpress import KnormPress, PressedLayer, SinkWindowPress, SnapKVPress
+from tiny import prompt, tiny_model
+
+
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
+def test_user_cache_compressed_in_place(keyword):
+    model = tiny_model("llama")
+    cache = DynamicCache()  # no config: layers are created lazily
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with SnapKVPress(compression_ratio=0.5, window_size=4)(model):
+            out = model.generate(prompt(1, 40), max_new_tokens=4, do_sample=False, **{keyword: cache})
+    assert out.shape[1] == 44
+    assert all(isinstance(layer, PressedLayer) for layer in cache.layers)
+    assert cache.get_seq_length() == 43
+    assert all(layer.n == 43 - 43 // 2 for layer in cache.layers)
+
+
+def test_existing_conversation_is_adopted_and_continues():
+    model = tiny_model("llama")
+    ids = prompt(1, 60)
+    cache = DynamicCache(config=model.config)
+    model(ids[:, :30], cache=cache)  # a first turn, no press
+    with SinkWindowPress(n_sink=2, window=16)(model):
+        out = model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False)
+    assert out.shape[1] == 65
+    assert all(layer.n == 18 for layer in cache.layers)
+    assert cache.get_seq_length() == 64
+
+
+def test_compressed_cache_continues_after_the_block():
+    """Unpadded, a compressed cache keeps working with plain transformers (masks from get_mask_sizes)."""
+    model = tiny_model("llama")
+    ids = prompt(1, 50)
+    cache = DynamicCache(config=model.config)
+    with SinkWindowPress(n_sink=2, window=16)(model) as installed:
+        model(ids[:, :40], cache=cache)
+        with installed.frozen():
+            inside = model(ids[:, 40:], cache=cache).logits
+    cache2 = DynamicCache(config=model.config)
+    with SinkWindowPress(n_sink=2, window=16)(model):
+        model(ids[:, :40], cache=cache2)
+    outside = model(ids[:, 40:], cache=cache2).logits  # plain transformers, no press
+    assert (inside - outside).abs().max() < 1e-4
+
+
+def test_padded_compressed_cache_refuses_plain_continuation():
+    model = tiny_model("llama")
+    ids = prompt(2, 30)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    cache = DynamicCache(config=model.config)
+    with KnormPress(compression_ratio=0.5)(model):
+        model(ids, attention_mask=mask, cache=cache)
+    with pytest.raises(RuntimeError, match="continue it inside `with press"):
+        model(ids[:, :1], cache=cache)
+
+
+def test_crop_refused_after_eviction():
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    with KnormPress(compression_ratio=0.5)(model):
+        model(prompt(1, 20), cache=cache)
+    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+        cache.crop(-2)
+
+
+def test_frozen_appends_without_eviction():
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    with KnormPress(compression_ratio=0.5)(model) as installed:
+        model(prompt(1, 20), cache=cache)
+        with installed.frozen():
+            model(prompt(1, 10, seed=1), cache=cache)
+    assert all(layer.n == 20 for layer in cache.layers)
+    assert cache.get_seq_length() == 30
+
+
+def test_beam_search_reorders_the_compressed_cache():
+    model = tiny_model("llama")
+    with SnapKVPress(compression_ratio=0.5, window_size=4)(model):
+        out = model.generate(prompt(1, 30), num_beams=3, max_new_tokens=8, do_sample=False)
+    assert out.shape == (1, 38)
+
+
+def test_accelerate_device_map(tmp_path):
+    """Loaded with accelerate's device_map, each layer's cache stays on that layer's device."""
+    tiny_model("llama").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, device_map={"": "cpu"}, dtype=torch.float32)
+    cache = DynamicCache(config=model.config)
+    with SnapKVPress(compression_ratio=0.5, window_size=4)(model):
+        model.generate(prompt(1, 30), cache=cache, max_new_tokens=5, do_sample=False)
+    for layer, block in zip(cache.layers, model.model.layers, strict=True):
+        assert layer.keys.device == block.self_attn.k_proj.weight.device
+        assert layer.slots["pos"].device == layer.keys.device
+
+
+def test_adopted_padded_conversation_matches_rows_alone():
+    """A padded first turn made without a press: the press learns its padding from the 2D mask."""
+    model = tiny_model("llama")
+    rows = [prompt(1, 30, seed=1)[0], prompt(1, 22, seed=2)[0]]
+    ids = torch.zeros(2, 30, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, 30 - len(r) :], mask[i, 30 - len(r) :] = r, 1
+    press = SinkWindowPress(n_sink=2, window=12)
+    cache = DynamicCache(config=model.config)
+    model(ids[:, :20], attention_mask=mask[:, :20], cache=cache)
+    with press(model):
+        batch = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=10, do_sample=False)
+    for i, r in enumerate(rows):
+        with press(model):
+            alone = model.generate(r[None], max_new_tokens=10, do_sample=False)
+        assert torch.equal(batch[i, 30:], alone[0, len(r) :])

@@ -1,0 +1,84 @@
+"""Installing a press patches one model for one block and leaves it exactly as it was."""
+
+import pytest
+import torch
+from transformers import StaticCache, T5Config, T5ForConditionalGeneration
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+from kvpress import SnapKVPress
+from tiny import prompt, tiny_model
+
+
+def _snapshot(model):
+    forwards = {name: getattr(m.forward, "__func__", m.forward) for name, m in model.named_modules()}
+    hooks = {name: (len(m._forward_pre_hooks), len(m._forward_hooks)) for name, m in model.named_modules()}
+    return forwards, hooks, model.config.to_dict()
+
+
+def _registered():
+    return {
+        n
+        for n in list(AttentionInterface._global_mapping) + list(AttentionMaskInterface._global_mapping)
+        if n.startswith("kvpress")
+    }
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_model_restored(attn):
+    model = tiny_model("llama", attn)
+    ids = prompt(1, 40)
+    before, logits = _snapshot(model), model(ids).logits
+    with SnapKVPress(compression_ratio=0.5, window_size=4)(model):
+        assert model.config._attn_implementation.startswith("kvpress")
+        model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert _snapshot(model) == before
+    assert model.config._attn_implementation == attn
+    assert torch.equal(model(ids).logits, logits)
+    assert not _registered()
+
+
+def test_restored_after_exception():
+    model = tiny_model("llama")
+    before = _snapshot(model)
+    with pytest.raises(KeyError, match="boom"), SnapKVPress(compression_ratio=0.5)(model):
+        model(prompt(1, 8))
+        raise KeyError("boom")
+    assert _snapshot(model) == before
+    assert not _registered()
+
+
+def test_restored_after_error_inside_forward():
+    model = tiny_model("llama")
+    before = _snapshot(model)
+    with pytest.raises(TypeError, match="StaticCache"), SnapKVPress(compression_ratio=0.5)(model):
+        model(prompt(1, 8), cache=StaticCache(config=model.config, max_cache_len=16))
+    assert _snapshot(model) == before
+
+
+def test_second_press_refused():
+    model = tiny_model("llama")
+    with SnapKVPress(compression_ratio=0.5)(model):
+        with pytest.raises(RuntimeError, match="already active"):
+            with SnapKVPress(compression_ratio=0.25)(model):
+                pass
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_unsupported_models():
+    with pytest.raises(TypeError, match="Linear"):
+        SnapKVPress(compression_ratio=0.5)(torch.nn.Linear(2, 2))
+    config = T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)
+    with pytest.raises(TypeError, match="T5ForConditionalGeneration"):
+        SnapKVPress(compression_ratio=0.5)(T5ForConditionalGeneration(config))
+
+
+def test_rerotate_refused_with_sliding_layers():
+    with pytest.raises(ValueError, match="rerotate=True is not supported on Gemma3ForCausalLM"):
+        SnapKVPress(compression_ratio=0.5, rerotate=True)(tiny_model("gemma3"))
+
+
+def test_use_cache_false_refused():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="use_cache=True"), SnapKVPress(compression_ratio=0.5)(model):
+        model(prompt(1, 8), use_cache=False)

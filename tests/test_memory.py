@@ -1,0 +1,144 @@
+"""The cache really shrinks: bytes are summed over every tensor the cache keeps."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
+from kvpress import (
+    HeavyHitterPress,
+    KnormPress,
+    PressedLayer,
+    RandomPress,
+    SinkWindowPress,
+    SnapKVPress,
+    cache_bytes,
+)
+from kvpress.cache import tensor_bytes
+from tiny import prompt, tiny_model
+
+WINDOW = 16
+PRESSES = {
+    "snapkv": lambda r: SnapKVPress(compression_ratio=r, window_size=WINDOW),
+    "h2o": lambda r: HeavyHitterPress(compression_ratio=r, window=WINDOW),
+    "sink-window": lambda r: SinkWindowPress(compression_ratio=r),
+    "knorm": lambda r: KnormPress(compression_ratio=r),
+    "random": lambda r: RandomPress(compression_ratio=r),
+}
+
+
+def _model():
+    # head_dim 64 like the default model, so the per-slot index overhead is realistic
+    return tiny_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _prefill(model, ids, press=None):
+    cache = DynamicCache(config=model.config)
+    if press is None:
+        model(ids, cache=cache)
+    else:
+        with press(model):
+            model(ids, cache=cache)
+    return cache
+
+
+def test_views_count_whole_storage():
+    big = torch.zeros(10, 100)
+    assert tensor_bytes([big[:, :5]]) == big.numel() * 4
+    assert tensor_bytes([big, big[1:]]) == big.numel() * 4
+
+
+@pytest.mark.parametrize("name", list(PRESSES))
+@pytest.mark.parametrize("ratio", [0.5, 0.75])
+def test_prefill_bytes(name, ratio):
+    model = _model()
+    ids = prompt(1, 256)
+    full = cache_bytes(_prefill(model, ids))
+    cache = _prefill(model, ids, PRESSES[name](ratio))
+    per_token = full / 256
+    kept = cache_bytes(cache)
+    assert kept <= (1 - ratio) * full + WINDOW * per_token, (kept, full)
+    assert kept < 0.7 * full if ratio == 0.5 else kept < 0.45 * full
+    for layer in cache.layers:  # storage itself is small: no masked full-size tensor behind a view
+        assert isinstance(layer, PressedLayer)
+        assert layer.keys.untyped_storage().nbytes() == layer.keys.numel() * 4
+        assert layer.keys.shape[-2] == round(256 * (1 - ratio))
+
+
+class _Record(LogitsProcessor):
+    def __init__(self, cache):
+        self.cache, self.sizes, self.bytes = cache, [], []
+
+    def __call__(self, input_ids, scores):
+        self.sizes.append(max(layer.n for layer in self.cache.layers))
+        self.bytes.append(cache_bytes(self.cache))
+        return scores
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "sink-window", "knorm"])
+def test_decode_budget_held_for_200_steps(name):
+    model = tiny_model("llama")
+    budget = 32
+    press = {
+        "snapkv": SnapKVPress(max_tokens=budget, window_size=8),
+        "h2o": HeavyHitterPress(max_tokens=budget),
+        "sink-window": SinkWindowPress(max_tokens=budget),
+        "knorm": KnormPress(max_tokens=budget),
+    }[name]
+    cache = DynamicCache(config=model.config)
+    record = _Record(cache)
+    with press(model):
+        out = model.generate(
+            prompt(1, 48),
+            cache=cache,
+            max_new_tokens=200,
+            min_new_tokens=200,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([record]),
+        )
+    assert out.shape[1] == 248
+    assert len(record.sizes) == 200
+    assert max(record.sizes) == budget
+    assert max(record.bytes) <= min(record.bytes) * (budget + 1) / budget  # one spare slot at most
+    assert cache.get_seq_length() == 247  # positions keep counting
+
+
+@pytest.mark.parametrize("slack", [0.0, 0.1])
+def test_ratio_budget_grows_with_decoding(slack):
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    record = _Record(cache)
+    with SnapKVPress(compression_ratio=0.5, window_size=4, decode_slack=slack)(model):
+        model.generate(
+            prompt(1, 40),
+            cache=cache,
+            max_new_tokens=60,
+            min_new_tokens=60,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([record]),
+        )
+    assert cache.get_seq_length() == 99
+    for step, size in enumerate(record.sizes):
+        seen = 40 + step
+        budget = seen - seen // 2
+        assert budget - int(budget * slack) - 1 <= size <= budget
+    if slack == 0:
+        assert record.sizes == [40 + s - (40 + s) // 2 for s in range(60)]
+
+
+def test_decode_slack_validated():
+    with pytest.raises(ValueError, match=r"decode_slack must be a fraction in \[0, 1\)"):
+        SnapKVPress(compression_ratio=0.5, decode_slack=1.5)
+
+
+@pytest.mark.parametrize(
+    "press",
+    [
+        SnapKVPress(compression_ratio=0.37),
+        HeavyHitterPress(compression_ratio=0.9),
+        SinkWindowPress(compression_ratio=0.99),
+        SnapKVPress(max_tokens=100),
+    ],
+)
+def test_budget_integer_and_tensor_paths_agree(press):
+    seen = torch.arange(0, 2000)
+    assert press.budget(seen).tolist() == [press._budget_of(int(s)) for s in seen]

@@ -1,0 +1,109 @@
+"""Re-rotation (StreamingLLM positions): exact, and lets generation run far past max positions."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvpress import HeavyHitterPress, SinkWindowPress
+from kvpress.patches.rope import rerotate
+from tiny import prompt, tiny_model
+
+ROPE = {
+    "default": {},
+    "linear": {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+    "llama3": {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 500000.0,
+        }
+    },
+}
+
+
+def _rotated_keys(model, keys, positions):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    cos, sin = model.model.rotary_emb(keys, positions[None])
+    return apply_rotary_pos_emb(keys, keys, cos, sin)[1]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("rope", list(ROPE))
+def test_rerotation_is_exact(family, rope):
+    model = tiny_model(family, **ROPE[rope])
+    torch.manual_seed(0)
+    raw = torch.randn(1, 2, 50, 16)
+    start = torch.arange(100, 150)
+    target = torch.randint(0, 400, (50,))
+    delta = (target - start).expand(1, 2, 50)
+    moved = rerotate(_rotated_keys(model, raw, start), delta, model.model.rotary_emb.inv_freq)
+    assert (moved - _rotated_keys(model, raw, target)).abs().max() < 1e-4
+
+
+def _positions_seen(model):
+    seen = []
+    hook = model.model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(int(kw["position_ids"].max())), with_kwargs=True
+    )
+    return seen, hook
+
+
+@pytest.mark.parametrize(
+    "press",
+    [
+        SinkWindowPress(n_sink=4, window=12, rerotate=True),
+        HeavyHitterPress(max_tokens=16, window=6, rerotate=True),
+    ],
+)
+def test_generation_runs_10x_past_max_positions(press):
+    model = tiny_model("llama", max_position_embeddings=32)
+    cache = DynamicCache(config=model.config)
+    seen, hook = _positions_seen(model)
+    try:
+        with press(model):
+            out = model.generate(prompt(1, 20), cache=cache, max_new_tokens=320, min_new_tokens=320, do_sample=False)
+    finally:
+        hook.remove()
+    assert out.shape[1] == 340
+    assert max(seen) < 32  # the model never saw a position it was not trained for
+    assert all(layer.n <= 17 for layer in cache.layers)
+    assert cache.get_seq_length() == 339
+    rot = cache.layers[0].slots["rot"][..., : cache.layers[0].n]
+    assert sorted(rot[0, 0].tolist()) == list(range(16))  # keys sit at positions 0..15 inside the cache
+
+
+def test_without_rerotate_positions_keep_counting():
+    model = tiny_model("llama", max_position_embeddings=512)
+    seen, hook = _positions_seen(model)
+    try:
+        with SinkWindowPress(n_sink=4, window=12)(model):
+            model.generate(prompt(1, 20), max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    finally:
+        hook.remove()
+    assert max(seen) == 58  # the 40th new token is never fed back
+
+
+def test_rerotated_sink_window_step_equals_fresh_forward_positions():
+    """After re-rotation, the next step equals attention with keys at in-cache positions 0..n-1."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    ids = prompt(1, 30)
+    cache = DynamicCache(config=model.config)
+    with SinkWindowPress(n_sink=2, window=8, rerotate=True)(model):
+        model(ids[:, :29], cache=cache)
+        layer = cache.layers[0]
+        keys_in_cache = layer.keys[:, :, : layer.n].clone()
+        logits = model(ids[:, 29:], cache=cache).logits[0, -1]
+    # with one layer, kept keys are projections of the input embeddings: recompute them at 0..9
+    attn = model.model.layers[0].self_attn
+    hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids))
+    kept = list(range(2)) + list(range(21, 29))
+    raw = attn.k_proj(hidden[:, kept]).view(1, 10, -1, 16).transpose(1, 2)
+    expected = _rotated_keys(model, raw, torch.arange(10))
+    assert (keys_in_cache - expected).abs().max() < 1e-4
+    # and the new token sat at position 10: same logits as a fresh run over the kept tokens
+    fresh = model(ids[:, kept + [29]]).logits[0, -1]
+    assert (logits - fresh).abs().max() < 1e-4

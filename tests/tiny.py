@@ -1,0 +1,62 @@
+"""Tiny randomly initialised models of each tested family, built in-process (no download)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+)
+
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+CONFIGS = {
+    "llama": lambda **kw: LlamaConfig(**{**COMMON, **kw}),
+    "qwen2": lambda **kw: Qwen2Config(**{**COMMON, **kw}),
+    "mistral": lambda **kw: MistralConfig(**{**COMMON, "sliding_window": None, **kw}),
+    "phi3": lambda **kw: Phi3Config(**{**COMMON, **kw}),
+    "gemma3": lambda **kw: Gemma3TextConfig(
+        **{
+            **COMMON,
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            **kw,
+        }
+    ),
+}
+
+
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def tiny_model(family: str = "llama", attn: str = "sdpa", **overrides) -> torch.nn.Module:
+    """A tiny random model (cached per arguments: tests must leave it as they found it)."""
+    key = repr((family, attn, sorted(overrides.items())))
+    if key not in _MODELS:
+        torch.manual_seed(0)
+        config = CONFIGS[family](**overrides)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+        _MODELS[key] = model.eval()
+    return _MODELS[key]
+
+
+def prompt(batch: int = 1, length: int = 48, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (batch, length), generator=g)
