@@ -60,7 +60,7 @@ class Observation:
             visible = slot <= query_slot  # [w, m], causal
             if valid is not None:
                 visible = visible & valid[:, :, None, None, :m] | (slot == query_slot)
-            logits = logits.masked_fill(~visible, float("-inf"))
+            logits.masked_fill_(~visible, float("-inf"))
         return logits.softmax(dim=-1)
 
 
