@@ -12,6 +12,7 @@ Run: `make bench` (or `python -m kvpress.eval.bench_core --help`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -36,25 +37,17 @@ def long_ids(tokenizer, n_tokens: int) -> torch.Tensor:
     return ids
 
 
+def timed_forward(model, ids: torch.Tensor, cache: DynamicCache, press=None) -> float:
+    """Seconds of one forward of `ids` on `cache`, with `press` installed if given."""
+    start = time.perf_counter()
+    with press(model) if press is not None else contextlib.nullcontext():
+        model(ids, cache=cache, use_cache=True)
+    return time.perf_counter() - start
+
+
 def prefill(model, ids: torch.Tensor, press=None) -> tuple[DynamicCache, float]:
     cache = DynamicCache(config=model.config)
-    start = time.perf_counter()
-    if press is None:
-        model(ids, cache=cache, use_cache=True)
-    else:
-        with press(model):
-            model(ids, cache=cache, use_cache=True)
-    return cache, time.perf_counter() - start
-
-
-def decode_step(model, cache: DynamicCache, token: torch.Tensor, press=None) -> float:
-    start = time.perf_counter()
-    if press is None:
-        model(token, cache=cache, use_cache=True)
-    else:
-        with press(model):
-            model(token, cache=cache, use_cache=True)
-    return time.perf_counter() - start
+    return cache, timed_forward(model, ids, cache, press)
 
 
 @torch.inference_mode()
@@ -99,8 +92,8 @@ def run(args: argparse.Namespace) -> dict:
         result["kept_bytes_ratio"][name] = round(kvpress.cache_bytes(cache) / full_bytes, 4)
         base, pressed = [], []
         for step in range(args.decode_steps + 2):
-            t_full = decode_step(model, full, token)
-            t_press = decode_step(model, cache, token, press)
+            t_full = timed_forward(model, token, full)
+            t_press = timed_forward(model, token, cache, press)
             if step >= 2:  # the first steps warm up
                 base.append(t_full)
                 pressed.append(t_press)

@@ -47,6 +47,12 @@ def generate(
     device = model.device
     ctx_ids, q_ids = split_prompt(tokenizer, context, question)
     ctx_ids, q_ids = ctx_ids.to(device), q_ids.to(device)
+    max_tokens = getattr(press, "max_tokens", None)
+    if max_tokens is not None and max_tokens >= ctx_ids.shape[1]:
+        raise ValueError(
+            f"max_tokens={max_tokens} is not smaller than the context ({ctx_ids.shape[1]} tokens), so nothing "
+            "would be compressed; use a smaller max_tokens or a compression_ratio"
+        )
     cache = DynamicCache(config=model.config) if cache is None else cache
     ids = torch.cat([ctx_ids, q_ids], dim=-1)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

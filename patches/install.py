@@ -155,18 +155,15 @@ class PressInstallation:
         if layer.adopted and info is not None and info.padding is not None:
             layer.adopt_padding(info.padding[:, : layer.seen - q_len])
         layer.commit(info.new_valid(q_len) if info is not None else None)
-        mask = info.standard() if info is not None else None
-        if layer.compressed:
-            fn = self._original
-            if fn.startswith("flash_attention") and "valid" in layer.slots:
-                inner, fn = model_access.inner_attention(self.model, "sdpa", module), "sdpa"
-            mask = (
-                None
-                if fn.startswith("flash_attention")
-                else attention.layer_mask(
-                    layer, q_len, query.shape[1] // key.shape[1], query.dtype, additive=fn == "eager"
-                )
-            )
+        if not layer.compressed:  # slots still line up with tokens: transformers' own mask is right
+            mask = info.standard() if info is not None else None
+        elif self._original.startswith("flash_attention") and "valid" not in layer.slots:
+            mask = None  # flash aligns causal masks bottom-right: new tokens after every held slot
+        else:  # flash cannot express holes in a padded batch: that call runs on sdpa
+            fn = "sdpa" if self._original.startswith("flash_attention") else self._original
+            inner = model_access.inner_attention(self.model, fn, module) if fn != self._original else inner
+            n_rep = query.shape[1] // key.shape[1]
+            mask = attention.layer_mask(layer, q_len, n_rep, query.dtype, additive=fn == "eager")
         out = inner(module, query, key, value, mask, **kwargs)
         if self.compressing:
             obs = Observation(module, query, key, value, layer)

@@ -38,3 +38,9 @@ def test_compressed_context_on_the_default_model(default_model):
     )
     assert DEMO_ANSWER in text  # the fact sits in the last part of the document: sink+window keeps it
     assert kvpress.cache_bytes(kept) < 0.6 * kvpress.cache_bytes(full)
+
+
+def test_budget_larger_than_the_context_is_refused(default_model):
+    model, tokenizer = default_model
+    with pytest.raises(ValueError, match=r"max_tokens=5000 is not smaller than the context \(\d+ tokens\)"):
+        kvpress.generate(model, tokenizer, "A short context.", "Why?", kvpress.KnormPress(max_tokens=5000))
