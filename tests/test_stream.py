@@ -1,0 +1,59 @@
+"""`kvpress.stream`: long streams through a bounded cache."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvpress
+from kvpress import HeavyHitterPress, SinkWindowPress, cache_bytes
+from tiny import prompt, tiny_model
+
+
+def test_full_cache_nll_matches_one_forward():
+    model = tiny_model("llama")
+    ids = prompt(1, 50)[0]
+    nll = torch.cat(list(kvpress.stream(model, None, ids, chunk=16, progress=False)))
+    logits = model(ids[None]).logits[0]
+    expected = torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="none")
+    assert nll.shape == (49,)
+    assert (nll - expected).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "press", [SinkWindowPress(n_sink=4, window=12, rerotate=True), HeavyHitterPress(max_tokens=16, rerotate=True)]
+)
+def test_streams_10x_past_max_positions_with_a_fixed_cache(press):
+    model = tiny_model("llama", max_position_embeddings=32)
+    ids = prompt(1, 320, seed=5)[0]
+    cache = DynamicCache(config=model.config)
+    positions, sizes = [], []
+    hook = model.model.register_forward_pre_hook(
+        lambda m, a, kw: positions.append(int(kw["position_ids"].max())), with_kwargs=True
+    )
+    try:
+        nll = []
+        for piece in kvpress.stream(model, None, ids, press=press, chunk=8, cache=cache, progress=False):
+            nll.append(piece)
+            sizes.append(cache_bytes(cache))
+    finally:
+        hook.remove()
+    nll = torch.cat(nll)
+    assert nll.shape == (319,) and torch.isfinite(nll).all()
+    assert max(positions) < 32
+    warm = sizes[3:]  # once the cache is full it never grows
+    assert max(warm) == min(warm)
+    assert all(layer.n == 16 for layer in cache.layers)
+
+
+def test_full_cache_refuses_a_stream_longer_than_the_positions():
+    model = tiny_model("llama", max_position_embeddings=32)
+    with pytest.raises(ValueError, match="a full cache cannot stream 40 tokens: the model has 32 positions"):
+        next(kvpress.stream(model, None, prompt(1, 40)[0], progress=False))
+
+
+def test_bad_arguments():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="chunk must be a positive integer"):
+        next(kvpress.stream(model, None, prompt(1, 10)[0], chunk=0))
+    with pytest.raises(ValueError, match="at least 2 token ids"):
+        next(kvpress.stream(model, None, torch.tensor([5])))
