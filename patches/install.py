@@ -36,6 +36,13 @@ class PressInstallation:
                 f"rerotate=True is not supported on {type(model).__name__}: its sliding-window layers "
                 "keep their own positions, so in-cache positions cannot be shared by all layers"
             )
+        n_layers = model_access.text_config(model).num_hidden_layers
+        scales = [press.layer_scale(i, n_layers) for i in range(n_layers)]  # raises on a length mismatch
+        if press.rerotate and any(abs(scale - 1.0) > 1e-9 for scale in scales):
+            raise ValueError(
+                f"rerotate=True needs the same budget in every layer ({type(press).__name__} gives layers "
+                "different budgets, so in-cache positions would differ between layers)"
+            )
         self.model, self.press = model, press
         self.name = f"{_PREFIX}{next(_counter)}"
         self.compressing = True

@@ -3,6 +3,7 @@
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.heavy_hitter import H2OPress, HeavyHitterPress
 from kvpress.presses.knorm import KnormPress
+from kvpress.presses.pyramidkv import PyramidKVPress
 from kvpress.presses.random_press import RandomPress
 from kvpress.presses.sink_window import SinkWindowPress, StreamingLLMPress
 from kvpress.presses.snapkv import SnapKVPress
@@ -14,6 +15,7 @@ PRESSES = {
     "sink-window": SinkWindowPress,
     "streaming-llm": SinkWindowPress,
     "knorm": KnormPress,
+    "pyramidkv": PyramidKVPress,
     "random": RandomPress,
 }
 
@@ -31,6 +33,7 @@ __all__ = [
     "HeavyHitterPress",
     "H2OPress",
     "KnormPress",
+    "PyramidKVPress",
     "RandomPress",
     "SinkWindowPress",
     "StreamingLLMPress",

@@ -82,6 +82,8 @@ class BasePress:
         max_tokens: a fixed budget of tokens per layer and KV head instead. Exactly one of the two.
         rerotate: re-rotate kept keys to positions inside the cache (StreamingLLM), so the model never
             sees a position beyond the cache size and can run past `max_position_embeddings`.
+        layer_scales: optional relative budgets per layer (normalised to average 1): layers keep
+            different numbers of tokens, the total staying that of the budget.
         decode_slack: while decoding, a row over its budget is cut to `budget - decode_slack * budget`
             tokens at once, so scoring and copying run every few steps instead of every step (the cache
             never exceeds its budget). 0 evicts one token per step.
@@ -91,9 +93,14 @@ class BasePress:
     max_tokens: int | None = None
     rerotate: bool = False
     decode_slack: float = 0.02
+    layer_scales: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_ratio(self.compression_ratio)
+        if self.layer_scales is not None:
+            self.layer_scales = tuple(self.layer_scales)
+            if not self.layer_scales or any(not isinstance(x, (int, float)) or x <= 0 for x in self.layer_scales):
+                raise ValueError(f"layer_scales must be positive numbers, one per layer, got {self.layer_scales!r}")
         if not isinstance(self.decode_slack, (int, float)) or not 0 <= self.decode_slack < 1:
             raise ValueError(f"decode_slack must be a fraction in [0, 1), got {self.decode_slack!r}")
         if (self.compression_ratio is None) == (self.max_tokens is None):
@@ -129,20 +136,34 @@ class BasePress:
         """Most recent tokens always kept, for a budget `budget` (an int, or a tensor of per-row budgets)."""
         return 0
 
+    def layer_scale(self, layer_idx: int, n_layers: int) -> float:
+        """Budget of layer `layer_idx` relative to the average layer (1.0: every layer the same)."""
+        if self.layer_scales is None:
+            return 1.0
+        if len(self.layer_scales) != n_layers:
+            raise ValueError(f"layer_scales has {len(self.layer_scales)} entries but the model has {n_layers} layers")
+        return self.layer_scales[layer_idx] * len(self.layer_scales) / sum(self.layer_scales)
+
     # ----- budgets ------------------------------------------------------------------------------------
-    def budget(self, seen: torch.Tensor) -> torch.Tensor:
-        """Tokens each row may keep, `[B]`, given the real tokens it has seen."""
+    def budget(self, seen: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """Tokens each row may keep, `[B]`, given the real tokens it has seen (`scale`: the layer's share)."""
         if self.max_tokens is not None:
-            return seen.clamp(max=self.max_tokens)
-        keep = seen - torch.floor(seen.double() * self.compression_ratio).long()
+            keep = seen.clamp(max=math.floor(self.max_tokens * scale))
+        else:
+            keep = seen - torch.floor(seen.double() * self.compression_ratio).long()
+            if scale != 1.0:
+                keep = torch.floor(keep.double() * scale).long().clamp(max=seen)
         protected = self.sink_count() + self.recent_count(keep)
         return torch.maximum(keep, torch.minimum(seen, torch.as_tensor(protected, device=seen.device)))
 
-    def _budget_of(self, seen: int) -> int:
+    def _budget_of(self, seen: int, scale: float = 1.0) -> int:
         """`budget` for one row, in plain integers (the per-step check of unpadded batches)."""
         if self.max_tokens is not None:
-            return min(seen, self.max_tokens)
-        keep = seen - math.floor(seen * self.compression_ratio)
+            keep = min(seen, math.floor(self.max_tokens * scale))
+        else:
+            keep = seen - math.floor(seen * self.compression_ratio)
+            if scale != 1.0:
+                keep = min(seen, math.floor(keep * scale))
         return max(keep, min(seen, self.sink_count() + self.recent_count(keep)))
 
     def target(self, budget: torch.Tensor, q_len: int) -> torch.Tensor:
@@ -163,13 +184,14 @@ class BasePress:
         """Observe, then evict what exceeds each row's budget. `rerank` re-rotates keys (rerotate=True)."""
         self.observe(obs)
         layer = obs.layer
+        scale = self.layer_scale(obs.layer_idx, obs.module.config.num_hidden_layers)
         if not layer.padded:  # every row holds n of `seen` tokens: decide on one row, cheaply
-            if layer.n <= self._budget_of(layer.seen):
+            if layer.n <= self._budget_of(layer.seen, scale):
                 return
-            budget = self.budget(torch.tensor([layer.seen]))
+            budget = self.budget(torch.tensor([layer.seen]), scale)
             held = torch.full_like(budget, layer.n)
         else:
-            held, budget = layer.held(), self.budget(layer.real_seen)
+            held, budget = layer.held(), self.budget(layer.real_seen, scale)
             if not bool((held > budget).any()):
                 return
         keep = torch.where(held > budget, self.target(budget, obs.q_len), held)

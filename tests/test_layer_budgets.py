@@ -1,0 +1,75 @@
+"""Per-layer budgets (PyramidKV, layer_scales): layers of different lengths on sdpa and eager."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvpress import KnormPress, PyramidKVPress, SnapKVPress, cache_bytes
+from tiny import prompt, tiny_model
+
+
+def test_pyramid_scales_average_one_and_decrease():
+    press = PyramidKVPress(compression_ratio=0.5, beta=4)
+    scales = [press.layer_scale(i, 8) for i in range(8)]
+    assert abs(sum(scales) / 8 - 1) < 1e-9
+    assert scales == sorted(scales, reverse=True)
+    assert abs(scales[-1] - 0.25) < 1e-9 and abs(scales[0] - 1.75) < 1e-9
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_layers_of_different_lengths_generate(attn, family):
+    model = tiny_model(family, attn, num_hidden_layers=4) if family != "gemma3" else tiny_model(family, attn)
+    cache = DynamicCache(config=model.config)
+    press = PyramidKVPress(compression_ratio=0.5, window_size=4, beta=4)
+    with press(model):
+        out = model.generate(prompt(2, 64), cache=cache, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert out.shape == (2, 80)
+    lengths = [layer.n for layer in cache.layers if hasattr(layer, "n")]
+    if family != "gemma3":
+        assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
+
+
+def test_pyramid_total_bytes_match_uniform():
+    model = tiny_model("llama", num_hidden_layers=4)
+    ids = prompt(1, 128)
+    sizes = {}
+    for name, press in {
+        "uniform": SnapKVPress(compression_ratio=0.5, window_size=4),
+        "pyramid": PyramidKVPress(compression_ratio=0.5, window_size=4, beta=4),
+    }.items():
+        cache = DynamicCache(config=model.config)
+        with press(model):
+            model(ids, cache=cache)
+        sizes[name] = cache_bytes(cache)
+    assert abs(sizes["pyramid"] - sizes["uniform"]) <= 0.02 * sizes["uniform"]
+
+
+def test_layer_scales_general_and_validated():
+    model = tiny_model("llama", num_hidden_layers=4)
+    cache = DynamicCache(config=model.config)
+    with KnormPress(max_tokens=20, layer_scales=(1, 1, 2, 4))(model):
+        model(prompt(1, 100), cache=cache)
+    assert [layer.n for layer in cache.layers] == [10, 10, 20, 40]
+    with pytest.raises(ValueError, match="layer_scales has 3 entries but the model has 4 layers"):
+        KnormPress(max_tokens=20, layer_scales=(1, 1, 2))(model)
+    with pytest.raises(ValueError, match="layer_scales must be positive numbers"):
+        KnormPress(max_tokens=20, layer_scales=(1, -1))
+    with pytest.raises(ValueError, match="rerotate=True needs the same budget in every layer"):
+        PyramidKVPress(compression_ratio=0.5, rerotate=True)(model)
+
+
+def test_pyramid_padded_batch_equals_rows_alone():
+    model = tiny_model("llama", num_hidden_layers=4)
+    rows = [prompt(1, 40, seed=1)[0], prompt(1, 27, seed=2)[0]]
+    ids = torch.zeros(2, 40, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, 40 - len(r) :], mask[i, 40 - len(r) :] = r, 1
+    press = PyramidKVPress(compression_ratio=0.5, window_size=4, beta=4)
+    with press(model):
+        batch = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    for i, r in enumerate(rows):
+        with press(model):
+            alone = model.generate(r[None], max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert torch.equal(batch[i, 40:], alone[0, len(r) :])
