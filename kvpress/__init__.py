@@ -8,6 +8,7 @@ Importing kvpress patches nothing; entering a press does, and leaving it restore
 """
 
 from kvpress.cache import PressedLayer, cache_bytes
+from kvpress.chat import ChatSession, Round
 from kvpress.models import load_model
 from kvpress.pipeline import generate
 from kvpress.presses import (
@@ -28,6 +29,7 @@ from kvpress.stream import stream
 
 __all__ = [
     "BasePress",
+    "ChatSession",
     "H2OPress",
     "HeavyHitterPress",
     "KnormPress",
@@ -36,6 +38,7 @@ __all__ = [
     "PressedLayer",
     "PyramidKVPress",
     "RandomPress",
+    "Round",
     "SinkWindowPress",
     "SnapKVPress",
     "StreamingLLMPress",

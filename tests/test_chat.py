@@ -1,0 +1,76 @@
+"""ChatSession: the history is encoded once, each turn feeds only its new tokens."""
+
+import pytest
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+import kvpress
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    return kvpress.load_model()
+
+
+def _fed(model):
+    fed = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    return fed, hook
+
+
+def test_turns_feed_only_new_tokens_and_match_a_full_reencode(default_model):
+    model, tokenizer = default_model
+    session = kvpress.ChatSession(model, tokenizer, max_new_tokens=12)
+    session.send("My name is Ada. Say hello.")
+    fed, hook = _fed(model)
+    try:
+        answer = session.send("What is my name?")
+    finally:
+        hook.remove()
+    history = tokenizer.apply_chat_template(session.messages[:-1], add_generation_prompt=True, tokenize=False)
+    full = tokenizer(history, add_special_tokens=False, return_tensors="pt").input_ids
+    assert fed[0] < 30 < full.shape[1]  # the second turn fed its own tokens only
+    reference = model.generate(full, max_new_tokens=12, do_sample=False)
+    assert answer == tokenizer.decode(reference[0, full.shape[1] :], skip_special_tokens=True)
+    assert [r.start for r in session.rounds] == [0, session.rounds[0].end]
+    assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]
+
+
+def _state(session):
+    return (list(session.messages), list(session.rounds), session.cache.get_seq_length())
+
+
+def test_errors_leave_the_session_unchanged(default_model):
+    model, tokenizer = default_model
+    session = kvpress.ChatSession(model, tokenizer, max_new_tokens=4)
+    session.send("Hello.")
+    before = _state(session)
+    with pytest.raises(ValueError, match="the message is empty"):
+        session.send("   ")
+    with pytest.raises(ValueError, match=r"past the model's 8192 positions"):
+        session.send("Tell me a story.", max_new_tokens=9000)
+    assert _state(session) == before
+
+
+class _Collect(BaseStreamer):
+    def __init__(self):
+        self.tokens = []
+
+    def put(self, value):
+        self.tokens.extend(torch.as_tensor(value).flatten().tolist())
+
+    def end(self):
+        self.tokens.append("end")
+
+
+def test_streaming_and_a_bounded_cache(default_model):
+    model, tokenizer = default_model
+    press = kvpress.SinkWindowPress(n_sink=4, window=60, rerotate=True)
+    session = kvpress.ChatSession(model, tokenizer, press=press, max_new_tokens=8, system="Be brief.")
+    streamer = _Collect()
+    for text in ["Hi there.", "What is two plus two?", "And three plus three?"]:
+        session.send(text, streamer=streamer)
+    assert streamer.tokens[-1] == "end" and len(streamer.tokens) > 8
+    assert all(layer.n <= 64 for layer in session.cache.layers)
+    assert session.messages[0] == {"role": "system", "content": "Be brief."}
+    assert len(session.rounds) == 3
