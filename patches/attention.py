@@ -87,7 +87,3 @@ def unregister(name: str) -> None:
 
 def original_mask_function(implementation: str) -> Callable:
     return AttentionMaskInterface._global_mapping[implementation]
-
-
-def is_registered(name: str) -> bool:
-    return name in AttentionInterface._global_mapping

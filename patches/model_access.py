@@ -11,9 +11,6 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-# families whose attention is tested here; others that use the attention interface should work too
-TESTED_FAMILIES = ("llama", "qwen2", "mistral", "phi3", "gemma3_text")
-
 
 def check_supported(model: nn.Module) -> None:
     """Raise TypeError unless `model` is a decoder-only transformers model using `AttentionInterface`."""
