@@ -12,7 +12,6 @@ Run: `make bench` (or `python -m kvpress.eval.bench_core --help`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import time
@@ -22,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 import kvpress
+from kvpress.presses.base import maybe_installed
 
 PRESSES = ("snapkv", "h2o", "sink-window", "knorm", "random")
 
@@ -40,7 +40,7 @@ def long_ids(tokenizer, n_tokens: int) -> torch.Tensor:
 def timed_forward(model, ids: torch.Tensor, cache: DynamicCache, press=None) -> float:
     """Seconds of one forward of `ids` on `cache`, with `press` installed if given."""
     start = time.perf_counter()
-    with press(model) if press is not None else contextlib.nullcontext():
+    with maybe_installed(press, model):
         model(ids, cache=cache, use_cache=True)
     return time.perf_counter() - start
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from kvpress.presses.base import BasePress
+from kvpress.pipeline import pad_token_id
+from kvpress.presses.base import BasePress, maybe_installed
 
 
 @dataclass(frozen=True)
@@ -73,20 +74,16 @@ class ChatSession:
                 "use a press with rerotate=True, or start a new session"
             )
         ids = torch.tensor([self._ids + new], device=self.model.device)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         kwargs = dict(
             attention_mask=torch.ones_like(ids),
             cache=self.cache,
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            pad_token_id=pad,
+            pad_token_id=pad_token_id(self.tokenizer),
             streamer=streamer,
         )
-        if self.press is None:
+        with maybe_installed(self.press, self.model):
             out = self.model.generate(ids, **kwargs)
-        else:
-            with self.press(self.model):
-                out = self.model.generate(ids, **kwargs)
         answer_ids = out[0, ids.shape[1] :].tolist()
         answer = self.tokenizer.decode(answer_ids, skip_special_tokens=True)
         start = len(self._ids)

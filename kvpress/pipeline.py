@@ -8,6 +8,11 @@ from transformers.cache_utils import DynamicCache
 from kvpress.presses.base import BasePress
 
 
+def pad_token_id(tokenizer) -> int:
+    """The tokenizer's padding id, or its end-of-sequence id when it has none."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def split_prompt(tokenizer, context: str, question: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids `[1, n]` of the context part and of the question part of one chat (or plain) prompt."""
     if not isinstance(context, str) or not context:
@@ -55,7 +60,6 @@ def generate(
         )
     cache = DynamicCache(config=model.config) if cache is None else cache
     ids = torch.cat([ctx_ids, q_ids], dim=-1)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def answer():
         return model.generate(
@@ -64,7 +68,7 @@ def generate(
             cache=cache,
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            pad_token_id=pad,
+            pad_token_id=pad_token_id(tokenizer),
         )
 
     if press is None:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from kvpress.presses.base import BasePress
+from kvpress.presses.base import BasePress, maybe_installed
 
 
 def stream_ids(tokenizer, text_or_ids) -> torch.Tensor:
@@ -92,11 +92,8 @@ def stream(
             yield F.cross_entropy(logits_for, targets, reduction="none")
 
     try:
-        if press is None:
+        with maybe_installed(press, model):
             yield from chunks()
-        else:
-            with press(model):
-                yield from chunks()
     finally:
         if bar is not None:
             bar.close()

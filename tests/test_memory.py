@@ -131,14 +131,16 @@ def test_decode_slack_validated():
 
 
 @pytest.mark.parametrize(
-    "press",
+    "press, seen, expected",
     [
-        SnapKVPress(compression_ratio=0.37),
-        HeavyHitterPress(compression_ratio=0.9),
-        SinkWindowPress(compression_ratio=0.99),
-        SnapKVPress(max_tokens=100),
+        (SnapKVPress(compression_ratio=0.37), [10, 100, 1000], [10, 64, 630]),  # floor: the 64-token window
+        (HeavyHitterPress(compression_ratio=0.9), [10, 1000], [1, 100]),
+        (SinkWindowPress(compression_ratio=0.99), [3, 1000], [3, 10]),
+        (SnapKVPress(max_tokens=100), [50, 1000], [50, 100]),
+        (KnormPress(max_tokens=100, layer_scales=(1, 3)), [1000], [50]),
     ],
 )
-def test_budget_integer_and_tensor_paths_agree(press):
-    seen = torch.arange(0, 2000)
-    assert press.budget(seen).tolist() == [press._budget_of(int(s)) for s in seen]
+def test_budget_values(press, seen, expected):
+    scale = press.layer_scale(0, 2) if press.layer_scales else 1.0
+    assert press.budget(torch.tensor(seen), scale).tolist() == expected
+    assert [press._budget_of(n, scale) for n in seen] == expected

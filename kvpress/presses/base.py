@@ -8,6 +8,7 @@ budget the press scores the held slots and the layer evicts the lowest (freeing 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -71,6 +72,11 @@ def _check_ratio(value: float | None) -> None:
         raise TypeError(f"compression_ratio must be a number in [0, 1), got {value!r}")
     if not 0 <= value < 1:
         raise ValueError(f"compression_ratio must be in [0, 1) (the fraction of cached tokens removed), got {value}")
+
+
+def maybe_installed(press: BasePress | None, model: nn.Module):
+    """`press(model)` as a context, or a context that does nothing when `press` is None."""
+    return contextlib.nullcontext() if press is None else press(model)
 
 
 @dataclass
@@ -146,18 +152,11 @@ class BasePress:
 
     # ----- budgets ------------------------------------------------------------------------------------
     def budget(self, seen: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        """Tokens each row may keep, `[B]`, given the real tokens it has seen (`scale`: the layer's share)."""
-        if self.max_tokens is not None:
-            keep = seen.clamp(max=math.floor(self.max_tokens * scale))
-        else:
-            keep = seen - torch.floor(seen.double() * self.compression_ratio).long()
-            if scale != 1.0:
-                keep = torch.floor(keep.double() * scale).long().clamp(max=seen)
-        protected = self.sink_count() + self.recent_count(keep)
-        return torch.maximum(keep, torch.minimum(seen, torch.as_tensor(protected, device=seen.device)))
+        """Tokens each row may keep, `[B]`, given the real tokens each row has seen (`scale`: the layer's share)."""
+        return torch.tensor([self._budget_of(n, scale) for n in seen.tolist()], device=seen.device)
 
     def _budget_of(self, seen: int, scale: float = 1.0) -> int:
-        """`budget` for one row, in plain integers (the per-step check of unpadded batches)."""
+        """`budget` for one row (plain integers: the per-step check of unpadded batches uses it directly)."""
         if self.max_tokens is not None:
             keep = min(seen, math.floor(self.max_tokens * scale))
         else:
