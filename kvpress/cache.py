@@ -288,6 +288,8 @@ def tensor_bytes(tensors) -> int:
 
 def layer_tensors(layer) -> list[torch.Tensor]:
     """Every tensor a cache layer keeps."""
+    if hasattr(layer, "tensors"):
+        return layer.tensors()
     return [v for v in vars(layer).values() if isinstance(v, torch.Tensor)] + list(getattr(layer, "slots", {}).values())
 
 

@@ -1,4 +1,4 @@
-"""The `kvpress` command: `demo` (the main job), `generate`, `bench`."""
+"""The `kvpress` command: `demo` (the main job), `generate`, `calibrate-heads`, `lm-eval`, `sweep`."""
 
 from __future__ import annotations
 
@@ -77,8 +77,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate_heads(args: argparse.Namespace) -> int:
+    import kvpress
+    from kvpress.calibrate_heads import calibrate_heads
+    from kvpress.patterns import save_pattern
+
+    model, tokenizer = kvpress.load_model(args.model)
+    name = args.model or kvpress.models.DEFAULT_MODEL
+    pattern = calibrate_heads(model, tokenizer, name, examples=args.examples, length=args.length, seed=args.seed)
+    save_pattern(pattern, args.out)
+    flat = sorted(((s, layer, head) for layer, row in enumerate(pattern["scores"]) for head, s in enumerate(row)))
+    top = ", ".join(f"L{layer}H{head} {s:.3f}" for s, layer, head in reversed(flat[-5:]))
+    print(f"wrote {args.out}: {pattern['layers']} layers x {pattern['kv_heads']} KV heads; passkey accuracy "
+          f"{pattern['passkey_accuracy']:.0%}; top heads: {top}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     import kvpress
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("lm-eval", "sweep"):  # the eval bridge's commands parse their own arguments
+        try:
+            if argv[0] == "lm-eval":
+                from kvpress.eval.lm_eval_bridge import main as eval_main
+            else:
+                from kvpress.eval.sweep import main as eval_main
+        except ImportError as err:
+            print(f"kvpress {argv[0]} needs the eval extra: pip install 'kvpress[eval]' ({err})", file=sys.stderr)
+            return 2
+        return eval_main(argv[1:])
 
     parser = argparse.ArgumentParser(prog="kvpress", description="KV-cache compression for transformers")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,12 +128,22 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.set_defaults(fn=cmd_generate)
 
+    sub.add_parser("lm-eval", help="run lm-eval with --model kvpress (all lm-eval flags; kvpress tasks included)")
+    sub.add_parser("sweep", help="accuracy vs kept KV memory for presses x ratios, one prefill per example")
+    cal = sub.add_parser("calibrate-heads", help="find retrieval heads and write a head pattern for DuoAttention")
+    cal.add_argument("--model", default=None, help="packaged model name or local directory (default SmolLM2-135M)")
+    cal.add_argument("--out", required=True, help="the JSON file to write")
+    cal.add_argument("--examples", type=int, default=16)
+    cal.add_argument("--length", type=int, default=1024, help="tokens per passkey prompt")
+    cal.add_argument("--seed", type=int, default=0)
+    cal.set_defaults(fn=cmd_calibrate_heads)
+
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
             for name in args.presses.split(","):
                 _press(name, args.ratio, None)  # validate before loading the model
-        elif args.press != "none":
+        elif args.command == "generate" and args.press != "none":
             _press(args.press, args.ratio, args.max_tokens)
         return args.fn(args)
     except (ValueError, TypeError, FileNotFoundError) as err:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers.cache_utils import DynamicCache
 
-from kvpress.presses.base import BasePress
+from kvpress.presses.base import BasePress, maybe_installed
 
 
 def pad_token_id(tokenizer) -> int:
@@ -13,13 +15,16 @@ def pad_token_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def split_prompt(tokenizer, context: str, question: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids `[1, n]` of the context part and of the question part of one chat (or plain) prompt."""
+def split_prompt(
+    tokenizer, context: str, question: str, chat_template: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids `[1, n]` of the context part and of the question part of one prompt: in the tokenizer's
+    chat template when it has one and `chat_template` is true, else plain text `context + "\n\n" + question`."""
     if not isinstance(context, str) or not context:
         raise ValueError("context must be a non-empty string")
     if not isinstance(question, str) or not question:
         raise ValueError("question must be a non-empty string")
-    if getattr(tokenizer, "chat_template", None):
+    if chat_template and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": f"{context}\n\n{question}"}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         cut = text.rindex(question)
@@ -41,16 +46,22 @@ def generate(
     press: BasePress | None = None,
     max_new_tokens: int = 64,
     cache: DynamicCache | None = None,
+    chat_template: bool = True,
+    query_aware: bool = False,
 ) -> str:
     """Greedy answer to `question` about `context`, with only the context compressed by `press`.
 
     The context is prefilled and compressed once; the question and the answer are then appended to
     the compressed cache without further eviction (pass `cache=` to inspect it afterwards).
+    `query_aware=True` prefills the question with the context, so the question's queries guide the
+    scores (SnapKV's observation window; the compression serves this question only);
+    the default compresses the context without seeing the question (the cache can serve any question).
+    `chat_template=False` asks as a plain completion (the question's text is continued).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = model.device
-    ctx_ids, q_ids = split_prompt(tokenizer, context, question)
+    ctx_ids, q_ids = split_prompt(tokenizer, context, question, chat_template)
     ctx_ids, q_ids = ctx_ids.to(device), q_ids.to(device)
     max_tokens = getattr(press, "max_tokens", None)
     if max_tokens is not None and max_tokens >= ctx_ids.shape[1]:
@@ -60,9 +71,18 @@ def generate(
         )
     cache = DynamicCache(config=model.config) if cache is None else cache
     ids = torch.cat([ctx_ids, q_ids], dim=-1)
+    prefill = ids[:, :-1] if query_aware else ctx_ids  # generate feeds at least the last token itself
+    with maybe_installed(press, model):
+        model(prefill, cache=cache, use_cache=True)
+    return answer_from_cache(model, tokenizer, ids, cache, press, max_new_tokens)
 
-    def answer():
-        return model.generate(
+
+@torch.inference_mode()
+def answer_from_cache(model, tokenizer, ids: torch.Tensor, cache: DynamicCache, press=None, max_new_tokens=64) -> str:
+    """Greedy continuation of `ids` `[1, n]`, whose first tokens `cache` already holds (compressed by
+    `press` or not). The press is installed frozen: its layers are read, nothing more is evicted."""
+    with maybe_installed(press, model) as installed, installed.frozen() if installed else contextlib.nullcontext():
+        out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             cache=cache,
@@ -70,13 +90,4 @@ def generate(
             do_sample=False,
             pad_token_id=pad_token_id(tokenizer),
         )
-
-    if press is None:
-        model(ctx_ids, cache=cache, use_cache=True)
-        out = answer()
-    else:
-        with press(model) as installed:
-            model(ctx_ids, cache=cache, use_cache=True)
-            with installed.frozen():
-                out = answer()
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()

@@ -17,8 +17,11 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 
 from kvpress.cache import PressedLayer
+from kvpress.head_cache import HeadwiseLayer
 from kvpress.patches import attention, model_access, rope
+from kvpress.patches.headwise_attention import headwise_attention
 from kvpress.presses.base import BasePress, Observation
+from kvpress.presses.head_budget import HeadwisePress
 
 _PREFIX = "kvpress_"
 _counter = itertools.count()
@@ -31,6 +34,7 @@ class PressInstallation:
         if not isinstance(press, BasePress):
             raise TypeError(f"press must be a kvpress press, got {type(press).__name__}")
         model_access.check_supported(model)
+        press.check_model(model)
         if press.rerotate and model_access.has_sliding_layers(model):
             raise ValueError(
                 f"rerotate=True is not supported on {type(model).__name__}: its sliding-window layers "
@@ -38,10 +42,10 @@ class PressInstallation:
             )
         n_layers = model_access.text_config(model).num_hidden_layers
         scales = [press.layer_scale(i, n_layers) for i in range(n_layers)]  # raises on a length mismatch
-        if press.rerotate and any(abs(scale - 1.0) > 1e-9 for scale in scales):
+        if press.rerotate and (isinstance(press, HeadwisePress) or any(abs(scale - 1.0) > 1e-9 for scale in scales)):
             raise ValueError(
-                f"rerotate=True needs the same budget in every layer ({type(press).__name__} gives layers "
-                "different budgets, so in-cache positions would differ between layers)"
+                f"rerotate=True needs the same budget in every layer and head ({type(press).__name__} gives them "
+                "different budgets, so in-cache positions would differ between them)"
             )
         self.model, self.press = model, press
         self.name = f"{_PREFIX}{next(_counter)}"
@@ -89,7 +93,7 @@ class PressInstallation:
         attention.unregister(self.name)
         for cache in list(self._caches):
             for layer in cache.layers:
-                if isinstance(layer, PressedLayer):
+                if isinstance(layer, (PressedLayer, HeadwiseLayer)):
                     layer.driven = False
         self.cache = None
 
@@ -119,13 +123,31 @@ class PressInstallation:
         for i, layer in enumerate(cache.layers):
             if model_access.is_plain_full_layer(layer):
                 cache.layers[i] = layer = PressedLayer.from_layer(layer)
-            if isinstance(layer, PressedLayer):
+            if isinstance(layer, (PressedLayer, HeadwiseLayer)):
                 layer.driven = True
+        if any(isinstance(layer, HeadwiseLayer) for layer in cache.layers):
+            self._check_headwise(args, kwargs)
         self.cache = cache
         self._caches.add(cache)
         if self.press.rerotate:
             kwargs["position_ids"] = self._cache_positions(cache, args, kwargs)
         return args, kwargs
+
+    def _check_headwise(self, args: tuple, kwargs: dict) -> None:
+        """Refuse, before any layer runs, a forward that a cache with head-wise layers cannot take."""
+        if not isinstance(self.press, HeadwisePress):
+            raise ValueError(
+                f"this cache holds head-wise compressed layers; {type(self.press).__name__} cannot continue it "
+                "(use the head-wise press that made it, e.g. AdaKVPress or DuoAttentionPress)"
+            )
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        q = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape[1]
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 2 and not bool(mask[:, -q:].all()):
+            raise ValueError(
+                "a head-wise compressed cache takes padding only in its first forward (left padding of the prompt); "
+                "this forward has padding tokens among its new tokens"
+            )
 
     def _cache_positions(self, cache: DynamicCache, args: tuple, kwargs: dict) -> torch.Tensor:
         """Positions inside the cache for the new tokens: true positions minus the tokens evicted before."""
@@ -149,6 +171,8 @@ class PressInstallation:
         info = attention_mask if isinstance(attention_mask, attention.MaskInfo) else None
         inner = self._inner[module.layer_idx]
         layer = self.cache.layers[module.layer_idx] if self.cache is not None else None
+        if isinstance(layer, HeadwiseLayer):
+            return self._headwise(module, query, layer, info), None
         if not isinstance(layer, PressedLayer):  # a layer the press leaves alone
             return inner(module, query, key, value, info.standard() if info else attention_mask, **kwargs)
         if info is None and attention_mask is not None:
@@ -174,7 +198,25 @@ class PressInstallation:
         out = inner(module, query, key, value, mask, **kwargs)
         if self.compressing:
             obs = Observation(module, query, key, value, layer)
-            self.press.after_attention(obs, self._rerank if self.press.rerotate else None)
+            headwise = self.press.after_attention(obs, self._rerank if self.press.rerotate else None)
+            if headwise is not None:  # a head-wise press replaced the layer by per-head storage
+                headwise.driven = True
+                self.cache.layers[module.layer_idx] = headwise
+        return out
+
+    def _headwise(self, module: nn.Module, query, layer: HeadwiseLayer, info) -> torch.Tensor:
+        """Attention over a head-wise layer (per-head storage), then the press trims heads over budget."""
+        q_len = query.shape[2]
+        if layer.pending != q_len:
+            raise RuntimeError(
+                "the cache seen by the attention is not the one the press prepared; "
+                f"pass it by keyword ({self._cache_key}=...)"
+            )
+        layer.commit()
+        out = headwise_attention(module, query, layer)
+        if self.compressing:
+            self.press.observe_heads(module, query, layer)
+            self.press.evict_heads(module, query, layer)
         return out
 
     def _rerank(self, layer: PressedLayer) -> None:

@@ -44,3 +44,47 @@ def test_budget_larger_than_the_context_is_refused(default_model):
     model, tokenizer = default_model
     with pytest.raises(ValueError, match=r"max_tokens=5000 is not smaller than the context \(\d+ tokens\)"):
         kvpress.generate(model, tokenizer, "A short context.", "Why?", kvpress.KnormPress(max_tokens=5000))
+
+
+def test_shipped_head_pattern_fits_the_default_model(default_model):
+    from kvpress.patterns import check_pattern, load_pattern, packaged
+
+    model, tokenizer = default_model
+    assert kvpress.models.DEFAULT_MODEL in packaged()
+    pattern = load_pattern(kvpress.models.DEFAULT_MODEL)
+    check_pattern(pattern, model)
+    assert pattern["passkey_accuracy"] >= 0.5 and len(pattern["scores"]) == 30
+    cache = DynamicCache(config=model.config)
+    press = kvpress.DuoAttentionPress(compression_ratio=0.5)
+    text = kvpress.generate(model, tokenizer, demo_document(), DEMO_QUESTION, press, max_new_tokens=8, cache=cache)
+    assert isinstance(text, str)
+    assert any(isinstance(layer, kvpress.HeadwiseLayer) for layer in cache.layers)
+
+
+def test_calibrate_heads_finds_the_same_top_heads(default_model):
+    from kvpress.calibrate_heads import calibrate_heads
+    from kvpress.patterns import load_pattern
+
+    model, tokenizer = default_model
+    pattern = calibrate_heads(model, tokenizer, "smollm2-135m", examples=2, length=300, seed=7, progress=False)
+    shipped = load_pattern("smollm2-135m")
+    assert pattern["config_hash"] == shipped["config_hash"] and pattern["seed"] == 7
+
+    def top(p, k=5):
+        flat = [(s, (layer, head)) for layer, row in enumerate(p["scores"]) for head, s in enumerate(row)]
+        return {where for _, where in sorted(flat, reverse=True)[:k]}
+
+    assert len(top(pattern) & top(shipped)) >= 2  # retrieval heads are a property of the model, not the prompt
+
+
+def test_needle_tasks_are_deterministic(default_model):
+    from kvpress.eval.tasks.needle import needle_examples
+
+    _, tokenizer = default_model
+    for haystack in ("noise", "pydoc"):
+        a, b = (needle_examples(tokenizer, 3, 256, seed=5, haystack=haystack) for _ in range(2))
+        assert a == b and len({e.answer for e in a}) == 3
+        assert all(e.answer in e.context for e in a)
+        assert needle_examples(tokenizer, 3, 256, seed=6, haystack=haystack) != a
+    with pytest.raises(ValueError, match="unknown haystack 'essays'"):
+        needle_examples(tokenizer, 1, 256, seed=0, haystack="essays")

@@ -1,6 +1,9 @@
 """The presses: one policy a file."""
 
+from kvpress.presses.adakv import AdaKVPress
 from kvpress.presses.base import BasePress, Observation
+from kvpress.presses.duo_attention import DuoAttentionPress
+from kvpress.presses.head_budget import HeadwisePress
 from kvpress.presses.heavy_hitter import H2OPress, HeavyHitterPress
 from kvpress.presses.knorm import KnormPress
 from kvpress.presses.pyramidkv import PyramidKVPress
@@ -8,7 +11,15 @@ from kvpress.presses.random_press import RandomPress
 from kvpress.presses.sink_window import SinkWindowPress, StreamingLLMPress
 from kvpress.presses.snapkv import SnapKVPress
 
+
+def _adakv(alpha_safeguard: float = 0.2, inner: str = "snapkv", **kwargs) -> AdaKVPress:
+    """AdaKV around the press named `inner` (SnapKV by default), built from the remaining arguments."""
+    return AdaKVPress(press_from_name(inner, **kwargs), alpha_safeguard=alpha_safeguard)
+
+
 PRESSES = {
+    "adakv": _adakv,
+    "duo-attention": DuoAttentionPress,
     "snapkv": SnapKVPress,
     "h2o": HeavyHitterPress,
     "heavy-hitter": HeavyHitterPress,
@@ -28,6 +39,9 @@ def press_from_name(name: str, **kwargs) -> BasePress:
 
 
 __all__ = [
+    "AdaKVPress",
+    "DuoAttentionPress",
+    "HeadwisePress",
     "BasePress",
     "Observation",
     "HeavyHitterPress",

@@ -142,6 +142,9 @@ class BasePress:
         """Most recent tokens always kept, for a budget `budget` (an int, or a tensor of per-row budgets)."""
         return 0
 
+    def check_model(self, model: nn.Module) -> None:
+        """Raise when this press cannot run on `model` (called when the press is installed)."""
+
     def layer_scale(self, layer_idx: int, n_layers: int) -> float:
         """Budget of layer `layer_idx` relative to the average layer (1.0: every layer the same)."""
         if self.layer_scales is None:

@@ -1,0 +1,244 @@
+"""`kvpress sweep`: quality vs kept KV memory for many (press, ratio) pairs, one prefill per example.
+
+Prefill attention is full: within the prefill forward a press only evicts after a layer's attention,
+so no layer's output depends on the press. One recorded prefill per example (the full cache plus
+each layer's queries) therefore serves every configuration: each press is applied to a copy of the
+recorded cache exactly as it would have been inside the forward, then the question is answered from
+that compressed cache. (Presses with `rerotate=True` need a live prefill and are refused.)
+
+Writes, under `--out`: `results.jsonl` (one line per example and configuration, appended as it goes:
+an interrupted sweep resumes where it stopped), `summary.json` / `summary.csv` (accuracy and kept
+KV bytes per task, press, ratio), `table.md` and `plot.png` (accuracy vs kept KV memory per press).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+import kvpress
+from kvpress.eval.tasks import TASKS, task_examples
+from kvpress.pipeline import answer_from_cache, split_prompt
+from kvpress.presses.base import BasePress, Observation
+
+
+@dataclass
+class _Recorder(BasePress):
+    """Evicts nothing (ratio 0); keeps each layer's attention module and queries of the prefill."""
+
+    queries: dict[int, tuple[nn.Module, torch.Tensor]] = field(default_factory=dict)
+
+    def observe(self, obs: Observation) -> None:
+        self.queries[obs.layer_idx] = (obs.module, obs.query)
+
+
+@dataclass
+class Recording:
+    """A full prefill: its cache and, per compressible layer, the attention module and its queries."""
+
+    cache: DynamicCache
+    queries: dict[int, tuple[nn.Module, torch.Tensor]]
+    tokens: int
+
+
+@torch.inference_mode()
+def record_prefill(model: nn.Module, ids: torch.Tensor) -> Recording:
+    recorder = _Recorder(compression_ratio=0.0)
+    cache = DynamicCache(config=model.config)
+    with recorder(model):
+        model(ids, cache=cache, use_cache=True)
+    return Recording(cache, recorder.queries, ids.shape[1])
+
+
+@torch.inference_mode()
+def compress_recording(model: nn.Module, recording: Recording, press: BasePress) -> DynamicCache:
+    """The cache `press` would have left after the recorded prefill (the recording is not changed)."""
+    if press.rerotate:
+        raise ValueError("a sweep applies presses to a recorded prefill; rerotate=True needs a live one")
+    press(model)  # validates the press for this model (a head pattern for another model is refused here)
+    cache = copy.deepcopy(recording.cache)
+    for idx, (module, query) in recording.queries.items():
+        layer = cache.layers[idx]
+        obs = Observation(module, query, layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n], layer)
+        replacement = press.after_attention(obs, None)
+        if replacement is not None:  # a head-wise press moved the layer to per-head storage
+            cache.layers[idx] = replacement
+    return cache
+
+
+def configurations(presses: list[str], ratios: list[float]) -> list[tuple[str, float]]:
+    """("none", 0.0) (the full cache: every press at r = 0) plus every (press, r > 0)."""
+    for name in presses:
+        if name not in kvpress.PRESSES:
+            raise ValueError(f"unknown press {name!r}; choose one of: {', '.join(sorted(kvpress.PRESSES))}")
+    for ratio in ratios:
+        if not 0 <= ratio < 1:
+            raise ValueError(f"ratios must be in [0, 1), got {ratio}")
+    return [("none", 0.0)] + [(name, ratio) for name in presses for ratio in ratios if ratio > 0]
+
+
+def run_sweep(
+    model: nn.Module,
+    tokenizer,
+    presses: list[str],
+    ratios: list[float],
+    tasks: list[str],
+    out: str | Path,
+    examples: int = 16,
+    length: int = 1024,
+    seed: int = 0,
+    query_aware: bool = False,
+    max_new_tokens: int = 12,
+    progress: bool = True,
+) -> list[dict]:
+    """Run (or resume) a sweep and write its files; returns the summary rows."""
+    from tqdm.auto import tqdm
+
+    configs = configurations(presses, ratios)
+    for task in tasks:
+        if task not in TASKS:
+            raise ValueError(f"unknown task {task!r}; choose one of: {', '.join(sorted(TASKS))}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.jsonl"
+    done = set()
+    if results_path.exists():
+        for line in results_path.read_text().splitlines():
+            r = json.loads(line)
+            done.add((r["task"], r["example"], r["press"], r["ratio"]))
+    settings = {"examples": examples, "length": length, "seed": seed, "query_aware": query_aware}
+    (out / "settings.json").write_text(json.dumps({**settings, "presses": presses, "ratios": ratios, "tasks": tasks}))
+    with results_path.open("a") as sink:
+        for task in tasks:
+            items = task_examples(task, tokenizer, examples, length, seed)
+            for i, example in enumerate(tqdm(items, desc=task, disable=not progress)):
+                todo = [(name, r) for name, r in configs if (task, i, name, r) not in done]
+                if not todo:
+                    continue
+                ctx, question = split_prompt(tokenizer, example.context, example.question, chat_template=False)
+                ids = torch.cat([ctx, question], dim=-1).to(model.device)
+                recording = record_prefill(model, ids[:, :-1] if query_aware else ctx.to(model.device))
+                full_bytes = kvpress.cache_bytes(recording.cache)
+                for name, ratio in tqdm(todo, desc="configurations", leave=False, disable=not progress):
+                    press = None if name == "none" else kvpress.press_from_name(name, compression_ratio=ratio)
+                    cache = recording.cache if press is None else compress_recording(model, recording, press)
+                    kept = kvpress.cache_bytes(cache)
+                    working = copy.deepcopy(cache) if press is None else cache
+                    text = answer_from_cache(model, tokenizer, ids, working, press, max_new_tokens)
+                    row = {"task": task, "example": i, "press": name, "ratio": ratio, "correct": example.correct(text),
+                           "kept_bytes": kept, "full_bytes": full_bytes, "answer": text}  # fmt: skip
+                    sink.write(json.dumps(row) + "\n")
+                    sink.flush()
+    return write_summary(out)
+
+
+def write_summary(out: Path) -> list[dict]:
+    """Aggregate `results.jsonl` into summary.json / summary.csv / table.md / plot.png."""
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["task"], r["press"], r["ratio"]), []).append(r)
+    summary = []
+    for (task, press, ratio), members in sorted(groups.items()):
+        full = groups.get((task, "none", 0.0), [])
+        full_acc = sum(m["correct"] for m in full) / len(full) if full else None
+        acc = sum(m["correct"] for m in members) / len(members)
+        summary.append({
+            "task": task, "press": press, "ratio": ratio, "examples": len(members), "accuracy": round(acc, 4),
+            "retention": round(acc / full_acc, 4) if full_acc else None,
+            "kept_bytes_ratio": round(sum(m["kept_bytes"] / m["full_bytes"] for m in members) / len(members), 4),
+        })  # fmt: skip
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    with (out / "summary.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(summary[0]))
+        writer.writeheader()
+        writer.writerows(summary)
+    (out / "table.md").write_text(_table(summary))
+    _plot(summary, out / "plot.png")
+    return summary
+
+
+def _table(summary: list[dict]) -> str:
+    tasks = sorted({s["task"] for s in summary})
+    configs = sorted({(s["press"], s["ratio"]) for s in summary}, key=lambda c: (c[0] != "none", c))
+    cell = {(s["task"], s["press"], s["ratio"]): s for s in summary}
+    lines = ["| press | ratio | " + " | ".join(f"{t} acc (kept bytes)" for t in tasks) + " |",
+             "|---|---|" + "---|" * len(tasks)]  # fmt: skip
+    for press, ratio in configs:
+        cells = []
+        for t in tasks:
+            s = cell.get((t, press, ratio))
+            cells.append("" if s is None else f"{s['accuracy']:.3f} ({s['kept_bytes_ratio']:.3f})")
+        lines.append(f"| {'full cache' if press == 'none' else press} | {ratio} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(summary: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'kvpress[plot]'): no plot written", file=sys.stderr)
+        return
+    tasks = sorted({s["task"] for s in summary})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        rows = [s for s in summary if s["task"] == task]
+        full = next((s for s in rows if s["press"] == "none"), None)
+        for press in sorted({s["press"] for s in rows} - {"none"}):
+            points = sorted((s["kept_bytes_ratio"], s["accuracy"]) for s in rows if s["press"] == press)
+            if full:
+                points.append((full["kept_bytes_ratio"], full["accuracy"]))
+            ax.plot(*zip(*points, strict=True), marker="o", label=press)
+        ax.set(title=task, xlabel="kept KV bytes / full", ylabel="accuracy", ylim=(-0.02, 1.02))
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvpress sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--model", default=None, help="packaged model name or local directory (default SmolLM2-135M)")
+    parser.add_argument("--presses", default="snapkv,adakv,sink-window,duo-attention,knorm,random,h2o")
+    parser.add_argument("--ratios", default="0,0.5,0.75,0.9")
+    parser.add_argument("--tasks", default=",".join(TASKS))
+    parser.add_argument("--examples", type=int, default=16)
+    parser.add_argument("--length", type=int, default=1024, help="context tokens per example")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--query-aware", action="store_true", help="prefill the question with the context")
+    parser.add_argument("--out", required=True, help="output directory (resumed if it holds results)")
+    args = parser.parse_args(argv)
+    presses, tasks = args.presses.split(","), args.tasks.split(",")
+    try:
+        ratios = [float(r) for r in args.ratios.split(",")]
+        configurations(presses, ratios)
+        for task in tasks:
+            if task not in TASKS:
+                raise ValueError(f"unknown task {task!r}; choose one of: {', '.join(sorted(TASKS))}")
+    except ValueError as err:
+        print(f"kvpress sweep: {err}", file=sys.stderr)
+        return 2
+    model, tokenizer = kvpress.load_model(args.model)
+    summary = run_sweep(model, tokenizer, presses, ratios, tasks, args.out, args.examples, args.length, args.seed,
+                        args.query_aware)  # fmt: skip
+    print(_table(summary))
+    print(f"wrote {args.out}/results.jsonl, summary.json, summary.csv, table.md, plot.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

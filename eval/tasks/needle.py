@@ -1,0 +1,61 @@
+"""Needle-in-a-haystack examples made locally from a seed (RULER-style single needle).
+
+Haystacks: "noise" (RULER's repeated filler sentences) and "pydoc" (English prose from CPython's own
+documentation, `pydoc_data.topics`, on every machine). The needle is a 5-digit key or code hidden at
+a uniform depth in [0.1, 0.9]; the question is a plain completion ("... The pass key is") that the
+model finishes with the number. Deterministic for a (tokenizer, seed, length, haystack).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+HAYSTACKS = ("noise", "pydoc")
+_NEEDLES = {
+    "noise": ("The pass key is {key}. Remember it. {key} is the pass key.", "What is the pass key? The pass key is"),
+    "pydoc": ("The secret code of the vault is {key}.", "What is the secret code of the vault? The secret code is"),
+}
+
+
+@dataclass(frozen=True)
+class Example:
+    context: str
+    question: str
+    answer: str
+
+    def correct(self, text: str) -> bool:
+        return self.answer in text
+
+
+def _haystack_ids(tokenizer, haystack: str, length: int, rng: random.Random) -> list[int]:
+    if haystack == "noise":
+        unit = tokenizer(NOISE, add_special_tokens=False).input_ids
+        return (unit * (length // len(unit) + 1))[:length]
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    start = rng.randrange(0, len(ids) - length)
+    return ids[start : start + length]
+
+
+def needle_examples(tokenizer, n: int, length: int, seed: int, haystack: str = "noise") -> list[Example]:
+    """`n` examples whose context is about `length` tokens of `haystack` with one needle."""
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"unknown haystack {haystack!r}; choose one of {HAYSTACKS}")
+    if n < 1 or length < 64:
+        raise ValueError(f"need n >= 1 and length >= 64, got n={n}, length={length}")
+    rng = random.Random(f"{haystack}-{seed}")
+    needle, question = _NEEDLES[haystack]
+    out = []
+    for _ in range(n):
+        key = str(rng.randint(10000, 99999))
+        ids = _haystack_ids(tokenizer, haystack, length, rng)
+        cut = int(rng.uniform(0.1, 0.9) * len(ids))
+        before, after = tokenizer.decode(ids[:cut]), tokenizer.decode(ids[cut:])
+        context = f"{before.rstrip()} {needle.format(key=key)} {after.lstrip()}"
+        out.append(Example(context=context, question=question, answer=key))
+    return out
+

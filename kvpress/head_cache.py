@@ -1,0 +1,205 @@
+"""A cache layer whose KV heads hold different numbers of tokens, each in storage of its own size.
+
+`HeadwiseLayer` is what head-specific presses (AdaKV, DuoAttention) turn a `PressedLayer` into: every
+(row, KV head) pair owns its own key and value tensors `[capacity, head_dim]`, so a layer's bytes are
+proportional to the tokens kept per head: nothing is padded to the largest head, nothing is masked.
+Decoding appends to every head (in place while a head has spare capacity, which only decoding adds).
+
+Storage, all of it counted by `cache_bytes`: per pair `i = row * kv_heads + head`, `keys_h[i]` and
+`values_h[i]`, and per-slot tensors `slots_h[name][i]` (`"pos"`: int32 token positions among the
+row's real tokens; press state such as H2O's accumulated attention). Slots stay in position order.
+
+Attention over it needs the kvpress intercept (`patches/headwise_attention.py`), so such a cache can
+only be continued inside `with press(model):` with a head-wise press; elsewhere `update` refuses.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from kvpress.cache import PressedLayer
+
+
+class HeadwiseLayer(DynamicLayer):
+    """Per-(row, KV head) variable-length storage; see the module docstring."""
+
+    def __init__(self, batch: int, heads: int, like: torch.Tensor) -> None:
+        super().__init__()
+        self.batch, self.heads = batch, heads
+        empty = like.new_empty(batch, heads, 0, like.shape[-1])
+        self.keys, self.values = empty, empty  # placeholders: dtype/device/head_dim for transformers' helpers
+        self.device, self.dtype, self.is_initialized = like.device, like.dtype, True
+        self.keys_h: list[torch.Tensor] = []
+        self.values_h: list[torch.Tensor] = []
+        self.slots_h: dict[str, list[torch.Tensor]] = {}
+        self.lengths: list[int] = []
+        self.seen = 0
+        self.real_seen = torch.zeros(batch, dtype=torch.long)
+        self.pending: int = 0
+        self._new: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.driven = False
+        self.head_budget: torch.Tensor | None = None  # [B, H] per-head budgets a press may record (-1: none)
+
+    # ----- construction -------------------------------------------------------------------------------
+    @classmethod
+    def from_dense(cls, layer: PressedLayer, keep: torch.Tensor) -> HeadwiseLayer:
+        """The slots of `layer` marked by `keep` `[B, H, n]` (padding must be unmarked), per head in
+        position order, each head in tensors of exactly its size."""
+        b, h = layer.keys.shape[:2]
+        new = cls(b, h, layer.keys)
+        order = layer.position_order()
+        keep = keep.gather(-1, order)
+        names = [name for name in layer.slots if name not in ("valid", "rot")]
+        for row in range(b):
+            for head in range(h):
+                index = order[row, head][keep[row, head]]
+                new.keys_h.append(layer.keys[row, head].index_select(0, index))
+                new.values_h.append(layer.values[row, head].index_select(0, index))
+                for name in names:
+                    new.slots_h.setdefault(name, []).append(layer.slots[name][row, head].index_select(0, index))
+                new.lengths.append(int(index.numel()))
+        new.seen = layer.seen
+        new.real_seen = layer.real_seen.clone()
+        return new
+
+    # ----- the transformers layer API -----------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Hold the new keys/values until the intercept commits them to every head."""
+        if not self.driven:
+            raise RuntimeError(
+                "this cache holds head-wise compressed layers (AdaKV / DuoAttention): continue it inside "
+                "`with press(model):` with a head-wise press, which computes attention over them"
+            )
+        if self.pending:
+            raise RuntimeError("HeadwiseLayer.update called twice without a commit (internal error)")
+        self._new = (key_states, value_states)
+        self.pending = key_states.shape[-2]
+        self.seen += self.pending
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0  # never used: the intercept computes this layer's attention itself
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a head-wise compressed cache cannot be cropped: its evicted tokens are gone")
+
+    def reset(self) -> None:
+        self.keys_h, self.values_h, self.slots_h, self.lengths = [], [], {}, []
+        self.seen, self.pending, self._new = 0, 0, None
+        self.real_seen = torch.zeros(self.batch, dtype=torch.long)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows([int(i) for i in beam_idx])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select_rows([row for row in range(self.batch) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows([int(i) for i in torch.arange(self.batch)[indices]])
+
+    def offload(self) -> None:
+        self._map(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        self._map(lambda t: t.to(self.device, non_blocking=True))
+
+    # ----- what the intercept and the presses use -------------------------------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer keeps (for `cache_bytes`)."""
+        out = self.keys_h + self.values_h + [t for ts in self.slots_h.values() for t in ts] + [self.real_seen]
+        return out if self.head_budget is None else out + [self.head_budget]
+
+    def pair(self, row: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held keys and values `[n, D]` of one (row, KV head)."""
+        i = row * self.heads + head
+        return self.keys_h[i][: self.lengths[i]], self.values_h[i][: self.lengths[i]]
+
+    def slot(self, name: str, row: int, head: int) -> torch.Tensor:
+        i = row * self.heads + head
+        return self.slots_h[name][i][: self.lengths[i]]
+
+    def held(self) -> torch.Tensor:
+        """`[B, H]` tokens held per (row, KV head)."""
+        return torch.tensor(self.lengths, dtype=torch.long).view(self.batch, self.heads)
+
+    def commit(self) -> None:
+        """Append the pending keys/values (all real tokens) to every head."""
+        keys, values = self._new
+        q = self.pending
+        self._new, self.pending = None, 0
+        pos = (self.real_seen[:, None] + torch.arange(q, device=self.real_seen.device)).to(torch.int32)
+        self.real_seen = self.real_seen + q
+        for row in range(self.batch):
+            for head in range(self.heads):
+                i = row * self.heads + head
+                self.keys_h[i] = self._append(self.keys_h[i], self.lengths[i], keys[row, head])
+                self.values_h[i] = self._append(self.values_h[i], self.lengths[i], values[row, head])
+                for name, ts in self.slots_h.items():
+                    new = pos[row].to(ts[i].device) if name == "pos" else ts[i].new_zeros(q, *ts[i].shape[1:])
+                    ts[i] = self._append(ts[i], self.lengths[i], new)
+                self.lengths[i] += q
+
+    def keep(self, row: int, head: int, index: torch.Tensor) -> None:
+        """Keep the slots `index` (sorted) of one (row, KV head), in tensors of exactly that size."""
+        i = row * self.heads + head
+        n = self.lengths[i]
+        self.keys_h[i] = self.keys_h[i][:n].index_select(0, index)
+        self.values_h[i] = self.values_h[i][:n].index_select(0, index)
+        for ts in self.slots_h.values():
+            ts[i] = ts[i][:n].index_select(0, index)
+        self.lengths[i] = int(index.numel())
+
+    def view(self, row: int, head: int) -> PressedLayer:
+        """One (row, KV head) as a one-head `PressedLayer` sharing this layer's storage, so an ordinary
+        press can score it; state it creates (`slot(name)`) is taken back by `absorb`."""
+        v = PressedLayer()
+        keys, values = self.pair(row, head)
+        v.keys, v.values = keys[None, None], values[None, None]
+        v.device, v.is_initialized, v.driven = keys.device, True, True
+        v.n, v.seen = keys.shape[0], int(self.real_seen[row])
+        v.slots = {name: self.slot(name, row, head)[None, None] for name in self.slots_h}
+        v.real_seen = self.real_seen[row : row + 1].to(keys.device)
+        v.shift = v.real_seen - v.n
+        return v
+
+    def absorb(self, row: int, head: int, view: PressedLayer) -> None:
+        """Take back per-slot state a press created on `view(row, head)`."""
+        for name, t in view.slots.items():
+            if name not in self.slots_h:
+                zeros = [torch.zeros(n, dtype=t.dtype, device=t.device) for n in self.lengths]
+                self.slots_h[name] = zeros
+                self.slots_h[name][row * self.heads + head] = t[0, 0].clone()
+
+    # ----- helpers ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _append(t: torch.Tensor, n: int, new: torch.Tensor) -> torch.Tensor:
+        q = new.shape[0]
+        if n + q <= t.shape[0]:
+            t[n : n + q] = new
+            return t
+        grown = t.new_empty(n + q + max(8, n // 32), *t.shape[1:])  # decoding reserves a little room (~3%)
+        grown[:n] = t[:n]
+        grown[n : n + q] = new
+        return grown
+
+    def _select_rows(self, rows: list[int]) -> None:
+        def pick(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [ts[r * self.heads + h].clone() for r in rows for h in range(self.heads)]
+
+        self.keys_h, self.values_h = pick(self.keys_h), pick(self.values_h)
+        self.slots_h = {name: pick(ts) for name, ts in self.slots_h.items()}
+        self.lengths = [self.lengths[r * self.heads + h] for r in rows for h in range(self.heads)]
+        self.real_seen = self.real_seen[rows]
+        if self.head_budget is not None:
+            self.head_budget = self.head_budget[rows]
+        self.batch = len(rows)
+        self.keys = self.keys.new_empty(self.batch, self.heads, 0, self.keys.shape[-1])
+        self.values = self.keys
+
+    def _map(self, fn) -> None:
+        self.keys_h, self.values_h = [fn(t) for t in self.keys_h], [fn(t) for t in self.values_h]
+        self.slots_h = {name: [fn(t) for t in ts] for name, ts in self.slots_h.items()}

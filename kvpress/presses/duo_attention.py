@@ -1,0 +1,118 @@
+"""DuoAttention: retrieval heads keep the whole context, streaming heads only sinks and a recent window.
+
+Xiao et al. 2024, "DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming
+Heads" (arXiv:2410.10819): a few heads retrieve from the whole context, the others only need
+attention sinks and recent tokens; 2.55x (MHA) / 1.67x (GQA) less memory at equal accuracy. Which
+heads retrieve is learned offline: here a head pattern made by `kvpress calibrate-heads` ranks the
+(layer, KV head) pairs, and the top ones are retrieval heads. Streaming heads stay bounded while
+decoding; retrieval heads keep growing. Each head's tokens live in storage of their own size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvpress.head_cache import HeadwiseLayer
+from kvpress.patterns import check_pattern, load_pattern
+from kvpress.presses.base import Observation, _check_ratio
+from kvpress.presses.head_budget import HeadwisePress
+
+
+@dataclass
+class DuoAttentionPress(HeadwisePress):
+    """Retrieval heads (by a head pattern) keep everything; streaming heads keep `n_sink` + `window`.
+
+    Parameters:
+        compression_ratio: fraction of the context's cache removed; the number of retrieval heads is
+            chosen per row so that the kept bytes match it (given the context length). Or:
+        retrieval_fraction: a fixed fraction of the (layer, KV head) pairs kept whole. Exactly one of the two.
+        head_pattern: a packaged pattern's model name (default "smollm2-135m"), a JSON path, or a dict;
+            a pattern made for another architecture is refused when the press is installed.
+        n_sink, window: what a streaming head keeps (defaults 4 and 64).
+    """
+
+    head_pattern: str | dict = "smollm2-135m"
+    retrieval_fraction: float | None = None
+    n_sink: int = 4
+    window: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None:
+            raise ValueError("DuoAttentionPress takes compression_ratio or retrieval_fraction, not max_tokens")
+        if (self.compression_ratio is None) == (self.retrieval_fraction is None):
+            raise ValueError(
+                "DuoAttentionPress takes exactly one of compression_ratio (a fraction in [0, 1)) or "
+                f"retrieval_fraction (in [0, 1]), got {self.compression_ratio!r} and {self.retrieval_fraction!r}"
+            )
+        _check_ratio(self.compression_ratio)
+        f = self.retrieval_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1):
+            raise ValueError(f"retrieval_fraction must be a fraction in [0, 1], got {f!r}")
+        for name in ("n_sink", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "n_sink" else 1):
+                kind = "non-negative" if name == "n_sink" else "positive"
+                raise ValueError(f"{name} must be a {kind} integer, got {value!r}")
+        self.pattern = load_pattern(self.head_pattern)
+        scores = torch.tensor(self.pattern["scores"], dtype=torch.float64)
+        order = scores.flatten().argsort(descending=True, stable=True)
+        self.rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).view_as(scores)
+
+    def check_model(self, model: nn.Module) -> None:
+        check_pattern(self.pattern, model)
+
+    def sink_count(self) -> int:
+        return self.n_sink
+
+    def recent_count(self, budget):
+        return self.window
+
+    def retrieval_heads(self, real_seen: torch.Tensor) -> torch.Tensor:
+        """`[B]` how many (layer, KV head) pairs keep the whole context for rows of these lengths."""
+        total = self.rank.numel()
+        if self.retrieval_fraction is not None:
+            return torch.full_like(real_seen, round(self.retrieval_fraction * total))
+        stream = self.n_sink + self.window
+        counts = []
+        for n in real_seen.tolist():
+            kept = n - math.floor(n * self.compression_ratio)
+            share = 1.0 if n <= stream else min(1.0, max(0.0, (kept - stream) / (n - stream)))
+            counts.append(round(share * total))
+        return torch.tensor(counts, device=real_seen.device)
+
+    def select(self, obs: Observation) -> torch.Tensor | None:
+        layer = obs.layer
+        stream = self.n_sink + self.window
+        if not bool((layer.held() > stream).any()):
+            return None
+        retrieval = self._retrieval(obs.layer_idx, layer.real_seen)
+        pos = layer.pos
+        streaming = (pos < self.n_sink) | (pos >= (layer.real_seen - self.window)[:, None, None])
+        keep = retrieval[:, :, None] | streaming
+        if layer.valid is None and bool(keep.all()):
+            return None
+        return keep
+
+    def after_attention(self, obs: Observation, rerank=None) -> HeadwiseLayer | None:
+        new = super().after_attention(obs, rerank)
+        if new is not None:  # streaming heads stay bounded from now on; -1: a retrieval head
+            retrieval = self._retrieval(obs.layer_idx, obs.layer.real_seen)
+            new.head_budget = torch.where(retrieval, -1, self.n_sink + self.window)
+        return new
+
+    def _retrieval(self, layer_idx: int, real_seen: torch.Tensor) -> torch.Tensor:
+        """`[B, H]` True for the retrieval heads of layer `layer_idx`."""
+        return self.rank[layer_idx].to(real_seen.device)[None] < self.retrieval_heads(real_seen)[:, None]
+
+    def evict_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
+        stream = self.n_sink + self.window
+        for row, head in (layer.head_budget >= 0).nonzero().tolist():
+            n = layer.lengths[row * layer.heads + head]
+            if n > stream:
+                pos = layer.slot("pos", row, head)
+                keep = (pos < self.n_sink) | (torch.arange(n, device=pos.device) >= n - self.window)
+                layer.keep(row, head, keep.nonzero().flatten())

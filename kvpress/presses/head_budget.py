@@ -1,0 +1,81 @@
+"""Head-wise presses: each KV head keeps its own number of tokens, in storage of its own size.
+
+A `HeadwisePress` decides, for a dense layer over budget, a keep mask per (row, KV head)
+(`select`); the layer is then replaced by a `HeadwiseLayer` holding exactly the kept slots of each
+head. Afterwards every forward appends to every head and `evict_heads` trims heads over budget.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kvpress.cache import PressedLayer
+from kvpress.head_cache import HeadwiseLayer
+from kvpress.presses.base import BasePress, Observation
+
+
+class HeadwisePress(BasePress):
+    """Base of presses whose budgets differ per KV head (subclasses define `select` and `evict_heads`)."""
+
+    def select(self, obs: Observation) -> torch.Tensor | None:
+        """`[B, H, n]` bool: the slots each (row, KV head) keeps; None when nothing is evicted."""
+        raise NotImplementedError
+
+    def evict_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
+        """Trim the heads of `layer` that exceed their budget after a forward appended `query`'s tokens."""
+        raise NotImplementedError
+
+    def after_attention(self, obs: Observation, rerank=None) -> HeadwiseLayer | None:
+        """Observe; when some row is over budget, return the head-wise layer that replaces `obs.layer`."""
+        if rerank is not None:
+            raise ValueError(f"{type(self).__name__} gives heads different budgets: rerotate is not supported")
+        self.observe(obs)
+        keep = self.select(obs)
+        if keep is None:
+            return None
+        layer = obs.layer
+        if layer.valid is not None:
+            keep = keep & layer.valid
+        return HeadwiseLayer.from_dense(layer, keep)
+
+    def observe_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
+        """Per-head `observe` for presses that accumulate state over a head-wise layer (default: none)."""
+
+
+def head_observation(module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, row: int, head: int):
+    """An `Observation` of one (row, KV head) of a head-wise layer, and the one-head view it reads."""
+    g = query.shape[1] // layer.heads
+    view = layer.view(row, head)
+    obs = Observation(module, query[row : row + 1, head * g : (head + 1) * g], view.keys, view.values, view)
+    return obs, view
+
+
+def allocate(scores: torch.Tensor, total: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """Ada-KV's budget allocation: `[B, H, n]` bool keeping, per row, `total[b]` slots across all heads.
+
+    Each head first keeps its `floor[b]` best slots (the safeguard), then the rest of the row's budget
+    goes to the best remaining scores of any head (a global top-k). Slots scored -inf are never kept.
+    """
+    b, h, n = scores.shape
+    available = scores > -math.inf
+    rank = scores.argsort(dim=-1, descending=True).argsort(dim=-1)
+    floor = floor.to(scores.device)
+    chosen = (rank < floor[:, None, None]) & available
+    rest = scores.masked_fill(chosen, -math.inf).reshape(b, h * n)
+    remaining = total.to(scores.device) - chosen.reshape(b, -1).sum(-1)
+    flat_rank = rest.argsort(dim=-1, descending=True).argsort(dim=-1)
+    extra = (flat_rank < remaining[:, None]) & (rest > -math.inf)
+    return chosen | extra.view(b, h, n)
+
+
+def dense_scores(press: BasePress, obs: Observation, budget: torch.Tensor) -> torch.Tensor:
+    """`press`'s scores of a dense layer with its protected tokens at +inf and padding at -inf."""
+    layer: PressedLayer = obs.layer
+    scores = press.score(obs).float()
+    scores = scores.masked_fill(press._protected(layer, budget.to(scores.device)), math.inf)
+    if layer.valid is not None:
+        scores = scores.masked_fill(~layer.valid, -math.inf)
+    return scores

@@ -1,0 +1,268 @@
+"""Head-wise budgets (AdaKV, DuoAttention): per-head storage that frees memory, and attention over it."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
+from kvpress import (
+    AdaKVPress,
+    DuoAttentionPress,
+    HeadwiseLayer,
+    HeavyHitterPress,
+    KnormPress,
+    PressedLayer,
+    PyramidKVPress,
+    SnapKVPress,
+    cache_bytes,
+    press_from_name,
+)
+from kvpress.patches.headwise_attention import headwise_attention
+from kvpress.patterns import config_hash
+from kvpress.presses.head_budget import allocate
+from tiny import prompt, tiny_model
+
+
+def _pattern(model, seed=0):
+    config = model.config.get_text_config(decoder=True)
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(config.num_hidden_layers, config.num_key_value_heads, generator=generator)
+    return {"model": "tiny", "config_hash": config_hash(model), "scores": scores.tolist()}
+
+
+def _generate(model, ids, press, new=20, mask=None):
+    cache = DynamicCache(config=model.config)
+    mask = torch.ones_like(ids) if mask is None else mask
+    with press(model):
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            cache=cache,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    return torch.stack(out.scores), cache
+
+
+# ----- storage and attention ------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "phi3"])
+@pytest.mark.parametrize("ratio", [0.5, 0.75])
+def test_adakv_frees_memory_per_head(family, ratio):
+    model = tiny_model(family, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    ids = prompt(1, 256)
+    full = DynamicCache(config=model.config)
+    model(ids, cache=full)
+    cache = DynamicCache(config=model.config)
+    with AdaKVPress(SnapKVPress(compression_ratio=ratio, window_size=16))(model):
+        model(ids, cache=cache)
+    kept = cache_bytes(cache) / cache_bytes(full)
+    assert kept <= (1 - ratio) + 0.01, kept  # the index overhead: 4 bytes of position per 512 of keys+values
+    for layer in cache.layers:
+        assert isinstance(layer, HeadwiseLayer)
+        assert sum(layer.lengths) == 2 * round(256 * (1 - ratio))  # the layer's total budget, spread
+        for keys, n in zip(layer.keys_h, layer.lengths, strict=True):
+            assert keys.shape[0] == n and keys.untyped_storage().nbytes() == keys.numel() * 4  # no padding
+    assert any(len(set(layer.lengths)) > 1 for layer in cache.layers)  # heads really differ
+
+
+@pytest.mark.parametrize("q_len", [1, 5])
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_varlen_attention_equals_masked_dense(q_len, softcap):
+    torch.manual_seed(0)
+    b, hkv, g, n, d = 2, 3, 2, 40, 16
+    dense = PressedLayer()
+    keys, values = torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
+    dense.update(keys, values)
+    keep = torch.rand(b, hkv, n) < torch.tensor([0.2, 0.5, 0.9])[None, :, None]  # very different lengths
+    layer = HeadwiseLayer.from_dense(dense, keep)
+    new_k, new_v = torch.randn(b, hkv, q_len, d), torch.randn(b, hkv, q_len, d)
+    query = torch.randn(b, hkv * g, q_len, d)
+    layer.driven = True
+    layer.update(new_k, new_v)
+    layer.commit()
+    module = torch.nn.Module()
+    module.scaling, module.attn_logit_softcapping = d**-0.5, softcap
+    out = headwise_attention(module, query, layer)
+
+    all_k = torch.cat([keys, new_k], 2).repeat_interleave(g, 1)
+    all_v = torch.cat([values, new_v], 2).repeat_interleave(g, 1)
+    causal = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    mask = torch.cat([keep[:, :, None].expand(b, hkv, q_len, n), causal.expand(b, hkv, q_len, q_len)], -1)
+    mask = mask.repeat_interleave(g, 1)
+    logits = query @ all_k.transpose(-1, -2) * d**-0.5
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    ref = logits.masked_fill(~mask, float("-inf")).softmax(-1) @ all_v
+    assert out.shape == (b, q_len, hkv * g, d)
+    assert (out - ref.transpose(1, 2)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("inner", ["snapkv", "h2o"])
+def test_adakv_without_freedom_equals_the_dense_press(attn, family, inner):
+    """alpha_safeguard=1 gives every head its even share: the same tokens as the dense press, so 40 steps
+    of generation (decode-time eviction included) must give the same logits through per-head storage."""
+    model = tiny_model(family, attn)
+    make = {"snapkv": lambda: SnapKVPress(0.5, window_size=8), "h2o": lambda: HeavyHitterPress(0.5, window=8)}[inner]
+    dense, _ = _generate(model, prompt(1, 96), make(), new=40)
+    headwise, cache = _generate(model, prompt(1, 96), AdaKVPress(make(), alpha_safeguard=1.0), new=40)
+    assert any(isinstance(layer, HeadwiseLayer) for layer in cache.layers)
+    assert (dense - headwise).nan_to_num(0.0).abs().max() <= 1e-5  # -inf - -inf: the masked EOS
+
+
+@pytest.mark.parametrize("make", ["adakv", "duo"])
+def test_padded_batch_rows_equal_rows_alone(make):
+    model = tiny_model("llama")
+    if make == "adakv":
+        press = AdaKVPress(SnapKVPress(0.5, window_size=8))
+    else:
+        press = DuoAttentionPress(compression_ratio=0.6, head_pattern=_pattern(model), window=8)
+    a, b = prompt(1, 96, seed=1), prompt(1, 70, seed=2)
+    batch = torch.cat([a, torch.cat([torch.zeros(1, 26, dtype=torch.long), b], 1)])
+    mask = torch.cat([torch.ones(1, 96), torch.cat([torch.zeros(1, 26), torch.ones(1, 70)], 1)]).long()
+    together, cache = _generate(model, batch, press, mask=mask)
+    alone_a, _ = _generate(model, a, press)
+    alone_b, cache_b = _generate(model, b, press)
+    assert (together[:, 0] - alone_a[:, 0]).nan_to_num(0.0).abs().max() <= 1e-5
+    assert (together[:, 1] - alone_b[:, 0]).nan_to_num(0.0).abs().max() <= 1e-5
+    for layer, layer_b in zip(cache.layers, cache_b.layers, strict=True):
+        if isinstance(layer, HeadwiseLayer):  # padding never stored: row 1 holds what the row alone holds
+            assert layer.lengths[layer.heads :] == layer_b.lengths
+
+
+def test_adakv_keeps_its_budget_while_decoding():
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    totals = []
+
+    class Record(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            totals.append(max(sum(layer.lengths) for layer in cache.layers))
+            return scores
+
+    with AdaKVPress(SnapKVPress(max_tokens=24, window_size=4))(model):
+        model.generate(
+            prompt(1, 64), cache=cache, max_new_tokens=100, min_new_tokens=100, do_sample=False,
+            logits_processor=LogitsProcessorList([Record()]),
+        )  # fmt: skip
+    assert max(totals) <= 2 * 24 and min(totals) >= 2 * 24 - 2
+    assert cache.get_seq_length() == 163
+
+
+def test_allocate_global_topk_with_floor():
+    scores = torch.tensor([[[9.0, 8, 7, 6], [1, 0.5, 0.2, 0.1]]])
+    keep = allocate(scores, torch.tensor([4]), torch.tensor([1]))
+    assert keep.tolist() == [[[True, True, True, False], [True, False, False, False]]]
+    keep = allocate(scores, torch.tensor([4]), torch.tensor([0]))
+    assert keep[0, 0].all() and not keep[0, 1].any()
+
+
+def test_adakv_wraps_per_layer_budgets():
+    model = tiny_model("llama", num_hidden_layers=4)
+    _, cache = _generate(model, prompt(1, 128), AdaKVPress(PyramidKVPress(0.5, window_size=4, beta=4)), new=1)
+    totals = [sum(layer.lengths) for layer in cache.layers]
+    assert totals == sorted(totals, reverse=True) and totals[0] > totals[-1]
+
+
+# ----- DuoAttention ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_duo_streaming_heads_stay_bounded(attn):
+    model = tiny_model("llama", attn, num_hidden_layers=4)
+    press = DuoAttentionPress(retrieval_fraction=0.5, head_pattern=_pattern(model), n_sink=4, window=16)
+    _, cache = _generate(model, prompt(1, 96), press, new=50)
+    streaming = retrieval = 0
+    for i, layer in enumerate(cache.layers):
+        rank = press.rank[i]
+        lengths = layer.lengths if isinstance(layer, HeadwiseLayer) else [layer.n] * 2
+        for head, n in enumerate(lengths):
+            if rank[head] < 4:  # half of the 8 (layer, head) pairs
+                retrieval += 1
+                assert n == 96 + 49
+            else:
+                streaming += 1
+                assert n == 20
+    assert streaming == retrieval == 4
+
+
+def test_duo_compression_ratio_sets_the_bytes():
+    model = tiny_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4)
+    ids = prompt(1, 400)
+    full = DynamicCache(config=model.config)
+    model(ids, cache=full)
+    for ratio in (0.5, 0.75):
+        cache = DynamicCache(config=model.config)
+        with DuoAttentionPress(compression_ratio=ratio, head_pattern=_pattern(model), window=16)(model):
+            model(ids, cache=cache)
+        kept = cache_bytes(cache) / cache_bytes(full)
+        assert abs(kept - (1 - ratio)) < 1 / 8 + 0.02, kept  # one (layer, head) pair of 8 is the granularity
+
+
+def test_head_pattern_for_another_model_is_refused():
+    llama, qwen = tiny_model("llama"), tiny_model("qwen2", num_hidden_layers=3)
+    press = DuoAttentionPress(compression_ratio=0.5, head_pattern=_pattern(qwen))
+    with pytest.raises(ValueError, match="made for 'tiny'.*not for this LlamaForCausalLM"):
+        press(llama)
+    assert llama.config._attn_implementation == "sdpa"
+
+
+# ----- errors ----------------------------------------------------------------------------------------------------
+def test_bad_arguments_are_refused():
+    with pytest.raises(TypeError, match="wraps a token-level press"):
+        AdaKVPress()
+    with pytest.raises(ValueError, match="rerotate"):
+        AdaKVPress(SnapKVPress(0.5, rerotate=True))
+    with pytest.raises(ValueError, match="alpha_safeguard"):
+        AdaKVPress(SnapKVPress(0.5), alpha_safeguard=2)
+    with pytest.raises(ValueError, match="exactly one of compression_ratio"):
+        DuoAttentionPress()
+    with pytest.raises(ValueError, match="not max_tokens"):
+        DuoAttentionPress(max_tokens=10)
+    with pytest.raises(ValueError, match="retrieval_fraction must be"):
+        DuoAttentionPress(retrieval_fraction=1.5)
+    with pytest.raises(FileNotFoundError, match="neither a JSON file nor a packaged pattern"):
+        DuoAttentionPress(compression_ratio=0.5, head_pattern="no-such-model")
+    assert isinstance(press_from_name("adakv", compression_ratio=0.5, window_size=8).press, SnapKVPress)
+    assert isinstance(AdaKVPress(KnormPress(0.5)).press, KnormPress)  # the press as the first argument
+
+
+def test_headwise_cache_needs_its_press():
+    model = tiny_model("llama")
+    ids = prompt(1, 64)
+    cache = DynamicCache(config=model.config)
+    with AdaKVPress(SnapKVPress(0.5, window_size=8))(model):
+        model(ids, cache=cache)
+    with pytest.raises(RuntimeError, match="continue it inside `with press"):
+        model(ids[:, :1], cache=cache)
+    with SnapKVPress(0.5)(model), pytest.raises(ValueError, match="SnapKVPress cannot continue it"):
+        model(ids[:, :1], cache=cache)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_beam_search_reorders_headwise_rows():
+    model = tiny_model("llama")
+    ids = prompt(2, 64)
+    outs = []
+    for press in (SnapKVPress(0.5, window_size=8), AdaKVPress(SnapKVPress(0.5, window_size=8), alpha_safeguard=1.0)):
+        with press(model):
+            out = model.generate(ids, max_new_tokens=12, num_beams=3, num_return_sequences=2, do_sample=False)
+        outs.append(out)
+    assert outs[0].shape == (4, 76) and torch.equal(outs[0], outs[1])
+
+
+def test_padding_after_headwise_compression_is_refused_before_any_change():
+    model = tiny_model("llama")
+    ids = prompt(2, 64)
+    cache = DynamicCache(config=model.config)
+    press = AdaKVPress(SnapKVPress(0.5, window_size=8))
+    with press(model):
+        model(ids, cache=cache)
+        before = [list(layer.lengths) for layer in cache.layers]
+        mask = torch.ones(2, 68, dtype=torch.long)
+        mask[1, -2] = 0
+        with pytest.raises(ValueError, match="padding only in its first forward"):
+            model(prompt(2, 4), attention_mask=mask, cache=cache)
+        assert [layer.lengths for layer in cache.layers] == before and cache.get_seq_length() == 64

@@ -1,0 +1,69 @@
+"""The lm-eval bridge on the default model: r = 0 equals plain HFLM; compression is real; bad input is refused."""
+
+import pytest
+from lm_eval.api.instance import Instance
+from lm_eval.models.huggingface import HFLM
+
+import kvpress
+from kvpress.eval.lm_eval_bridge import KVPressLM, full_cache_bytes
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    return kvpress.load_model()
+
+
+def _loglikelihood(lm, pairs):
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    return lm.loglikelihood(requests, disable_tqdm=True)
+
+
+CONTEXT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
+PAIRS = [(CONTEXT, " Madrid."), (CONTEXT, " Paris."), ("Two plus two equals", " four"), (CONTEXT, " Berlin")]
+
+
+def test_ratio_zero_equals_plain_hflm(default_model):
+    model, tokenizer = default_model
+    plain = _loglikelihood(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1), PAIRS)
+    bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="snapkv", compression_ratio=0.0, window_size=4)
+    pressed = _loglikelihood(bridge, PAIRS)
+    for (a, greedy_a), (b, greedy_b) in zip(plain, pressed, strict=True):
+        assert abs(a - b) <= 1e-3 and greedy_a == greedy_b
+    assert plain[0][0] > plain[1][0]  # the model knows Madrid: the comparison is not vacuous
+    for record in bridge.kv_records:  # nothing evicted: the full cache, an int32 position per slot, 2 int64 per layer
+        assert record["full_bytes"] <= record["kept_bytes"] <= record["full_bytes"] * (1 + 4 / 512) + 30 * 16
+
+
+def test_compressed_context_scores_against_the_compressed_cache(default_model):
+    model, tokenizer = default_model
+    context = " ".join(f"Item {i} is numbered {i}." for i in range(60)) + " The first item is"
+    bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="knorm", compression_ratio=0.5)
+    pressed = _loglikelihood(bridge, [(context, " Item 0."), (context, " numbered 7.")])
+    plain = _loglikelihood(KVPressLM(pretrained=model, tokenizer=tokenizer), [(context, " Item 0.")])
+    assert pressed[0][0] != pytest.approx(plain[0][0], abs=1e-3)
+    summary = bridge.kv_summary()
+    assert summary["requests"] == 2 and 0.45 < summary["kept_ratio"] < 0.55
+    tokens = len(tokenizer(context + " Item 0.").input_ids) - 1
+    assert bridge.kv_records[0]["full_bytes"] == full_cache_bytes(model, tokens) == tokens * 46080
+
+
+def test_generate_until_compresses_the_prompt(default_model):
+    model, tokenizer = default_model
+    bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="sink-window", compression_ratio=0.5, batch_size=2)
+    prompts = ["The capital of France is Paris. " * 20 + "The capital of France is", "Count: one, two, three,"]
+    arguments = {"until": ["\n"], "max_gen_toks": 6}
+    requests = [Instance("generate_until", {}, (p, arguments), i) for i, p in enumerate(prompts)]
+    out = bridge.generate_until(requests, disable_tqdm=True)
+    assert len(out) == 2 and "Paris" in out[0]
+    assert len(bridge.kv_records) == 1 and bridge.kv_records[0]["kept_bytes"] < 0.6 * bridge.kv_records[0]["full_bytes"]
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_bad_arguments_are_refused(default_model):
+    model, tokenizer = default_model
+    with pytest.raises(ValueError, match="unknown press 'snapkvv'; choose one of: adakv"):
+        KVPressLM(pretrained=model, tokenizer=tokenizer, press="snapkvv", compression_ratio=0.5)
+    with pytest.raises(ValueError, match="press parameters given without a press"):
+        KVPressLM(pretrained=model, tokenizer=tokenizer, compression_ratio=0.5)
+    with pytest.raises(ValueError, match=r"compression_ratio must be in \[0, 1\)"):
+        KVPressLM(pretrained=model, tokenizer=tokenizer, press="snapkv", compression_ratio=1.5)

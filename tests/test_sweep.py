@@ -1,0 +1,92 @@
+"""The sweep: one recorded prefill serves every press exactly; resumable; clear errors."""
+
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvpress
+from kvpress import AdaKVPress, DuoAttentionPress, HeavyHitterPress, PyramidKVPress, SnapKVPress
+from kvpress.eval.sweep import compress_recording, main, record_prefill, run_sweep
+from kvpress.patterns import config_hash
+from tiny import prompt, tiny_model
+
+
+def _next_logits(model, cache, press, token):
+    with press(model) as installed, installed.frozen():
+        return model(token, cache=cache, use_cache=True).logits
+
+
+@pytest.mark.parametrize("make", ["snapkv", "h2o", "pyramidkv", "adakv", "duo"])
+def test_recorded_prefill_equals_a_live_one(make):
+    model = tiny_model("llama", num_hidden_layers=3)
+    pattern = {"model": "tiny", "config_hash": config_hash(model), "scores": [[0.3, 0.1], [0.2, 0.9], [0.5, 0.4]]}
+    press = {
+        "snapkv": lambda: SnapKVPress(0.6, window_size=8),
+        "h2o": lambda: HeavyHitterPress(0.6, window=8),
+        "pyramidkv": lambda: PyramidKVPress(0.6, window_size=8, beta=3),
+        "adakv": lambda: AdaKVPress(SnapKVPress(0.6, window_size=8)),
+        "duo": lambda: DuoAttentionPress(compression_ratio=0.6, head_pattern=pattern, window=8),
+    }[make]()
+    ids = prompt(1, 80)
+    live = DynamicCache(config=model.config)
+    with press(model):
+        model(ids, cache=live)
+    recording = record_prefill(model, ids)
+    swept = compress_recording(model, recording, press)
+    again = compress_recording(model, recording, press)  # the recording itself is left untouched
+    assert kvpress.cache_bytes(swept) == kvpress.cache_bytes(live) == kvpress.cache_bytes(again)
+    token = prompt(1, 1, seed=3)
+    expected = _next_logits(model, live, press, token)
+    assert torch.equal(_next_logits(model, swept, press, token), expected)
+    assert torch.equal(_next_logits(model, again, press, token), expected)
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    return kvpress.load_model()
+
+
+def test_one_prefill_per_example_and_resume(default_model, tmp_path):
+    model, tokenizer = default_model
+    fed = []
+
+    def count(module, args, kwargs):
+        fed.append((args[0] if args else kwargs["input_ids"]).shape[1])
+
+    hook = model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        kwargs = dict(presses=["snapkv", "sink-window", "adakv"], ratios=[0, 0.5], tasks=["needle_noise"],
+                      out=tmp_path, examples=2, length=160, progress=False)  # fmt: skip
+        summary = run_sweep(model, tokenizer, **kwargs)
+        long_forwards = [n for n in fed if n >= 150]
+        assert len(long_forwards) == 2  # one prefill per example serves all 4 configurations
+        lines = (tmp_path / "results.jsonl").read_text().splitlines()
+        assert len(lines) == 2 * 4
+        assert {(s["press"], s["ratio"]) for s in summary} == {("none", 0.0), ("snapkv", 0.5), ("sink-window", 0.5),
+                                                                ("adakv", 0.5)}  # fmt: skip
+        for s in summary:
+            assert (s["kept_bytes_ratio"] > 0.99) if s["press"] == "none" else (s["kept_bytes_ratio"] < 0.6)
+        for name in ("summary.json", "summary.csv", "table.md", "plot.png"):
+            assert (tmp_path / name).stat().st_size > 0
+        fed.clear()
+        run_sweep(model, tokenizer, **kwargs)  # everything done: nothing is fed again
+        assert fed == []
+        (tmp_path / "results.jsonl").write_text("\n".join(lines[:-1]) + "\n")  # as if interrupted
+        run_sweep(model, tokenizer, **kwargs)
+        assert len([n for n in fed if n >= 150]) == 1
+        rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+        assert len(rows) == 8 and len({(r["example"], r["press"], r["ratio"]) for r in rows}) == 8
+    finally:
+        hook.remove()
+
+
+def test_bad_names_are_refused(default_model, tmp_path, capsys):
+    model, tokenizer = default_model
+    with pytest.raises(ValueError, match="unknown press 'snap'; choose one of"):
+        run_sweep(model, tokenizer, ["snap"], [0.5], ["needle_noise"], tmp_path)
+    with pytest.raises(ValueError, match="unknown task 'ruler'; choose one of: needle_noise, needle_pydoc"):
+        run_sweep(model, tokenizer, ["snapkv"], [0.5], ["ruler"], tmp_path)
+    assert main(["--out", str(tmp_path), "--ratios", "0.5,1.2"]) == 2
+    assert "ratios must be in [0, 1)" in capsys.readouterr().err
