@@ -43,7 +43,7 @@ def answer(model, tokenizer, example, press, query_aware: bool = False) -> tuple
         model, tokenizer, example.context, example.question, press, max_new_tokens=8, cache=cache,
         chat_template=False, query_aware=query_aware,
     )  # fmt: skip
-    return example.correct(text), kvpress.cache_bytes(cache), text
+    return example.score(text) == 1.0, kvpress.cache_bytes(cache), text
 
 
 @torch.inference_mode()

@@ -1,7 +1,7 @@
 """`KVPressLM`: lm-eval's `HFLM` with a press, so any lm-eval task measures quality under compression.
 
     lm_eval.simple_evaluate(model=KVPressLM(press="snapkv", compression_ratio=0.5), tasks=[...])
-    kvpress lm-eval --model_args pretrained=default,press=snapkv,compression_ratio=0.5 --tasks kvpress_needle
+    kvpress lm-eval --model_args pretrained=default,press=snapkv,compression_ratio=0.5 --tasks kvpress_ruler
 
 Loglikelihood requests: the context (minus its last token) is prefilled with the press installed, so
 it is compressed; then the last context token and the continuation are fed frozen and every
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import resource
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 import kvpress
+from kvpress.eval.memory import peak_memory
 from kvpress.patches.model_access import cache_keyword
 from kvpress.presses import PRESSES, BasePress, press_from_name
 
@@ -102,6 +102,8 @@ class KVPressLM(HFLM):
         for i, (_, context, continuation) in enumerate(requests):
             if not context or not continuation:
                 raise ValueError("loglikelihood requests need a non-empty context and continuation")
+            if len(continuation) > self.max_length:
+                raise ValueError(f"a continuation of {len(continuation)} tokens exceeds max_length={self.max_length}")
             full = (context + continuation)[-(self.max_length + 1) :]
             split = len(full) - len(continuation) - 1  # the compressed part: context minus its last token
             tokens.append((full, split))
@@ -159,18 +161,14 @@ class KVPressLM(HFLM):
         n = len(self.kv_records)
         kept = sum(r["kept_bytes"] for r in self.kv_records) / max(n, 1)
         full = sum(r["full_bytes"] for r in self.kv_records) / max(n, 1)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-        summary = {
+        return {
             "press": repr(self.press),
             "requests": n,
             "mean_kept_kv_bytes": round(kept),
             "mean_full_kv_bytes": round(full),
             "kept_ratio": round(kept / full, 4) if full else None,
-            "peak_rss_bytes": rss,
+            **peak_memory(),
         }
-        if torch.cuda.is_available():
-            summary["peak_cuda_allocated_bytes"] = torch.cuda.max_memory_allocated()
-        return summary
 
     def get_model_info(self) -> dict:
         info = super().get_model_info()

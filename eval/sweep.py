@@ -7,8 +7,9 @@ recorded cache exactly as it would have been inside the forward, then the questi
 that compressed cache. (Presses with `rerotate=True` need a live prefill and are refused.)
 
 Writes, under `--out`: `results.jsonl` (one line per example and configuration, appended as it goes:
-an interrupted sweep resumes where it stopped), `summary.json` / `summary.csv` (accuracy and kept
-KV bytes per task, press, ratio), `table.md` and `plot.png` (accuracy vs kept KV memory per press).
+an interrupted sweep resumes where it stopped), `summary.json` / `summary.csv` (mean score, its
+retention against the full cache, and kept KV bytes per task, press, ratio), `table.md` and `plot.png`
+(score vs kept KV memory per press). A score is the fraction of expected strings in the answer.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from torch import nn
 from transformers import DynamicCache
 
 import kvpress
-from kvpress.eval.tasks import TASKS, task_examples
+from kvpress.eval.memory import peak_memory, reset_cuda_peak
+from kvpress.eval.tasks import ANSWER_TOKENS, TASKS, task_examples
 from kvpress.pipeline import answer_from_cache, split_prompt
 from kvpress.presses.base import BasePress, Observation
 
@@ -97,7 +99,6 @@ def run_sweep(
     length: int = 1024,
     seed: int = 0,
     query_aware: bool = False,
-    max_new_tokens: int = 12,
     progress: bool = True,
 ) -> list[dict]:
     """Run (or resume) a sweep and write its files; returns the summary rows."""
@@ -129,13 +130,14 @@ def run_sweep(
                 recording = record_prefill(model, ids[:, :-1] if query_aware else ctx.to(model.device))
                 full_bytes = kvpress.cache_bytes(recording.cache)
                 for name, ratio in tqdm(todo, desc="configurations", leave=False, disable=not progress):
+                    reset_cuda_peak()
                     press = None if name == "none" else kvpress.press_from_name(name, compression_ratio=ratio)
                     cache = recording.cache if press is None else compress_recording(model, recording, press)
                     kept = kvpress.cache_bytes(cache)
                     working = copy.deepcopy(cache) if press is None else cache
-                    text = answer_from_cache(model, tokenizer, ids, working, press, max_new_tokens)
-                    row = {"task": task, "example": i, "press": name, "ratio": ratio, "correct": example.correct(text),
-                           "kept_bytes": kept, "full_bytes": full_bytes, "answer": text}  # fmt: skip
+                    text = answer_from_cache(model, tokenizer, ids, working, press, ANSWER_TOKENS[task])
+                    row = {"task": task, "example": i, "press": name, "ratio": ratio, "score": example.score(text),
+                           "kept_bytes": kept, "full_bytes": full_bytes, "answer": text, **peak_memory()}  # fmt: skip
                     sink.write(json.dumps(row) + "\n")
                     sink.flush()
     return write_summary(out)
@@ -150,12 +152,13 @@ def write_summary(out: Path) -> list[dict]:
     summary = []
     for (task, press, ratio), members in sorted(groups.items()):
         full = groups.get((task, "none", 0.0), [])
-        full_acc = sum(m["correct"] for m in full) / len(full) if full else None
-        acc = sum(m["correct"] for m in members) / len(members)
+        full_score = sum(m["score"] for m in full) / len(full) if full else None
+        score = sum(m["score"] for m in members) / len(members)
         summary.append({
-            "task": task, "press": press, "ratio": ratio, "examples": len(members), "accuracy": round(acc, 4),
-            "retention": round(acc / full_acc, 4) if full_acc else None,
+            "task": task, "press": press, "ratio": ratio, "examples": len(members), "score": round(score, 4),
+            "retention": round(score / full_score, 4) if full_score else None,
             "kept_bytes_ratio": round(sum(m["kept_bytes"] / m["full_bytes"] for m in members) / len(members), 4),
+            "peak_rss_bytes": max((m.get("peak_rss_bytes", 0) for m in members), default=0),
         })  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     with (out / "summary.csv").open("w", newline="") as f:
@@ -171,13 +174,13 @@ def _table(summary: list[dict]) -> str:
     tasks = sorted({s["task"] for s in summary})
     configs = sorted({(s["press"], s["ratio"]) for s in summary}, key=lambda c: (c[0] != "none", c))
     cell = {(s["task"], s["press"], s["ratio"]): s for s in summary}
-    lines = ["| press | ratio | " + " | ".join(f"{t} acc (kept bytes)" for t in tasks) + " |",
+    lines = ["| press | ratio | " + " | ".join(f"{t}: score (kept bytes)" for t in tasks) + " |",
              "|---|---|" + "---|" * len(tasks)]  # fmt: skip
     for press, ratio in configs:
         cells = []
         for t in tasks:
             s = cell.get((t, press, ratio))
-            cells.append("" if s is None else f"{s['accuracy']:.3f} ({s['kept_bytes_ratio']:.3f})")
+            cells.append("" if s is None else f"{s['score']:.3f} ({s['kept_bytes_ratio']:.3f})")
         lines.append(f"| {'full cache' if press == 'none' else press} | {ratio} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -197,11 +200,11 @@ def _plot(summary: list[dict], path: Path) -> None:
         rows = [s for s in summary if s["task"] == task]
         full = next((s for s in rows if s["press"] == "none"), None)
         for press in sorted({s["press"] for s in rows} - {"none"}):
-            points = sorted((s["kept_bytes_ratio"], s["accuracy"]) for s in rows if s["press"] == press)
+            points = sorted((s["kept_bytes_ratio"], s["score"]) for s in rows if s["press"] == press)
             if full:
-                points.append((full["kept_bytes_ratio"], full["accuracy"]))
+                points.append((full["kept_bytes_ratio"], full["score"]))
             ax.plot(*zip(*points, strict=True), marker="o", label=press)
-        ax.set(title=task, xlabel="kept KV bytes / full", ylabel="accuracy", ylim=(-0.02, 1.02))
+        ax.set(title=task, xlabel="kept KV bytes / full", ylabel="score", ylim=(-0.02, 1.02))
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()

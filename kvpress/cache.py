@@ -23,6 +23,11 @@ from transformers.cache_utils import Cache, DynamicLayer
 class PressedLayer(DynamicLayer):
     """A `DynamicLayer` whose slots a press can evict; see the module docstring for its storage."""
 
+    @property
+    def is_croppable(self) -> bool:
+        """Only while nothing was evicted (transformers checks this before rolling tokens back)."""
+        return not self.compressed
+
     def __init__(self) -> None:
         super().__init__()
         self.seen = 0
@@ -55,7 +60,9 @@ class PressedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.pending:
-            raise RuntimeError("PressedLayer.update called twice without a commit (internal error)")
+            raise RuntimeError(
+                "this cache was left half-updated by a forward that raised; it cannot be continued (start a new cache)"
+            )
         if not self.driven and self.padded and self.compressed:
             raise RuntimeError(
                 "this compressed cache holds padded rows whose slots no longer match the 2D attention mask; "

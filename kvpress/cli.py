@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(fn=cmd_generate)
 
     sub.add_parser("lm-eval", help="run lm-eval with --model kvpress (all lm-eval flags; kvpress tasks included)")
-    sub.add_parser("sweep", help="accuracy vs kept KV memory for presses x ratios, one prefill per example")
+    sub.add_parser("sweep", help="score vs kept KV memory for presses x ratios, one prefill per example")
     cal = sub.add_parser("calibrate-heads", help="find retrieval heads and write a head pattern for DuoAttention")
     cal.add_argument("--model", default=None, help="packaged model name or local directory (default SmolLM2-135M)")
     cal.add_argument("--out", required=True, help="the JSON file to write")

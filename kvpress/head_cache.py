@@ -24,6 +24,8 @@ from kvpress.cache import PressedLayer
 class HeadwiseLayer(DynamicLayer):
     """Per-(row, KV head) variable-length storage; see the module docstring."""
 
+    is_croppable = False  # evicted tokens are gone: transformers' rollback paths must not pick crop()
+
     def __init__(self, batch: int, heads: int, like: torch.Tensor) -> None:
         super().__init__()
         self.batch, self.heads = batch, heads
@@ -39,6 +41,7 @@ class HeadwiseLayer(DynamicLayer):
         self.pending: int = 0
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None
         self.driven = False
+        self.made_by = ""  # the class name of the press that made this layer (only it can continue it)
         self.head_budget: torch.Tensor | None = None  # [B, H] per-head budgets a press may record (-1: none)
 
     # ----- construction -------------------------------------------------------------------------------
@@ -72,7 +75,9 @@ class HeadwiseLayer(DynamicLayer):
                 "`with press(model):` with a head-wise press, which computes attention over them"
             )
         if self.pending:
-            raise RuntimeError("HeadwiseLayer.update called twice without a commit (internal error)")
+            raise RuntimeError(
+                "this cache was left half-updated by a forward that raised; it cannot be continued (start a new cache)"
+            )
         self._new = (key_states, value_states)
         self.pending = key_states.shape[-2]
         self.seen += self.pending
@@ -88,9 +93,14 @@ class HeadwiseLayer(DynamicLayer):
         raise NotImplementedError("a head-wise compressed cache cannot be cropped: its evicted tokens are gone")
 
     def reset(self) -> None:
-        self.keys_h, self.values_h, self.slots_h, self.lengths = [], [], {}, []
+        """Empty every head (the layer then takes a new prompt, appended to every head)."""
+        empty = self.keys.new_empty(0, self.keys.shape[-1])
+        self.keys_h = [empty for _ in range(self.batch * self.heads)]
+        self.values_h = list(self.keys_h)
+        self.slots_h = {"pos": [torch.zeros(0, dtype=torch.int32, device=empty.device)] * len(self.keys_h)}
+        self.lengths = [0] * len(self.keys_h)
         self.seen, self.pending, self._new = 0, 0, None
-        self.real_seen = torch.zeros(self.batch, dtype=torch.long)
+        self.real_seen = torch.zeros(self.batch, dtype=torch.long, device=empty.device)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_rows([int(i) for i in beam_idx])
@@ -99,6 +109,7 @@ class HeadwiseLayer(DynamicLayer):
         self._select_rows([row for row in range(self.batch) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        indices = indices.cpu() if isinstance(indices, torch.Tensor) else indices
         self._select_rows([int(i) for i in torch.arange(self.batch)[indices]])
 
     def offload(self) -> None:
@@ -124,7 +135,7 @@ class HeadwiseLayer(DynamicLayer):
 
     def held(self) -> torch.Tensor:
         """`[B, H]` tokens held per (row, KV head)."""
-        return torch.tensor(self.lengths, dtype=torch.long).view(self.batch, self.heads)
+        return torch.tensor(self.lengths, dtype=torch.long, device=self.real_seen.device).view(self.batch, self.heads)
 
     def commit(self) -> None:
         """Append the pending keys/values (all real tokens) to every head."""

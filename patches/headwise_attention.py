@@ -42,7 +42,7 @@ def headwise_attention(module: nn.Module, query: torch.Tensor, layer: HeadwiseLa
                 logits = torch.tanh(logits / softcap) * softcap
                 if mask is not None:
                     logits = logits.masked_fill(~mask, float("-inf"))
-                res = logits.softmax(-1).to(values.dtype) @ values[None, None]
+                res = logits.float().softmax(-1).to(values.dtype) @ values[None, None]
             else:
                 k, v = keys[None, None], values[None, None]
                 res = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)

@@ -125,20 +125,27 @@ class PressInstallation:
                 cache.layers[i] = layer = PressedLayer.from_layer(layer)
             if isinstance(layer, (PressedLayer, HeadwiseLayer)):
                 layer.driven = True
-        if any(isinstance(layer, HeadwiseLayer) for layer in cache.layers):
-            self._check_headwise(args, kwargs)
+        ours = [layer for layer in cache.layers if isinstance(layer, (PressedLayer, HeadwiseLayer))]
+        if len({layer.seen for layer in ours}) > 1 or any(layer.pending for layer in ours):
+            raise ValueError(
+                "this cache was left inconsistent by a forward that raised half-way (its layers hold different "
+                "numbers of tokens); it cannot be continued: start a new cache"
+            )
+        if any(isinstance(layer, HeadwiseLayer) for layer in ours):
+            self._check_headwise(cache, args, kwargs)
         self.cache = cache
         self._caches.add(cache)
         if self.press.rerotate:
             kwargs["position_ids"] = self._cache_positions(cache, args, kwargs)
         return args, kwargs
 
-    def _check_headwise(self, args: tuple, kwargs: dict) -> None:
+    def _check_headwise(self, cache: DynamicCache, args: tuple, kwargs: dict) -> None:
         """Refuse, before any layer runs, a forward that a cache with head-wise layers cannot take."""
-        if not isinstance(self.press, HeadwisePress):
+        makers = {layer.made_by for layer in cache.layers if isinstance(layer, HeadwiseLayer)}
+        if not isinstance(self.press, HeadwisePress) or makers != {type(self.press).__name__}:
             raise ValueError(
-                f"this cache holds head-wise compressed layers; {type(self.press).__name__} cannot continue it "
-                "(use the head-wise press that made it, e.g. AdaKVPress or DuoAttentionPress)"
+                f"this cache holds head-wise compressed layers made by {', '.join(sorted(makers))}; "
+                f"{type(self.press).__name__} cannot continue it (use the press that made it)"
             )
         inputs = kwargs.get("input_ids", args[0] if args else None)
         q = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape[1]
@@ -172,6 +179,10 @@ class PressInstallation:
         inner = self._inner[module.layer_idx]
         layer = self.cache.layers[module.layer_idx] if self.cache is not None else None
         if isinstance(layer, HeadwiseLayer):
+            if info is None and attention_mask is not None:
+                raise ValueError("kvpress builds its own masks: pass a 2D attention_mask, not a 4D one")
+            if kwargs.get("s_aux") is not None:
+                raise ValueError("attention sinks (s_aux) are not supported by head-wise compressed layers")
             return self._headwise(module, query, layer, info), None
         if not isinstance(layer, PressedLayer):  # a layer the press leaves alone
             return inner(module, query, key, value, info.standard() if info else attention_mask, **kwargs)

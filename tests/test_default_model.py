@@ -83,8 +83,35 @@ def test_needle_tasks_are_deterministic(default_model):
     _, tokenizer = default_model
     for haystack in ("noise", "pydoc"):
         a, b = (needle_examples(tokenizer, 3, 256, seed=5, haystack=haystack) for _ in range(2))
-        assert a == b and len({e.answer for e in a}) == 3
-        assert all(e.answer in e.context for e in a)
+        assert a == b and len({e.answers for e in a}) == 3
+        assert all(e.answers[0] in e.context and e.score(f"it is {e.answers[0]}.") == 1.0 for e in a)
         assert needle_examples(tokenizer, 3, 256, seed=6, haystack=haystack) != a
     with pytest.raises(ValueError, match="unknown haystack 'essays'"):
         needle_examples(tokenizer, 1, 256, seed=0, haystack="essays")
+
+
+def test_variable_tracking_task(default_model):
+    from kvpress.eval.tasks import task_examples
+
+    _, tokenizer = default_model
+    a = task_examples("variable_tracking", tokenizer, 2, 300, seed=1)
+    assert a == task_examples("variable_tracking", tokenizer, 2, 300, seed=1)
+    for e in a:
+        assert len(e.answers) == 5 and all(f"VAR {name} = " in e.context for name in e.answers)
+        order = [e.context.index(f"VAR {name} = ") for name in e.answers]
+        assert order == sorted(order)  # the chain is written in order
+        assert e.score(" ".join(e.answers[:2])) == 0.4
+
+
+def test_query_aware_compresses_context_and_question_together(default_model):
+    model, tokenizer = default_model
+    press = kvpress.SnapKVPress(compression_ratio=0.5, window_size=16)
+    ctx, question = kvpress.pipeline.split_prompt(tokenizer, demo_document(), DEMO_QUESTION)
+    c, q = ctx.shape[1], question.shape[1]
+    held = {}
+    for aware in (False, True):
+        cache = DynamicCache(config=model.config)
+        kvpress.generate(model, tokenizer, demo_document(), DEMO_QUESTION, press, 1, cache=cache, query_aware=aware)
+        held[aware] = cache.layers[0].n
+    assert held[False] == c - c // 2 + q  # the context compressed, the question appended whole
+    assert held[True] == (c + q - 1) - (c + q - 1) // 2 + 1  # both compressed, the last token fed by generate

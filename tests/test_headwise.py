@@ -266,3 +266,46 @@ def test_padding_after_headwise_compression_is_refused_before_any_change():
         with pytest.raises(ValueError, match="padding only in its first forward"):
             model(prompt(2, 4), attention_mask=mask, cache=cache)
         assert [layer.lengths for layer in cache.layers] == before and cache.get_seq_length() == 64
+
+
+def test_duo_auto_pattern_needs_a_packaged_one_for_the_model():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="no packaged head pattern fits this LlamaForCausalLM.*calibrate-heads"):
+        DuoAttentionPress(compression_ratio=0.5)(model)
+
+
+def test_a_forward_that_raised_half_way_leaves_a_refused_cache():
+    model = tiny_model("llama")
+
+    class Failing(SnapKVPress):
+        def score(self, obs):
+            if obs.layer_idx == 0:  # layer 0 holds the prompt, layer 1 never sees it
+                raise MemoryError("simulated")
+            return super().score(obs)
+
+    cache = DynamicCache(config=model.config)
+    with AdaKVPress(Failing(0.5, window_size=8))(model), pytest.raises(MemoryError):
+        model(prompt(1, 64), cache=cache)
+    with AdaKVPress(SnapKVPress(0.5, window_size=8))(model):
+        with pytest.raises(ValueError, match="left inconsistent by a forward that raised"):
+            model(prompt(1, 1), cache=cache)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_headwise_cache_refuses_another_headwise_press_and_resets():
+    model = tiny_model("llama")
+    ids = prompt(1, 64)
+    cache = DynamicCache(config=model.config)
+    ada = AdaKVPress(SnapKVPress(0.5, window_size=8))
+    with ada(model):
+        model(ids, cache=cache)
+    assert not any(layer.is_croppable for layer in cache.layers)
+    duo = DuoAttentionPress(compression_ratio=0.5, head_pattern=_pattern(model), window=8)
+    with duo(model), pytest.raises(ValueError, match="made by AdaKVPress; DuoAttentionPress cannot continue it"):
+        model(ids[:, :1], cache=cache)
+    cache.reset()  # an emptied head-wise cache takes a new prompt: the same logits as a fresh cache
+    with ada(model):
+        again = model(ids, cache=cache).logits
+    with ada(model):
+        fresh = model(ids, cache=DynamicCache(config=model.config)).logits
+    assert torch.allclose(again, fresh, atol=1e-5)

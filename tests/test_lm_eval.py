@@ -67,3 +67,14 @@ def test_bad_arguments_are_refused(default_model):
         KVPressLM(pretrained=model, tokenizer=tokenizer, compression_ratio=0.5)
     with pytest.raises(ValueError, match=r"compression_ratio must be in \[0, 1\)"):
         KVPressLM(pretrained=model, tokenizer=tokenizer, press="snapkv", compression_ratio=1.5)
+
+
+def test_cli_refuses_bad_press_task_and_model(default_model, capsys):
+    from kvpress.cli import main
+
+    with pytest.raises(ValueError, match="unknown press 'nope'; choose one of"):
+        main(["lm-eval", "--model_args", "pretrained=default,press=nope", "--tasks", "kvpress_needle_noise"])
+    with pytest.raises(Exception, match="no_such_task"):
+        main(["lm-eval", "--model_args", "pretrained=default", "--tasks", "no_such_task"])
+    assert main(["lm-eval", "--model", "hf", "--tasks", "kvpress_needle_noise"]) == 2
+    assert "--model is always kvpress" in capsys.readouterr().err

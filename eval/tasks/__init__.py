@@ -1,17 +1,22 @@
 """Offline task generators: data made locally from a seed, never downloaded.
 
 `TASKS` maps a task name to a generator `(tokenizer, n, length, seed) -> list[Example]`; an example
-has `context`, `question`, `answer` and `correct(text)`.
+has `context`, `question`, `answers` and `score(text)` in [0, 1]. `ANSWER_TOKENS` is how many tokens
+an answer to the task may need.
 """
 
 from __future__ import annotations
 
-from kvpress.eval.tasks.needle import Example, needle_examples
+from kvpress.eval.tasks.example import Example
+from kvpress.eval.tasks.needle import needle_examples
+from kvpress.eval.tasks.variable_tracking import variable_tracking_examples
 
 TASKS = {
     "needle_noise": lambda tokenizer, n, length, seed: needle_examples(tokenizer, n, length, seed, "noise"),
     "needle_pydoc": lambda tokenizer, n, length, seed: needle_examples(tokenizer, n, length, seed, "pydoc"),
+    "variable_tracking": variable_tracking_examples,
 }
+ANSWER_TOKENS = {"needle_noise": 12, "needle_pydoc": 12, "variable_tracking": 32}
 
 
 def task_examples(name: str, tokenizer, n: int, length: int, seed: int) -> list[Example]:
@@ -21,4 +26,4 @@ def task_examples(name: str, tokenizer, n: int, length: int, seed: int) -> list[
     return TASKS[name](tokenizer, n, length, seed)
 
 
-__all__ = ["Example", "TASKS", "task_examples"]
+__all__ = ["ANSWER_TOKENS", "Example", "TASKS", "task_examples"]

@@ -9,7 +9,8 @@ model finishes with the number. Deterministic for a (tokenizer, seed, length, ha
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+
+from kvpress.eval.tasks.example import Example
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 HAYSTACKS = ("noise", "pydoc")
@@ -19,17 +20,8 @@ _NEEDLES = {
 }
 
 
-@dataclass(frozen=True)
-class Example:
-    context: str
-    question: str
-    answer: str
-
-    def correct(self, text: str) -> bool:
-        return self.answer in text
-
-
-def _haystack_ids(tokenizer, haystack: str, length: int, rng: random.Random) -> list[int]:
+def haystack_ids(tokenizer, haystack: str, length: int, rng: random.Random) -> list[int]:
+    """`length` token ids of `haystack` ("noise" or "pydoc", from a random offset)."""
     if haystack == "noise":
         unit = tokenizer(NOISE, add_special_tokens=False).input_ids
         return (unit * (length // len(unit) + 1))[:length]
@@ -52,10 +44,10 @@ def needle_examples(tokenizer, n: int, length: int, seed: int, haystack: str = "
     out = []
     for _ in range(n):
         key = str(rng.randint(10000, 99999))
-        ids = _haystack_ids(tokenizer, haystack, length, rng)
+        ids = haystack_ids(tokenizer, haystack, length, rng)
         cut = int(rng.uniform(0.1, 0.9) * len(ids))
         before, after = tokenizer.decode(ids[:cut]), tokenizer.decode(ids[cut:])
         context = f"{before.rstrip()} {needle.format(key=key)} {after.lstrip()}"
-        out.append(Example(context=context, question=question, answer=key))
+        out.append(Example(context=context, question=question, answers=(key,)))
     return out
 

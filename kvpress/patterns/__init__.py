@@ -47,9 +47,7 @@ def load_pattern(pattern: str | Path | dict) -> dict:
     if isinstance(pattern, dict):
         data = pattern
     else:
-        path = Path(pattern)
-        if not path.suffix and (_HERE / f"{pattern}.json").exists():
-            path = _HERE / f"{pattern}.json"
+        path = _HERE / f"{pattern}.json" if str(pattern) in packaged() else Path(pattern)
         if not path.exists():
             raise FileNotFoundError(
                 f"head pattern {str(pattern)!r} is neither a JSON file nor a packaged pattern ({', '.join(packaged())})"
@@ -59,6 +57,20 @@ def load_pattern(pattern: str | Path | dict) -> dict:
     if missing:
         raise ValueError(f"head pattern lacks {missing}; make one with `kvpress calibrate-heads`")
     return data
+
+
+def find_pattern(model: nn.Module) -> dict:
+    """The packaged pattern made for `model`'s architecture (by config hash), or a clear error."""
+    wanted = config_hash(model)
+    for name in packaged():
+        pattern = load_pattern(name)
+        if pattern["config_hash"] == wanted:
+            return pattern
+    raise ValueError(
+        f"no packaged head pattern fits this {type(model).__name__} (config hash {wanted}; packaged: "
+        f"{', '.join(packaged())}); make one with `kvpress calibrate-heads --model ... --out pattern.json` "
+        "and pass head_pattern='pattern.json'"
+    )
 
 
 def check_pattern(pattern: dict, model: nn.Module) -> None:

@@ -90,6 +90,8 @@ class AdaKVPress(HeadwisePress):
 
     def evict_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
         scale = self.layer_scale(module.layer_idx, module.config.num_hidden_layers)
+        if layer.batch == 1 and sum(layer.lengths) <= layer.heads * self._budget_of(int(layer.real_seen[0]), scale):
+            return  # the common decoding step: under budget, decided on plain integers
         budget = self.budget(layer.real_seen, scale)
         held = layer.held()
         over = held.sum(-1) > budget * layer.heads

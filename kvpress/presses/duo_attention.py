@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kvpress.head_cache import HeadwiseLayer
-from kvpress.patterns import check_pattern, load_pattern
+from kvpress.patterns import check_pattern, find_pattern, load_pattern
 from kvpress.presses.base import Observation, _check_ratio
 from kvpress.presses.head_budget import HeadwisePress
 
@@ -30,12 +30,13 @@ class DuoAttentionPress(HeadwisePress):
         compression_ratio: fraction of the context's cache removed; the number of retrieval heads is
             chosen per row so that the kept bytes match it (given the context length). Or:
         retrieval_fraction: a fixed fraction of the (layer, KV head) pairs kept whole. Exactly one of the two.
-        head_pattern: a packaged pattern's model name (default "smollm2-135m"), a JSON path, or a dict;
-            a pattern made for another architecture is refused when the press is installed.
+        head_pattern: "auto" (default: the packaged pattern made for the model's architecture), a packaged
+            pattern's model name ("smollm2-135m", "qwen2.5-0.5b"), a JSON path, or a dict; a pattern made
+            for another architecture is refused when the press is installed.
         n_sink, window: what a streaming head keeps (defaults 4 and 64).
     """
 
-    head_pattern: str | dict = "smollm2-135m"
+    head_pattern: str | dict = "auto"
     retrieval_fraction: float | None = None
     n_sink: int = 4
     window: int = 64
@@ -57,13 +58,20 @@ class DuoAttentionPress(HeadwisePress):
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "n_sink" else 1):
                 kind = "non-negative" if name == "n_sink" else "positive"
                 raise ValueError(f"{name} must be a {kind} integer, got {value!r}")
-        self.pattern = load_pattern(self.head_pattern)
-        scores = torch.tensor(self.pattern["scores"], dtype=torch.float64)
-        order = scores.flatten().argsort(descending=True, stable=True)
-        self.rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).view_as(scores)
+        self.pattern = None if self.head_pattern == "auto" else load_pattern(self.head_pattern)
 
     def check_model(self, model: nn.Module) -> None:
-        check_pattern(self.pattern, model)
+        pattern = find_pattern(model) if self.head_pattern == "auto" else self.pattern
+        check_pattern(pattern, model)
+        scores = torch.tensor(pattern["scores"], dtype=torch.float64)
+        config = model.config.get_text_config(decoder=True)
+        types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        full = torch.tensor([t == "full_attention" for t in types])
+        scores[~full] = -torch.inf  # sliding-window layers are never compressed: rank only the others
+        order = scores.flatten().argsort(descending=True, stable=True)
+        self.pattern = pattern
+        self.rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).view_as(scores)
+        self.pairs = int(full.sum()) * scores.shape[1]  # the (layer, KV head) pairs a budget is spread over
 
     def sink_count(self) -> int:
         return self.n_sink
@@ -73,7 +81,7 @@ class DuoAttentionPress(HeadwisePress):
 
     def retrieval_heads(self, real_seen: torch.Tensor) -> torch.Tensor:
         """`[B]` how many (layer, KV head) pairs keep the whole context for rows of these lengths."""
-        total = self.rank.numel()
+        total = self.pairs
         if self.retrieval_fraction is not None:
             return torch.full_like(real_seen, round(self.retrieval_fraction * total))
         stream = self.n_sink + self.window

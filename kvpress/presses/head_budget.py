@@ -39,7 +39,9 @@ class HeadwisePress(BasePress):
         layer = obs.layer
         if layer.valid is not None:
             keep = keep & layer.valid
-        return HeadwiseLayer.from_dense(layer, keep)
+        new = HeadwiseLayer.from_dense(layer, keep)
+        new.made_by = type(self).__name__  # only this press can continue the layer
+        return new
 
     def observe_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
         """Per-head `observe` for presses that accumulate state over a head-wise layer (default: none)."""
