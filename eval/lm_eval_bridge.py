@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from transformers import DynamicCache
 
 import kvpress
 from kvpress.eval.memory import peak_memory
+from kvpress.models import resolve_model_path
 from kvpress.patches.model_access import cache_keyword
 from kvpress.presses import PRESSES, BasePress, press_from_name
 
@@ -86,12 +88,20 @@ class KVPressLM(HFLM):
         else:
             budget = {"compression_ratio": compression_ratio, "max_tokens": max_tokens}
             self.press = press_from_name(press, **budget, **press_kwargs)
-        if isinstance(pretrained, str):
-            model, tokenizer = kvpress.load_model(None if pretrained == "default" else pretrained)
-            kwargs.setdefault("tokenizer", tokenizer)
-            pretrained = model
+        if isinstance(pretrained, str):  # a local directory: HFLM loads it (and shards data under accelerate)
+            pretrained = str(resolve_model_path(None if pretrained == "default" else pretrained))
+            kwargs.setdefault("dtype", "float32")
+            kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+        cpu_processes = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+        if cpu_processes:  # torchrun --nproc_per_node N on CPUs: accelerate must join them over gloo
+            os.environ["ACCELERATE_USE_CPU"] = "true"
         super().__init__(pretrained=pretrained, **kwargs)
         self.kv_records: list[dict] = []
+        if cpu_processes and self._world_size == 1:  # HFLM shards data only across GPUs: shard it here
+            from accelerate import Accelerator
+
+            self.accelerator = Accelerator(cpu=True)
+            self._rank, self._world_size = self.accelerator.process_index, self.accelerator.num_processes
 
     # ----- loglikelihood: the context compressed, the continuation scored against it ------------------------
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):

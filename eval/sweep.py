@@ -10,6 +10,12 @@ Writes, under `--out`: `results.jsonl` (one line per example and configuration, 
 an interrupted sweep resumes where it stopped), `summary.json` / `summary.csv` (mean score, its
 retention against the full cache, and kept KV bytes per task, press, ratio), `table.md` and `plot.png`
 (score vs kept KV memory per press). A score is the fraction of expected strings in the answer.
+
+Data-parallel: under `accelerate launch --multi_gpu --num_processes N` on GPUs, or
+`torchrun --nproc_per_node N -m kvpress.eval.sweep ...` on CPUs (any launcher that sets WORLD_SIZE;
+accelerate's `PartialState` joins the processes), process r takes the examples i with i % N == r
+and appends to `results.rank{r}.jsonl`; process 0 writes the summary of all of them once every
+process is done.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import copy
 import csv
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,18 +117,18 @@ def run_sweep(
             raise ValueError(f"unknown task {task!r}; choose one of: {', '.join(sorted(TASKS))}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    results_path = out / "results.jsonl"
-    done = set()
-    if results_path.exists():
-        for line in results_path.read_text().splitlines():
-            r = json.loads(line)
-            done.add((r["task"], r["example"], r["press"], r["ratio"]))
-    settings = {"examples": examples, "length": length, "seed": seed, "query_aware": query_aware}
-    (out / "settings.json").write_text(json.dumps({**settings, "presses": presses, "ratios": ratios, "tasks": tasks}))
+    rank, world, state = _shard()
+    results_path = out / ("results.jsonl" if world == 1 else f"results.rank{rank}.jsonl")
+    done = {(r["task"], r["example"], r["press"], r["ratio"]) for r in _read_results(out)}
+    if rank == 0:
+        settings = {"examples": examples, "length": length, "seed": seed, "query_aware": query_aware}
+        (out / "settings.json").write_text(json.dumps({**settings, "presses": presses, "ratios": ratios,
+                                                       "tasks": tasks, "processes": world}))  # fmt: skip
     with results_path.open("a") as sink:
         for task in tasks:
             items = task_examples(task, tokenizer, examples, length, seed)
-            for i, example in enumerate(tqdm(items, desc=task, disable=not progress)):
+            mine = [(i, example) for i, example in enumerate(items) if i % world == rank]
+            for i, example in tqdm(mine, desc=f"{task} [{rank}/{world}]", disable=not progress):
                 todo = [(name, r) for name, r in configs if (task, i, name, r) not in done]
                 if not todo:
                     continue
@@ -140,12 +147,32 @@ def run_sweep(
                            "kept_bytes": kept, "full_bytes": full_bytes, "answer": text, **peak_memory()}  # fmt: skip
                     sink.write(json.dumps(row) + "\n")
                     sink.flush()
-    return write_summary(out)
+    if state is not None:
+        state.wait_for_everyone()
+    return write_summary(out) if rank == 0 else []
+
+
+def _shard():
+    """(rank, world size, accelerate state or None) of this process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1, None
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not torch.cuda.is_available())  # gloo on CPUs, NCCL on GPUs
+    return state.process_index, state.num_processes, state
+
+
+def _read_results(out: Path) -> list[dict]:
+    """Every result line under `out` (`results.jsonl` and the per-process `results.rank*.jsonl`)."""
+    rows = []
+    for path in sorted(out.glob("results*.jsonl")):
+        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return rows
 
 
 def write_summary(out: Path) -> list[dict]:
     """Aggregate `results.jsonl` into summary.json / summary.csv / table.md / plot.png."""
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    rows = _read_results(out)
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["task"], r["press"], r["ratio"]), []).append(r)
@@ -238,8 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = kvpress.load_model(args.model)
     summary = run_sweep(model, tokenizer, presses, ratios, tasks, args.out, args.examples, args.length, args.seed,
                         args.query_aware)  # fmt: skip
-    print(_table(summary))
-    print(f"wrote {args.out}/results.jsonl, summary.json, summary.csv, table.md, plot.png")
+    if summary:  # process 0 (or the only one)
+        print(_table(summary))
+        print(f"wrote {args.out}/results*.jsonl, summary.json, summary.csv, table.md, plot.png")
     return 0
 
 

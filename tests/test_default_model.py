@@ -115,3 +115,16 @@ def test_query_aware_compresses_context_and_question_together(default_model):
         held[aware] = cache.layers[0].n
     assert held[False] == c - c // 2 + q  # the context compressed, the question appended whole
     assert held[True] == (c + q - 1) - (c + q - 1) // 2 + 1  # both compressed, the last token fed by generate
+
+
+@pytest.mark.parametrize("task", ["needle_multikey", "needle_multivalue", "needle_multiquery"])
+def test_multi_needle_tasks(default_model, task):
+    from kvpress.eval.tasks import task_examples
+
+    _, tokenizer = default_model
+    a = task_examples(task, tokenizer, 3, 400, seed=2)
+    assert a == task_examples(task, tokenizer, 3, 400, seed=2) != task_examples(task, tokenizer, 3, 400, seed=3)
+    for e in a:
+        assert e.context.count("One of the special magic numbers for") == 4
+        assert len(e.answers) == {"needle_multikey": 1, "needle_multivalue": 4, "needle_multiquery": 2}[task]
+        assert all(answer in e.context for answer in e.answers)

@@ -8,6 +8,7 @@ an answer to the task may need.
 from __future__ import annotations
 
 from kvpress.eval.tasks.example import Example
+from kvpress.eval.tasks.multi_needle import multi_needle_examples
 from kvpress.eval.tasks.needle import needle_examples
 from kvpress.eval.tasks.variable_tracking import variable_tracking_examples
 
@@ -15,8 +16,15 @@ TASKS = {
     "needle_noise": lambda tokenizer, n, length, seed: needle_examples(tokenizer, n, length, seed, "noise"),
     "needle_pydoc": lambda tokenizer, n, length, seed: needle_examples(tokenizer, n, length, seed, "pydoc"),
     "variable_tracking": variable_tracking_examples,
+    **{
+        f"needle_{kind}": lambda tokenizer, n, length, seed, kind=kind: multi_needle_examples(
+            tokenizer, n, length, seed, kind
+        )
+        for kind in ("multikey", "multivalue", "multiquery")
+    },
 }
-ANSWER_TOKENS = {"needle_noise": 12, "needle_pydoc": 12, "variable_tracking": 32}
+ANSWER_TOKENS = {"needle_noise": 12, "needle_pydoc": 12, "variable_tracking": 32, "needle_multikey": 16,
+                 "needle_multivalue": 48, "needle_multiquery": 32}  # fmt: skip
 
 
 def task_examples(name: str, tokenizer, n: int, length: int, seed: int) -> list[Example]:

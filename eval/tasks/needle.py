@@ -33,6 +33,17 @@ def haystack_ids(tokenizer, haystack: str, length: int, rng: random.Random) -> l
     return ids[start : start + length]
 
 
+def insert_at_depths(tokenizer, ids: list[int], statements: list[str], rng: random.Random) -> str:
+    """The haystack `ids` as text with `statements` inserted, in order, at random depths in [0.1, 0.9]."""
+    cuts = sorted(rng.sample(range(int(0.1 * len(ids)), int(0.9 * len(ids))), len(statements)))
+    pieces, start = [], 0
+    for cut, statement in zip(cuts, statements, strict=True):
+        pieces += [tokenizer.decode(ids[start:cut]).strip(), statement]
+        start = cut
+    pieces.append(tokenizer.decode(ids[start:]).strip())
+    return " ".join(p for p in pieces if p)
+
+
 def needle_examples(tokenizer, n: int, length: int, seed: int, haystack: str = "noise") -> list[Example]:
     """`n` examples whose context is about `length` tokens of `haystack` with one needle."""
     if haystack not in HAYSTACKS:

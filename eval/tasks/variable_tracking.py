@@ -11,7 +11,7 @@ import random
 import string
 
 from kvpress.eval.tasks.example import Example
-from kvpress.eval.tasks.needle import haystack_ids
+from kvpress.eval.tasks.needle import haystack_ids, insert_at_depths
 
 
 def variable_tracking_examples(tokenizer, n: int, length: int, seed: int, hops: int = 4) -> list[Example]:
@@ -29,17 +29,11 @@ def variable_tracking_examples(tokenizer, n: int, length: int, seed: int, hops: 
                 names.append(name)
         links = zip(names[:-1], names[1:], strict=True)
         statements = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in links]
-        ids = haystack_ids(tokenizer, "noise", length, rng)
-        cuts = sorted(rng.sample(range(int(0.1 * len(ids)), int(0.9 * len(ids))), len(statements)))
-        pieces, start = [], 0
-        for cut, statement in zip(cuts, statements, strict=True):
-            pieces += [tokenizer.decode(ids[start:cut]).strip(), statement]
-            start = cut
-        pieces.append(tokenizer.decode(ids[start:]).strip())
+        context = insert_at_depths(tokenizer, haystack_ids(tokenizer, "noise", length, rng), statements, rng)
         question = (
             f"Question: Find all variables that are assigned the value {value} in the text above. Answer: "
             f"According to the chain of variable assignment in the text above, {hops + 1} variables are "
             f"assigned the value {value}, they are:"
         )
-        out.append(Example(context=" ".join(p for p in pieces if p), question=question, answers=tuple(names)))
+        out.append(Example(context=context, question=question, answers=tuple(names)))
     return out
