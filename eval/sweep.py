@@ -95,6 +95,12 @@ def configurations(presses: list[str], ratios: list[float]) -> list[tuple[str, f
     return [("none", 0.0)] + [(name, ratio) for name in presses for ratio in ratios if ratio > 0]
 
 
+def check_tasks(tasks: list[str]) -> None:
+    for task in tasks:
+        if task not in TASKS:
+            raise ValueError(f"unknown task {task!r}; choose one of: {', '.join(sorted(TASKS))}")
+
+
 def run_sweep(
     model: nn.Module,
     tokenizer,
@@ -112,9 +118,7 @@ def run_sweep(
     from tqdm.auto import tqdm
 
     configs = configurations(presses, ratios)
-    for task in tasks:
-        if task not in TASKS:
-            raise ValueError(f"unknown task {task!r}; choose one of: {', '.join(sorted(TASKS))}")
+    check_tasks(tasks)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rank, world, state = _shard()
@@ -256,9 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ratios = [float(r) for r in args.ratios.split(",")]
         configurations(presses, ratios)
-        for task in tasks:
-            if task not in TASKS:
-                raise ValueError(f"unknown task {task!r}; choose one of: {', '.join(sorted(TASKS))}")
+        check_tasks(tasks)  # before the model loads
     except ValueError as err:
         print(f"kvpress sweep: {err}", file=sys.stderr)
         return 2

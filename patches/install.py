@@ -25,6 +25,7 @@ from kvpress.presses.head_budget import HeadwisePress
 
 _PREFIX = "kvpress_"
 _counter = itertools.count()
+_DRIVEN = (PressedLayer, HeadwiseLayer)  # the cache layers an installed press drives
 
 
 class PressInstallation:
@@ -93,7 +94,7 @@ class PressInstallation:
         attention.unregister(self.name)
         for cache in list(self._caches):
             for layer in cache.layers:
-                if isinstance(layer, (PressedLayer, HeadwiseLayer)):
+                if isinstance(layer, _DRIVEN):
                     layer.driven = False
         self.cache = None
 
@@ -123,9 +124,9 @@ class PressInstallation:
         for i, layer in enumerate(cache.layers):
             if model_access.is_plain_full_layer(layer):
                 cache.layers[i] = layer = PressedLayer.from_layer(layer)
-            if isinstance(layer, (PressedLayer, HeadwiseLayer)):
+            if isinstance(layer, _DRIVEN):
                 layer.driven = True
-        ours = [layer for layer in cache.layers if isinstance(layer, (PressedLayer, HeadwiseLayer))]
+        ours = [layer for layer in cache.layers if isinstance(layer, _DRIVEN)]
         if len({layer.seen for layer in ours}) > 1 or any(layer.pending for layer in ours):
             raise ValueError(
                 "this cache was left inconsistent by a forward that raised half-way (its layers hold different "
@@ -147,8 +148,7 @@ class PressInstallation:
                 f"this cache holds head-wise compressed layers made by {', '.join(sorted(makers))}; "
                 f"{type(self.press).__name__} cannot continue it (use the press that made it)"
             )
-        inputs = kwargs.get("input_ids", args[0] if args else None)
-        q = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape[1]
+        q = _inputs(args, kwargs).shape[1]
         mask = kwargs.get("attention_mask")
         if mask is not None and mask.dim() == 2 and not bool(mask[:, -q:].all()):
             raise ValueError(
@@ -158,9 +158,7 @@ class PressInstallation:
 
     def _cache_positions(self, cache: DynamicCache, args: tuple, kwargs: dict) -> torch.Tensor:
         """Positions inside the cache for the new tokens: true positions minus the tokens evicted before."""
-        inputs = kwargs.get("input_ids", args[0] if args else None)
-        if inputs is None:
-            inputs = kwargs["inputs_embeds"]
+        inputs = _inputs(args, kwargs)
         q = inputs.shape[1]
         positions = kwargs.get("position_ids")
         if positions is None:
@@ -178,13 +176,7 @@ class PressInstallation:
         info = attention_mask if isinstance(attention_mask, attention.MaskInfo) else None
         inner = self._inner[module.layer_idx]
         layer = self.cache.layers[module.layer_idx] if self.cache is not None else None
-        if isinstance(layer, HeadwiseLayer):
-            if info is None and attention_mask is not None:
-                raise ValueError("kvpress builds its own masks: pass a 2D attention_mask, not a 4D one")
-            if kwargs.get("s_aux") is not None:
-                raise ValueError("attention sinks (s_aux) are not supported by head-wise compressed layers")
-            return self._headwise(module, query, layer, info), None
-        if not isinstance(layer, PressedLayer):  # a layer the press leaves alone
+        if not isinstance(layer, _DRIVEN):  # a layer the press leaves alone
             return inner(module, query, key, value, info.standard() if info else attention_mask, **kwargs)
         if info is None and attention_mask is not None:
             raise ValueError("kvpress builds its own masks: pass a 2D attention_mask, not a 4D one")
@@ -194,6 +186,10 @@ class PressInstallation:
                 "the cache seen by the attention is not the one the press prepared; pass it by keyword "
                 f"({self._cache_key}=...)"
             )
+        if isinstance(layer, HeadwiseLayer):
+            if kwargs.get("s_aux") is not None:
+                raise ValueError("attention sinks (s_aux) are not supported by head-wise compressed layers")
+            return self._headwise(module, query, layer), None
         if layer.adopted and info is not None and info.padding is not None:
             layer.adopt_padding(info.padding[:, : layer.seen - q_len])
         layer.commit(info.new_valid(q_len) if info is not None else None)
@@ -215,14 +211,8 @@ class PressInstallation:
                 self.cache.layers[module.layer_idx] = headwise
         return out
 
-    def _headwise(self, module: nn.Module, query, layer: HeadwiseLayer, info) -> torch.Tensor:
+    def _headwise(self, module: nn.Module, query, layer: HeadwiseLayer) -> torch.Tensor:
         """Attention over a head-wise layer (per-head storage), then the press trims heads over budget."""
-        q_len = query.shape[2]
-        if layer.pending != q_len:
-            raise RuntimeError(
-                "the cache seen by the attention is not the one the press prepared; "
-                f"pass it by keyword ({self._cache_key}=...)"
-            )
         layer.commit()
         out = headwise_attention(module, query, layer)
         if self.compressing:
@@ -242,3 +232,9 @@ class PressInstallation:
         if bool(delta.any()):
             layer.keys[:, :, : layer.n] = rope.rerotate(layer.keys[:, :, : layer.n], delta, self._inv_freq)
         layer.set_rotation(rank)
+
+
+def _inputs(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The new tokens of a forward: `input_ids`, or `inputs_embeds` when no ids are given."""
+    inputs = kwargs.get("input_ids", args[0] if args else None)
+    return inputs if inputs is not None else kwargs["inputs_embeds"]

@@ -18,7 +18,7 @@ from torch import nn
 
 from kvpress.head_cache import HeadwiseLayer
 from kvpress.presses.base import BasePress, Observation
-from kvpress.presses.head_budget import HeadwisePress, allocate, dense_scores, head_observation
+from kvpress.presses.head_budget import HeadwisePress, allocate, head_observation
 
 
 @dataclass
@@ -74,7 +74,7 @@ class AdaKVPress(HeadwisePress):
         if not bool((held > budget).any()):
             return None
         per_head = torch.minimum(held, self.target(budget, obs.q_len))
-        scores = dense_scores(self.press, obs, budget)
+        scores = self.press.ranked_scores(obs, budget)
         heads = scores.shape[1]
         return allocate(scores, per_head * heads, (per_head * self.alpha_safeguard).long())
 
@@ -101,10 +101,8 @@ class AdaKVPress(HeadwisePress):
         for row in over.nonzero().flatten().tolist():
             per_head = []
             for head in range(layer.heads):
-                obs, view = head_observation(module, query, layer, row, head)
-                scores = self.press.score(obs).float()
-                protected = self.press._protected(view, budget[row : row + 1].to(scores.device))
-                per_head.append(scores.masked_fill(protected, float("inf"))[0, 0])
+                obs, _ = head_observation(module, query, layer, row, head)
+                per_head.append(self.press.ranked_scores(obs, budget[row : row + 1])[0, 0])
             n = max(s.shape[0] for s in per_head)
             padded = torch.full((1, layer.heads, n), float("-inf"), device=per_head[0].device)
             for head, s in enumerate(per_head):

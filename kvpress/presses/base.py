@@ -175,6 +175,14 @@ class BasePress:
         floor = torch.minimum(budget, torch.as_tensor(self.sink_count() + self.recent_count(budget)))
         return torch.maximum(budget - (budget * self.decode_slack).long(), floor)
 
+    def ranked_scores(self, obs: Observation, budgets: torch.Tensor) -> torch.Tensor:
+        """`score()` as eviction ranks it: protected tokens (sinks, recent window) +inf, padding and holes -inf."""
+        layer = obs.layer
+        scores = self.score(obs).float()
+        scores = scores.masked_fill(self._protected(layer, budgets.to(scores.device)), math.inf)
+        valid = layer.valid
+        return scores if valid is None else scores.masked_fill(~valid, -math.inf)
+
     def _protected(self, layer: PressedLayer, budgets: torch.Tensor) -> torch.Tensor:
         """`[B, H, n]` True for the sinks and the recent window of each row."""
         pos = layer.pos
@@ -197,15 +205,11 @@ class BasePress:
             if not bool((held > budget).any()):
                 return
         keep = torch.where(held > budget, self.target(budget, obs.q_len), held)
-        scores = self.score(obs).float()
-        scores = scores.masked_fill(self._protected(layer, budget.to(scores.device)), math.inf)
-        valid = layer.valid
+        scores = self.ranked_scores(obs, budget)
         k = int(keep.max())
-        if valid is None and not layer.padded and k == layer.n - 1:
+        if layer.valid is None and not layer.padded and k == layer.n - 1:
             layer.remove_one(scores.argmin(dim=-1))  # one slot per head, overwritten in place
         else:
-            if valid is not None:
-                scores = scores.masked_fill(~valid, -math.inf)
             index, order = scores.topk(k, dim=-1).indices.sort(dim=-1)
             ranked = None
             if layer.padded:

@@ -12,7 +12,6 @@ import math
 import torch
 from torch import nn
 
-from kvpress.cache import PressedLayer
 from kvpress.head_cache import HeadwiseLayer
 from kvpress.presses.base import BasePress, Observation
 
@@ -72,12 +71,3 @@ def allocate(scores: torch.Tensor, total: torch.Tensor, floor: torch.Tensor) -> 
     extra = (flat_rank < remaining[:, None]) & (rest > -math.inf)
     return chosen | extra.view(b, h, n)
 
-
-def dense_scores(press: BasePress, obs: Observation, budget: torch.Tensor) -> torch.Tensor:
-    """`press`'s scores of a dense layer with its protected tokens at +inf and padding at -inf."""
-    layer: PressedLayer = obs.layer
-    scores = press.score(obs).float()
-    scores = scores.masked_fill(press._protected(layer, budget.to(scores.device)), math.inf)
-    if layer.valid is not None:
-        scores = scores.masked_fill(~layer.valid, -math.inf)
-    return scores
