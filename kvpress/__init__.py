@@ -23,11 +23,13 @@ from kvpress.presses import (
     Observation,
     PyramidKVPress,
     RandomPress,
+    RoundPress,
     SinkWindowPress,
     SnapKVPress,
     StreamingLLMPress,
     press_from_name,
 )
+from kvpress.round_store import RoundStore
 from kvpress.stream import stream
 
 __all__ = [
@@ -44,7 +46,9 @@ __all__ = [
     "PressedLayer",
     "PyramidKVPress",
     "RandomPress",
+    "RoundPress",
     "Round",
+    "RoundStore",
     "SinkWindowPress",
     "SnapKVPress",
     "StreamingLLMPress",

@@ -230,6 +230,38 @@ class PressedLayer(DynamicLayer):
         if "valid" in self.slots and bool(self.valid.all()):
             del self.slots["valid"]
 
+    def copy_slots(self, chosen: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copies of the held slots where `chosen` `[n]` is True (the same slots in every row and head):
+        `keys`, `values` and every per-slot tensor, for `insert` to bring back later."""
+        index = chosen.nonzero().squeeze(-1).to(self.keys.device)
+        out = {"keys": self.keys[:, :, : self.n].index_select(2, index),
+               "values": self.values[:, :, : self.n].index_select(2, index)}  # fmt: skip
+        out.update({name: t[..., : self.n].index_select(2, index) for name, t in self.slots.items()})
+        return out
+
+    def drop_slots(self, chosen: torch.Tensor) -> None:
+        """Evict the held slots where `chosen` `[n]` is True (the same slots in every row and head)."""
+        b, h = self.keys.shape[:2]
+        index = (~chosen).nonzero().squeeze(-1).to(self.keys.device)
+        self.keep(index.expand(b, h, -1))
+
+    def insert(self, held: dict[str, torch.Tensor]) -> None:
+        """Hold again slots copied by `copy_slots` (tokens seen before, so `seen` does not change),
+        everything kept in position order."""
+        extra = {name: t.to(self.keys.device) for name, t in held.items()}
+        if set(extra) != {"keys", "values", *self.slots}:
+            raise ValueError(f"slots to insert carry {sorted(extra)}, this layer keeps {sorted(self.slots)}")
+        merged = {"keys": torch.cat([self.keys[:, :, : self.n], extra["keys"]], dim=2),
+                  "values": torch.cat([self.values[:, :, : self.n], extra["values"]], dim=2)}  # fmt: skip
+        merged.update({name: torch.cat([t[..., : self.n], extra[name]], dim=2) for name, t in self.slots.items()})
+        order = merged["pos"][0, 0].long().argsort()
+        self.keys = merged.pop("keys").index_select(2, order)
+        self.values = merged.pop("values").index_select(2, order)
+        self.slots = {name: t.index_select(2, order) for name, t in merged.items()}
+        added = extra["keys"].shape[2]
+        self.n += added
+        self.shift = self.shift - added
+
     def remove_one(self, index: torch.Tensor) -> None:
         """Evict one slot per head, `index` `[B, H]`, by moving the last slot into it (no copy of the rest)."""
         self._count_evicted(torch.ones(*index.shape, self.n - 1, dtype=torch.bool, device=index.device))

@@ -9,6 +9,8 @@ from transformers import DynamicCache
 
 from kvpress.pipeline import pad_token_id
 from kvpress.presses.base import BasePress, maybe_installed
+from kvpress.presses.round import RoundPress
+from kvpress.round_store import RoundStore
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,8 @@ class ChatSession:
     Parameters:
         model, tokenizer: a chat model and its tokenizer (with a chat template).
         press: applied during every turn (None: full cache). A token-level press recompresses the whole
-            cache each turn; round-level presses build on `rounds`.
+            cache each turn; a `RoundPress` keeps whole rounds (the system prompt, the recent ones and
+            the relevant past ones) and parks the others in `store`.
         max_new_tokens: the default answer length.
         system: an optional system prompt.
     """
@@ -43,6 +46,8 @@ class ChatSession:
         self._ids: list[int] = []  # every token fed to the cache, in order
         self._pending: list[int] = []  # generated but not fed yet (the last token of the last answer)
         self._rendered = ""  # the template text that `_ids` plus `_pending` stand for
+        self.prefix_tokens = 0  # tokens of the template before the first user message (system prompt)
+        self.store = RoundStore(device="cpu") if isinstance(press, RoundPress) else None
 
     def _render(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -58,23 +63,88 @@ class ChatSession:
         delta = text[len(self._rendered) :]
         return self._pending + self.tokenizer(delta, add_special_tokens=False).input_ids
 
+    def _prefix_length(self) -> int:
+        """Tokens every rendering shares before the first user message's text (system prompt, headers)."""
+        a, b = (self.tokenizer(self._render(self.messages + [{"role": "user", "content": t}]),
+                               add_special_tokens=False).input_ids for t in ("1", "2"))  # fmt: skip
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+    def _reply_tokens(self, messages: list[dict], reply: str) -> list[int]:
+        """Ids of the assistant turn `reply` as the template writes it after `messages`."""
+        with_reply = self.tokenizer.apply_chat_template(
+            messages + [{"role": "assistant", "content": reply}], tokenize=False, add_generation_prompt=False
+        )
+        prompt = self._render(messages)
+        if not with_reply.startswith(prompt):
+            raise ValueError("the chat template renders an assistant turn differently after the generation prompt")
+        return self.tokenizer(with_reply[len(prompt) :], add_special_tokens=False).input_ids
+
     @torch.inference_mode()
-    def send(self, text: str, max_new_tokens: int | None = None, streamer=None) -> str:
-        """Add a user turn, answer it greedily and return the answer. On error the session is unchanged."""
+    def send(self, text: str, max_new_tokens: int | None = None, streamer=None, reply: str | None = None) -> str:
+        """Add a user turn, answer it greedily and return the answer.
+
+        A refused input (empty message, a turn past the model's positions) leaves the session unchanged,
+        and so does an error inside the model when there is no press; with a press, a forward that
+        raised half-way leaves a cache the next turn refuses with a clear error.
+
+        `reply=` records the given assistant answer instead of generating one (a known history, or a
+        benchmark's scripted turns); it is fed to the model, not generated, and returned.
+        """
         if not isinstance(text, str) or not text.strip():
             raise ValueError("the message is empty")
+        if reply is not None and (not isinstance(reply, str) or not reply.strip()):
+            raise ValueError("the reply is empty")
         max_new_tokens = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         messages = self.messages + [{"role": "user", "content": text}]
         new = self._new_tokens(messages)
-        total = len(self._ids) + len(new) + max_new_tokens
+        reply_ids = self._reply_tokens(messages, reply) if reply is not None else []
+        total = len(self._ids) + len(new) + (len(reply_ids) if reply is not None else max_new_tokens)
         limit = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         if limit is not None and total > limit and (self.press is None or not self.press.rerotate):
             raise ValueError(
                 f"this turn would reach position {total}, past the model's {limit} positions; "
                 "use a press with rerotate=True, or start a new session"
             )
-        ids = torch.tensor([self._ids + new], device=self.model.device)
-        kwargs = dict(
+        prefix = self.prefix_tokens if self.rounds else self._prefix_length()
+        start = len(self._ids)
+        if isinstance(self.press, RoundPress):
+            spans = [(max(r.start, prefix), r.end) for r in self.rounds]
+            self.press.begin_turn(self.cache, spans, self.store)
+        try:
+            with maybe_installed(self.press, self.model):
+                if reply is None:
+                    answer_ids = self._generate(torch.tensor([self._ids + new], device=self.model.device),
+                                                max_new_tokens, streamer)  # fmt: skip
+                else:
+                    for part in (new, reply_ids[:-1]):
+                        if part:
+                            ids = torch.tensor([part], device=self.model.device)
+                            self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+                    answer_ids = reply_ids
+            end = start + len(new) + len(answer_ids) - 1
+            if isinstance(self.press, RoundPress):
+                self.press.end_turn((max(start, prefix), end))
+        except BaseException:
+            if self.press is None:  # a full cache goes back to the history before this turn, layer by layer
+                for layer in self.cache.layers:
+                    if layer.get_seq_length() > start:
+                        layer.crop(start - layer.get_seq_length())
+            raise
+        finally:
+            if isinstance(self.press, RoundPress):
+                self.press.end_turn(None)  # no-op once ended; forgets an unfinished turn
+        self._ids += new + answer_ids[:-1]
+        self.prefix_tokens = prefix
+        self._pending = answer_ids[-1:]
+        self.rounds.append(Round(start, len(self._ids)))
+        self.messages = messages + [{"role": "assistant", "content": reply if reply is not None else
+                                     self.tokenizer.decode(answer_ids, skip_special_tokens=True)}]  # fmt: skip
+        self._rendered = self._render(messages) + self.tokenizer.decode(answer_ids, skip_special_tokens=False)
+        return self.messages[-1]["content"]
+
+    def _generate(self, ids: torch.Tensor, max_new_tokens: int, streamer) -> list[int]:
+        out = self.model.generate(
+            ids,
             attention_mask=torch.ones_like(ids),
             cache=self.cache,
             max_new_tokens=max_new_tokens,
@@ -82,14 +152,4 @@ class ChatSession:
             pad_token_id=pad_token_id(self.tokenizer),
             streamer=streamer,
         )
-        with maybe_installed(self.press, self.model):
-            out = self.model.generate(ids, **kwargs)
-        answer_ids = out[0, ids.shape[1] :].tolist()
-        answer = self.tokenizer.decode(answer_ids, skip_special_tokens=True)
-        start = len(self._ids)
-        self._ids += new + answer_ids[:-1]
-        self._pending = answer_ids[-1:]
-        self.rounds.append(Round(start, len(self._ids)))
-        self.messages = messages + [{"role": "assistant", "content": answer}]
-        self._rendered = self._render(messages) + self.tokenizer.decode(answer_ids, skip_special_tokens=False)
-        return answer
+        return out[0, ids.shape[1] :].tolist()

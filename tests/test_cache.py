@@ -120,3 +120,20 @@ def test_adopted_padded_conversation_matches_rows_alone():
         with press(model):
             alone = model.generate(r[None], max_new_tokens=10, do_sample=False)
         assert torch.equal(batch[i, 30:], alone[0, len(r) :])
+
+
+def test_slots_copied_dropped_and_inserted_come_back_in_place():
+    layer = PressedLayer()
+    keys, values = torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4)
+    layer.update(keys, values)
+    chosen = torch.zeros(10, dtype=torch.bool)
+    chosen[3:6] = True
+    part = layer.copy_slots(chosen)
+    layer.drop_slots(chosen)
+    assert (layer.n, layer.seen, layer.get_seq_length()) == (7, 10, 10) and 4 not in layer.pos[0, 0].tolist()
+    assert int(layer.shift[0]) == 3
+    layer.insert(part)
+    assert layer.n == 10 and torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+    assert layer.pos[0, 0].tolist() == list(range(10)) and int(layer.shift[0]) == 0
+    with pytest.raises(ValueError, match="slots to insert carry"):
+        layer.insert({"keys": part["keys"], "values": part["values"]})

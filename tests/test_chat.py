@@ -74,3 +74,27 @@ def test_streaming_and_a_bounded_cache(default_model):
     assert all(layer.n <= 64 for layer in session.cache.layers)
     assert session.messages[0] == {"role": "system", "content": "Be brief."}
     assert len(session.rounds) == 3
+
+
+def test_a_model_error_mid_turn_leaves_a_full_cache_session_unchanged(default_model):
+    model, tokenizer = default_model
+    session = kvpress.ChatSession(model, tokenizer, max_new_tokens=4)
+    session.send("Hello.", reply="Hi!")
+    before = _state(session)
+    calls = []
+
+    def fail_on_third_step(module, args, output):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+
+    hook = model.model.layers[5].register_forward_hook(fail_on_third_step)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            session.send("What did I say?")
+    finally:
+        hook.remove()
+    assert _state(session) == before
+    reference = kvpress.ChatSession(model, tokenizer, max_new_tokens=4)
+    reference.send("Hello.", reply="Hi!")
+    assert session.send("What did I say?") == reference.send("What did I say?")

@@ -8,6 +8,7 @@ from kvpress.presses.heavy_hitter import H2OPress, HeavyHitterPress
 from kvpress.presses.knorm import KnormPress
 from kvpress.presses.pyramidkv import PyramidKVPress
 from kvpress.presses.random_press import RandomPress
+from kvpress.presses.round import RoundPress
 from kvpress.presses.sink_window import SinkWindowPress, StreamingLLMPress
 from kvpress.presses.snapkv import SnapKVPress
 
@@ -49,6 +50,7 @@ __all__ = [
     "KnormPress",
     "PyramidKVPress",
     "RandomPress",
+    "RoundPress",
     "SinkWindowPress",
     "StreamingLLMPress",
     "SnapKVPress",

@@ -1,0 +1,177 @@
+"""`make bench-chat`: multi-turn recall on real chats at equal working-cache bytes.
+
+Each example is a Chit Chat Challenge conversation (`eval/tasks/chat_recall.py`) fed round by round
+to a `kvpress.ChatSession` (scripted replies, so every configuration sees the same history); two
+facts are planted in early rounds and the last turn asks for one of them. Configurations:
+- full cache;
+- `RoundPress` (top-k relevant past rounds + the most recent one, the rest offloaded to a host store);
+- `RoundPress(inner=SnapKV)`: each finished round also compressed once (FlowKV);
+- SinkWindow and "recompress everything every turn" (SnapKV over the whole cache at each turn), both
+  with a token budget equal, per example, to what RoundPress holds per layer at the last turn.
+Reported per configuration: accuracy (and its ratio to the full cache), working-cache bytes at the
+last turn and averaged over turns (ratio to the full cache of the same chat; RoundPress's host store
+reported separately), tokens fed per turn. Writes `eval/results/chat.json`.
+
+`--watershed` instead measures, per layer, how often the round-level attention of the question's
+tokens ranks the asked fact's round first (seeds apart from the reported ones): the rule behind
+`watershed_layer="auto"`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import kvpress
+from kvpress.eval.tasks.chat_recall import ChatExample, chat_recall_examples
+from kvpress.presses.round import choose_watershed
+
+OUT = Path(__file__).parent / "results"
+
+
+def run_chat(model, tokenizer, example: ChatExample, press, max_new_tokens: int = 24) -> dict:
+    """Play `example` through a session with `press`; score the answer, count bytes and tokens fed."""
+    session = kvpress.ChatSession(model, tokenizer, press=press, max_new_tokens=max_new_tokens)
+    fed: list[int] = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    per_turn, tokens = [], []
+    try:
+        for user, reply in example.rounds:
+            fed.clear()
+            session.send(user, reply=reply)
+            per_turn.append(kvpress.cache_bytes(session.cache))
+            tokens.append(sum(fed))
+        fed.clear()
+        answer = session.send(example.question)
+        tokens.append(sum(fed))
+    finally:
+        hook.remove()
+    per_turn.append(kvpress.cache_bytes(session.cache))
+    full_layers = [layer for layer in session.cache.layers if getattr(layer, "n", None) is not None]
+    return {
+        "score": example.score(answer),
+        "answer": answer,
+        "bytes_last": per_turn[-1],
+        "bytes_per_turn": per_turn,
+        "store_bytes": session.store.nbytes() if session.store is not None else 0,
+        "tokens_fed_per_turn": tokens,
+        "history_tokens": session.cache.get_seq_length(),
+        "held_per_layer": sum(layer.n for layer in full_layers) / max(1, len(full_layers)),
+        "selected": list(getattr(press, "selected", [])),
+        "fact_round": example.fact_round,
+    }
+
+
+def configurations(top_k: int) -> dict:
+    return {
+        "round": lambda budget: kvpress.RoundPress(top_k_rounds=top_k, keep_recent_rounds=1),
+        "round+snapkv": lambda budget: kvpress.RoundPress(
+            top_k_rounds=top_k, keep_recent_rounds=1, inner=kvpress.SnapKVPress(compression_ratio=0.5, window_size=16)
+        ),
+        "sink-window": lambda budget: kvpress.SinkWindowPress(max_tokens=budget),
+        "recompress-every-turn": lambda budget: kvpress.SnapKVPress(max_tokens=budget, window_size=16),
+    }
+
+
+def bench(model, tokenizer, examples: list[ChatExample], top_k: int) -> dict:
+    rows: dict[str, list[dict]] = {"full": []}
+    configs = configurations(top_k)
+    for i, example in enumerate(examples):
+        start = time.time()
+        full = run_chat(model, tokenizer, example, None)
+        rows["full"].append(full)
+        round_row = run_chat(model, tokenizer, example, configs["round"](None))
+        rows.setdefault("round", []).append(round_row)
+        budget = max(48, round(round_row["held_per_layer"]))  # equal working bytes at the last turn
+        for name in ("round+snapkv", "sink-window", "recompress-every-turn"):
+            rows.setdefault(name, []).append(run_chat(model, tokenizer, example, configs[name](budget)))
+        for r in rows.values():
+            row, turns = r[-1], zip(r[-1]["bytes_per_turn"], full["bytes_per_turn"], strict=True)
+            row["bytes_ratio_last"] = row["bytes_last"] / full["bytes_last"]
+            row["bytes_ratio_mean"] = sum(b / f for b, f in turns) / len(full["bytes_per_turn"])
+        print(f"example {i}: " + ", ".join(f"{n} {r[-1]['score']:.0f}" for n, r in rows.items())
+              + f" ({time.time() - start:.0f} s)", flush=True)  # fmt: skip
+    full_acc = sum(r["score"] for r in rows["full"]) / len(examples)
+    summary = {}
+    for name, members in rows.items():
+        acc = sum(r["score"] for r in members) / len(members)
+        store = [r["store_bytes"] / f["bytes_last"] for r, f in zip(members, rows["full"], strict=True)]
+        summary[name] = {
+            "accuracy": round(acc, 4),
+            "retention": round(acc / full_acc, 4) if full_acc else None,
+            "working_bytes_last": round(sum(r["bytes_ratio_last"] for r in members) / len(members), 4),
+            "working_bytes_mean_over_turns": round(sum(r["bytes_ratio_mean"] for r in members) / len(members), 4),
+            "store_bytes_last": round(sum(store) / len(store), 4),
+            "tokens_fed_per_turn": round(sum(sum(r["tokens_fed_per_turn"]) / len(r["tokens_fed_per_turn"])
+                                             for r in members) / len(members), 1),  # fmt: skip
+            "fact_round_selected": (round(sum(r["fact_round"] in r["selected"] for r in members) / len(members), 4)
+                                    if name.startswith("round") else None),  # fmt: skip
+        }
+    return {"summary": summary, "rows": rows}
+
+
+@torch.inference_mode()
+def watershed(model, tokenizer, examples: list[ChatExample]) -> list[float]:
+    """Per layer: the fraction of examples where the question's round-level attention ranks the asked
+    fact's round first among the past rounds (full cache, every round present)."""
+    from kvpress.eval.sweep import _Recorder
+    from kvpress.patches import model_access
+    from kvpress.presses.base import Observation
+
+    n_layers = model_access.text_config(model).num_hidden_layers
+    hits = [0] * n_layers
+    for example in examples:
+        session = kvpress.ChatSession(model, tokenizer, max_new_tokens=1)
+        for user, reply in example.rounds:
+            session.send(user, reply=reply)
+        spans = [(max(r.start, session.prefix_tokens), r.end) for r in session.rounds[:-1]]
+        messages = session.messages + [{"role": "user", "content": example.question}]
+        ids = torch.tensor([session._new_tokens(messages)])
+        recorder = _Recorder(compression_ratio=0.0)
+        with recorder(model):
+            model(input_ids=ids, cache=session.cache, use_cache=True, logits_to_keep=1)
+        for idx, (module, query) in recorder.queries.items():
+            layer = session.cache.layers[idx]
+            obs = Observation(module, query, layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n], layer)
+            relevance = kvpress.RoundPress._relevance(obs, spans)
+            hits[idx] += int(max(range(len(spans)), key=relevance.__getitem__) == example.fact_round)
+    return [h / len(examples) for h in hits]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="packaged model name or directory (default SmolLM2-135M)")
+    parser.add_argument("--examples", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--top-k", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--watershed", action="store_true", help="measure the watershed rule instead")
+    parser.add_argument("--out", default=None, help="JSON output (default eval/results/chat[-MODEL].json)")
+    args = parser.parse_args(argv)
+    model, tokenizer = kvpress.load_model(args.model)
+    examples = chat_recall_examples(args.examples, args.rounds, args.seed)
+    suffix = f"-{args.model}" if args.model else ""
+    if args.watershed:
+        rates = watershed(model, tokenizer, examples)
+        result = {"model": args.model or "smollm2-135m", "seed": args.seed, "examples": args.examples,
+                  "fact_round_ranked_first_per_layer": [round(r, 4) for r in rates],
+                  "watershed": choose_watershed(rates)}  # fmt: skip
+        out = Path(args.out or OUT / f"watershed{suffix}.json")
+    else:
+        result = {"model": args.model or "smollm2-135m", "seed": args.seed, "examples": args.examples,
+                  "rounds": args.rounds, "top_k_rounds": args.top_k,
+                  **bench(model, tokenizer, examples, args.top_k)}  # fmt: skip
+        out = Path(args.out or OUT / f"chat{suffix}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result.get("summary", result), indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,239 @@
+"""Round-level selection for multi-turn chat: keep the past rounds relevant to the new user turn.
+
+Round Attention, Tang et al. 2025, "Round Attention: A Novel Round-Level Attention Mechanism to
+Accelerate LLM Inference" (arXiv:2502.15294): in a chat, the round-level attention (a round is a user
+turn and its answer) of the layers from a "watershed" layer on picks out the same few past rounds.
+So, as in the paper, the layers up to the watershed keep the whole history; at the first forward of
+each turn the watershed layer's attention of the new user turn, summed over each past round's tokens,
+ranks the rounds; and the layers after it hold only the system prompt, the most recent round(s), the
+top-k rounds and the current turn (rearranged before they run). Measured here: ranking with the lower
+layers reduced too fails (the new turn's queries need the whole history below the watershed to find
+the round: 0.08-0.25 of asked rounds found vs 0.83-0.92), hence the paper's split. Unselected rounds
+wait in a `RoundStore` (host memory) and come back when a later turn finds them relevant again. Keys
+are stored after RoPE at their true positions, so a recalled round sits exactly where it was.
+FlowKV, 2025 ("FlowKV: Enhancing Multi-Turn Conversational Coherence in LLMs via Isolated Key-Value
+Cache Management", arXiv:2505.15347): compress each finished round once and never again (re-compressing
+old turns destroys early information). `inner` does that.
+
+Used through `kvpress.ChatSession(model, tokenizer, press=RoundPress(...))`, which tells the press
+where each round begins and ends.
+
+Parameters:
+    top_k_rounds: past rounds kept by relevance (besides the recent ones), >= 0.
+    keep_recent_rounds: most recent finished rounds always kept, >= 0.
+    watershed_layer: index of the (full-attention) layer that ranks the rounds, or "auto": the layer
+        measured for this model (`MEASURED_WATERSHEDS`: SmolLM2-135M, Qwen2.5-0.5B; rule in
+        `choose_watershed`), else a quarter of the depth.
+    inner: a token-level press applied once to each finished round, in every layer (None: rounds stay
+        whole). Its budget is per round: `SnapKVPress(compression_ratio=0.5)` halves every round.
+    offload: "cpu" keeps every finished round in a host-memory store so an unselected round can be
+        recalled; "none" drops unselected rounds (from the layers after the watershed) for good.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kvpress.cache import PressedLayer
+from kvpress.presses.base import BasePress, Observation
+from kvpress.presses.head_budget import HeadwisePress
+from kvpress.round_store import RoundStore
+
+OFFLOAD = ("cpu", "none")
+# "auto": per model (architecture hash, as head patterns), the layer `choose_watershed` picks from
+# `python -m kvpress.eval.bench_chat --watershed --seed 100 --examples 24 (SmolLM2) / 12 (--model
+# qwen2.5-0.5b)` (chitchat chats, seeds apart from the reported ones): per layer, the fraction of chats
+# whose asked round that layer's round-level attention ranks first (eval/results/watershed*.json).
+MEASURED_WATERSHEDS = {
+    "59ba6691c8489e2a": 15,  # smollm2-135m: 0.83 (best 0.92 at layer 23; layers 3-10 at most 0.42)
+    "140aa0967c067ea9": 3,  # qwen2.5-0.5b: 1.00 (also 1.00 at layers 7, 13, 16, 19, 20)
+}
+
+
+def choose_watershed(rates: list[float], tolerance: float = 0.9) -> int:
+    """The earliest layer ranking the asked round first at least `tolerance` times as often as the best
+    layer does (early: the layers up to the watershed keep the whole history, so it sets the memory)."""
+    best = max(rates)
+    return next(i for i, rate in enumerate(rates) if rate >= tolerance * best)
+
+
+def auto_watershed(model: nn.Module) -> int:
+    """The measured watershed of `model` (`MEASURED_WATERSHEDS`), else a quarter of its depth."""
+    from kvpress.patches import model_access
+    from kvpress.patterns import config_hash
+
+    n_layers = model_access.text_config(model).num_hidden_layers
+    return MEASURED_WATERSHEDS.get(config_hash(model), n_layers // 4)
+
+
+@dataclass
+class _Turn:
+    """What the session tells the press about the turn being answered."""
+
+    cache: object
+    rounds: list[tuple[int, int]]  # finished rounds, [start, end) positions, oldest first
+    store: RoundStore | None
+    selected: bool = False
+
+
+@dataclass
+class RoundPress(BasePress):
+    """Keep the system prompt, the recent rounds and the top-k relevant past rounds (see module docstring)."""
+
+    top_k_rounds: int = 2
+    keep_recent_rounds: int = 1
+    watershed_layer: int | str = "auto"
+    inner: BasePress | None = None
+    offload: str = "cpu"
+    compression_ratio: float | None = 0.0
+    selected: list[int] = field(default_factory=list, init=False)  # rounds chosen at the last turn's selection
+    relevance: list[float] = field(default_factory=list, init=False)  # their candidates' scores, oldest first
+
+    def __post_init__(self) -> None:
+        for name in ("top_k_rounds", "keep_recent_rounds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        layer = self.watershed_layer
+        if layer != "auto" and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 0):
+            raise ValueError(f"watershed_layer must be a layer index (int >= 0) or 'auto', got {layer!r}")
+        if self.offload not in OFFLOAD:
+            raise ValueError(f"offload must be one of {OFFLOAD}, got {self.offload!r}")
+        if self.compression_ratio != 0.0 or self.max_tokens is not None:
+            raise ValueError(
+                "RoundPress keeps whole rounds: bound it with top_k_rounds / keep_recent_rounds, and compress "
+                "each round with inner=<a press> (compression_ratio and max_tokens are not its parameters)"
+            )
+        if self.inner is not None:
+            if not isinstance(self.inner, BasePress) or isinstance(self.inner, (HeadwisePress, RoundPress)):
+                kind = type(self.inner).__name__
+                raise TypeError(f"inner must be a token-level press (SnapKV, H2O, ...), got {kind}")
+            if self.inner.rerotate:
+                raise ValueError("inner presses compress a round in place: rerotate=True is not supported there")
+        if self.rerotate:
+            raise ValueError("RoundPress keeps rounds at their true positions: rerotate=True is not supported")
+        super().__post_init__()
+        self._turn: _Turn | None = None
+        self._queries: dict[int, tuple[nn.Module, torch.Tensor]] = {}
+        self.watershed: int | None = None
+
+    # ----- set-up ------------------------------------------------------------------------------------
+    def check_model(self, model: nn.Module) -> None:
+        from kvpress.patches import model_access
+
+        config = model_access.text_config(model)
+        n_layers = config.num_hidden_layers
+        types = getattr(config, "layer_types", None) or ["full_attention"] * n_layers
+        full = [i for i, kind in enumerate(types) if kind == "full_attention"]
+        if self.watershed_layer == "auto":
+            target = auto_watershed(model)
+            self.watershed = min(full, key=lambda i: (abs(i - target), i)) if full else None
+        else:
+            self.watershed = self.watershed_layer
+        if self.watershed not in full or self.watershed == n_layers - 1:
+            raise ValueError(
+                f"watershed_layer={self.watershed_layer} is not a full-attention layer of {type(model).__name__} "
+                f"with layers after it (its full-attention layers: {full}, the last one excluded)"
+            )
+        if self.inner is not None:
+            self.inner.check_model(model)
+
+    def begin_turn(self, cache, rounds: list[tuple[int, int]], store: RoundStore | None) -> None:
+        """Called by `ChatSession` before a turn: the cache, the finished rounds' spans, the store."""
+        self._turn = _Turn(cache, list(rounds), store if self.offload == "cpu" else None)
+        self._queries = {}
+
+    def end_turn(self, span: tuple[int, int] | None) -> None:
+        """Called by `ChatSession` once the turn's round `span` is finished: compress it once, store it
+        (`span=None`: the turn failed, forget it)."""
+        turn, self._turn = self._turn, None
+        if turn is None or span is None:
+            self._queries = {}
+            return
+        index = len(turn.rounds)
+        for layer_idx, layer in enumerate(turn.cache.layers):
+            if not isinstance(layer, PressedLayer):
+                continue
+            if self.inner is not None and layer_idx in self._queries:
+                self._compress_round(layer_idx, layer, span)
+            if turn.store is not None and layer_idx > self.watershed:
+                turn.store.put(layer_idx, index, layer.copy_slots(_in_span(layer, span)))
+        self._queries = {}
+
+    # ----- during the turn's forwards -------------------------------------------------------------------
+    def after_attention(self, obs: Observation, rerank=None) -> None:
+        turn = self._turn
+        if turn is None:
+            raise RuntimeError("RoundPress needs round boundaries: use it through kvpress.ChatSession(press=...)")
+        if self.inner is not None:  # the last queries of the round, for inner's scores at the end
+            window = getattr(self.inner, "window_size", None) or 64
+            previous = self._queries.get(obs.layer_idx)
+            query = obs.query if previous is None else torch.cat([previous[1], obs.query], dim=2)
+            self._queries[obs.layer_idx] = (obs.module, query[:, :, -window:])
+        if obs.layer_idx == self.watershed and not turn.selected:
+            turn.selected = True
+            self._select(obs, turn)
+
+    def _select(self, obs: Observation, turn: _Turn) -> None:
+        """Rank the past rounds by the new tokens' attention at the watershed (which holds every round),
+        then make each layer after it hold the prefix, the recent rounds and the top-k, before it runs."""
+        self.selected, self.relevance = [], []
+        candidates = list(range(max(0, len(turn.rounds) - self.keep_recent_rounds)))
+        upper = {i: layer for i, layer in enumerate(turn.cache.layers)
+                 if i > self.watershed and isinstance(layer, PressedLayer) and layer.n}  # fmt: skip
+        if not candidates or not upper:
+            return
+        self.relevance = self._relevance(obs, [turn.rounds[r] for r in candidates])
+        available = [r for r in candidates if all(_holds(layer, turn.rounds[r]) or (
+            turn.store is not None and (i, r) in turn.store) for i, layer in upper.items())]  # fmt: skip
+        self.selected = sorted(sorted(available, key=lambda r: -self.relevance[r])[: self.top_k_rounds])
+        for i, layer in upper.items():
+            drop = torch.zeros(layer.n, dtype=torch.bool, device=layer.keys.device)
+            for r in candidates:
+                if r not in self.selected:
+                    drop |= _in_span(layer, turn.rounds[r])
+            if bool(drop.any()):
+                layer.drop_slots(drop)
+            for r in self.selected:
+                if not _holds(layer, turn.rounds[r]):
+                    layer.insert(turn.store.get(i, r))
+
+    @staticmethod
+    def _relevance(obs: Observation, spans: list[tuple[int, int]]) -> list[float]:
+        """Round-level attention of the new tokens: for each query head, the attention (averaged over the
+        new tokens) summed over each span's slots; the max over heads. (Measured on chats: the max finds
+        the asked round where the mean over heads does not.)"""
+        n_old = obs.keys.shape[2] - obs.q_len
+        probs = obs.attention_probs(0, obs.q_len)[0, ..., :n_old].mean(dim=2).flatten(0, 1)  # [heads, n_old]
+        pos = obs.layer.pos[0, 0, :n_old]
+        return [float(probs[:, (pos >= start) & (pos < end)].sum(-1).max()) for start, end in spans]
+
+    def _compress_round(self, layer_idx: int, layer: PressedLayer, span: tuple[int, int]) -> None:
+        """Apply `inner` to the round's slots alone, as a prefill of that round, with its last queries."""
+        chosen = _in_span(layer, span)
+        part = layer.copy_slots(chosen)
+        alone = PressedLayer()
+        alone.update(part["keys"], part["values"])  # positions 0..n-1 within the round
+        module, query = self._queries[layer_idx]
+        query = query[:, :, -alone.n :]
+        self.inner.after_attention(Observation(module, query, alone.keys, alone.values, alone))
+        if alone.n == part["keys"].shape[2]:
+            return
+        if set(layer.slots) != {"pos"}:  # a per-slot state (padding, scores) a round cannot carry over
+            raise RuntimeError(f"cannot compress a round of a layer holding per-slot {sorted(layer.slots)}")
+        kept = {"keys": alone.keys[:, :, : alone.n], "values": alone.values[:, :, : alone.n],
+                "pos": alone.pos + span[0]}  # fmt: skip
+        layer.drop_slots(chosen)
+        layer.insert(kept)
+
+
+def _in_span(layer: PressedLayer, span: tuple[int, int]) -> torch.Tensor:
+    pos = layer.pos[0, 0]
+    return (pos >= span[0]) & (pos < span[1])
+
+
+def _holds(layer: PressedLayer, span: tuple[int, int]) -> bool:
+    return bool(_in_span(layer, span).any())

@@ -1,0 +1,36 @@
+"""`RoundStore`: finished chat rounds kept outside the working cache, per layer, until recalled."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpress.cache import tensor_bytes
+
+
+class RoundStore:
+    """Copies of finished rounds' slots (keys, values, positions), keyed by (layer index, round index).
+
+    A round is stored once, when it is finished (and compressed by the round press's `inner`, if any),
+    and never changes afterwards, so recalling it gives back exactly what left the working cache.
+    `device="cpu"` keeps them in host memory (what frees accelerator memory on a GPU).
+    """
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self._rounds: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+    def put(self, layer_idx: int, round_idx: int, slots: dict[str, torch.Tensor]) -> None:
+        self._rounds[layer_idx, round_idx] = {name: t.to(self.device) for name, t in slots.items()}
+
+    def get(self, layer_idx: int, round_idx: int) -> dict[str, torch.Tensor]:
+        return self._rounds[layer_idx, round_idx]
+
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        return key in self._rounds
+
+    def __len__(self) -> int:
+        return len(self._rounds)
+
+    def nbytes(self) -> int:
+        """Bytes held by the store."""
+        return tensor_bytes(t for slots in self._rounds.values() for t in slots.values())
