@@ -130,14 +130,16 @@ def watershed(model, tokenizer, examples: list[ChatExample]) -> list[float]:
             session.send(user, reply=reply)
         spans = [(max(r.start, session.prefix_tokens), r.end) for r in session.rounds[:-1]]
         messages = session.messages + [{"role": "user", "content": example.question}]
-        ids = torch.tensor([session._new_tokens(messages)])
+        new = session._new_tokens(messages)
+        queries = session.user_text_span(messages, new)
+        ids = torch.tensor([new])
         recorder = _Recorder(compression_ratio=0.0)
         with recorder(model):
             model(input_ids=ids, cache=session.cache, use_cache=True, logits_to_keep=1)
         for idx, (module, query) in recorder.queries.items():
             layer = session.cache.layers[idx]
             obs = Observation(module, query, layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n], layer)
-            relevance = kvpress.RoundPress._relevance(obs, spans)
+            relevance = kvpress.RoundPress._relevance(obs, spans, queries)
             hits[idx] += int(max(range(len(spans)), key=relevance.__getitem__) == example.fact_round)
     return [h / len(examples) for h in hits]
 

@@ -16,6 +16,7 @@ from kvpress.presses import (
     PRESSES,
     AdaKVPress,
     BasePress,
+    ChunkPress,
     DuoAttentionPress,
     H2OPress,
     HeavyHitterPress,
@@ -35,6 +36,7 @@ from kvpress.stream import stream
 __all__ = [
     "AdaKVPress",
     "BasePress",
+    "ChunkPress",
     "DuoAttentionPress",
     "HeadwiseLayer",
     "ChatSession",

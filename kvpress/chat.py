@@ -69,6 +69,14 @@ class ChatSession:
                                add_special_tokens=False).input_ids for t in ("1", "2"))  # fmt: skip
         return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
+    def user_text_span(self, messages: list[dict], new: list[int]) -> tuple[int, int]:
+        """Where, among the `new` tokens of a turn, the last user message's own text lies (the template's
+        headers around it excluded): the tokens two renderings with different texts do not share."""
+        a, b = (self._new_tokens(messages[:-1] + [{"role": "user", "content": t}]) for t in ("1", "2"))
+        head = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), 0)
+        tail = next((i for i, (x, y) in enumerate(zip(a[::-1], b[::-1], strict=False)) if x != y), 0)
+        return head, max(head + 1, len(new) - tail)
+
     def _reply_tokens(self, messages: list[dict], reply: str) -> list[int]:
         """Ids of the assistant turn `reply` as the template writes it after `messages`."""
         with_reply = self.tokenizer.apply_chat_template(
@@ -108,8 +116,9 @@ class ChatSession:
         prefix = self.prefix_tokens if self.rounds else self._prefix_length()
         start = len(self._ids)
         if isinstance(self.press, RoundPress):
+            self.store = self.store if self.store is not None else RoundStore(device="cpu")
             spans = [(max(r.start, prefix), r.end) for r in self.rounds]
-            self.press.begin_turn(self.cache, spans, self.store)
+            self.press.begin_turn(self.cache, spans, self.store, self.user_text_span(messages, new))
         try:
             with maybe_installed(self.press, self.model):
                 if reply is None:
@@ -127,7 +136,7 @@ class ChatSession:
         except BaseException:
             if self.press is None:  # a full cache goes back to the history before this turn, layer by layer
                 for layer in self.cache.layers:
-                    if layer.get_seq_length() > start:
+                    if getattr(layer, "is_croppable", False) and layer.get_seq_length() > start:
                         layer.crop(start - layer.get_seq_length())
             raise
         finally:

@@ -146,7 +146,6 @@ def test_round_press_errors(default_model):
         session.send("Hello.")
     assert session.messages == [] and session.rounds == [] and session.cache.get_seq_length() == 0
     session.press = kvpress.RoundPress(watershed_layer=15)
-    session.store = kvpress.RoundStore()
     session.send("Hello.", reply="Hi!")
     with pytest.raises(ValueError, match="the reply is empty"):
         session.send("Hello again.", reply=" ")
@@ -164,3 +163,14 @@ def test_chat_recall_examples_are_deterministic_and_plant_the_asked_fact():
         assert example.score(f"It is {example.answer}.") == 1.0 and example.score("I don't know.") == 0.0
     with pytest.raises(ValueError, match="need n >= 1"):
         chat_recall_examples(0)
+
+
+def test_the_user_text_span_excludes_the_template(default_model):
+    model, tokenizer = default_model
+    session = kvpress.ChatSession(model, tokenizer, system="Be brief.")
+    for text in ("What is my locker code?", "Hello you"):
+        messages = session.messages + [{"role": "user", "content": text}]
+        new = session._new_tokens(messages)
+        start, stop = session.user_text_span(messages, new)
+        assert tokenizer.decode(new[start:stop]) == text
+        session.send(text, reply="Noted.")

@@ -2,6 +2,7 @@
 
 from kvpress.presses.adakv import AdaKVPress
 from kvpress.presses.base import BasePress, Observation
+from kvpress.presses.chunk import ChunkPress
 from kvpress.presses.duo_attention import DuoAttentionPress
 from kvpress.presses.head_budget import HeadwisePress
 from kvpress.presses.heavy_hitter import H2OPress, HeavyHitterPress
@@ -18,8 +19,14 @@ def _adakv(alpha_safeguard: float = 0.2, inner: str = "snapkv", **kwargs) -> Ada
     return AdaKVPress(press_from_name(inner, **kwargs), alpha_safeguard=alpha_safeguard)
 
 
+def _chunkkv(chunk_size: int = 10, inner: str = "snapkv", **kwargs) -> ChunkPress:
+    """ChunkKV around the press named `inner` (SnapKV by default), built from the remaining arguments."""
+    return ChunkPress(press_from_name(inner, **kwargs), chunk_size=chunk_size)
+
+
 PRESSES = {
     "adakv": _adakv,
+    "chunkkv": _chunkkv,
     "duo-attention": DuoAttentionPress,
     "snapkv": SnapKVPress,
     "h2o": HeavyHitterPress,
@@ -41,6 +48,7 @@ def press_from_name(name: str, **kwargs) -> BasePress:
 
 __all__ = [
     "AdaKVPress",
+    "ChunkPress",
     "DuoAttentionPress",
     "HeadwisePress",
     "BasePress",

@@ -8,7 +8,7 @@ each turn the watershed layer's attention of the new user turn, summed over each
 ranks the rounds; and the layers after it hold only the system prompt, the most recent round(s), the
 top-k rounds and the current turn (rearranged before they run). Measured here: ranking with the lower
 layers reduced too fails (the new turn's queries need the whole history below the watershed to find
-the round: 0.08-0.25 of asked rounds found vs 0.83-0.92), hence the paper's split. Unselected rounds
+the round: SmolLM2 found 0.08-0.25 of asked rounds vs 0.92), hence the paper's split. Unselected rounds
 wait in a `RoundStore` (host memory) and come back when a later turn finds them relevant again. Keys
 are stored after RoPE at their true positions, so a recalled round sits exactly where it was.
 FlowKV, 2025 ("FlowKV: Enhancing Multi-Turn Conversational Coherence in LLMs via Isolated Key-Value
@@ -44,12 +44,12 @@ from kvpress.round_store import RoundStore
 
 OFFLOAD = ("cpu", "none")
 # "auto": per model (architecture hash, as head patterns), the layer `choose_watershed` picks from
-# `python -m kvpress.eval.bench_chat --watershed --seed 100 --examples 24 (SmolLM2) / 12 (--model
-# qwen2.5-0.5b)` (chitchat chats, seeds apart from the reported ones): per layer, the fraction of chats
-# whose asked round that layer's round-level attention ranks first (eval/results/watershed*.json).
+# `python -m kvpress.eval.bench_chat --watershed --seed 100 --examples 24 [--model qwen2.5-0.5b]`
+# (chitchat chats, seeds apart from the reported ones): per layer, the fraction of chats whose asked
+# round that layer's round-level attention ranks first (eval/results/watershed*.json).
 MEASURED_WATERSHEDS = {
-    "59ba6691c8489e2a": 15,  # smollm2-135m: 0.83 (best 0.92 at layer 23; layers 3-10 at most 0.42)
-    "140aa0967c067ea9": 3,  # qwen2.5-0.5b: 1.00 (also 1.00 at layers 7, 13, 16, 19, 20)
+    "59ba6691c8489e2a": 14,  # smollm2-135m: 1.00 (also at 15, 18, 23; layers 3-10 at most 0.42)
+    "140aa0967c067ea9": 3,  # qwen2.5-0.5b: 1.00 (also at 7, 11, 15)
 }
 
 
@@ -76,6 +76,7 @@ class _Turn:
     cache: object
     rounds: list[tuple[int, int]]  # finished rounds, [start, end) positions, oldest first
     store: RoundStore | None
+    queries: tuple[int, int]  # the user's text among the turn's first new tokens
     selected: bool = False
 
 
@@ -141,9 +142,11 @@ class RoundPress(BasePress):
         if self.inner is not None:
             self.inner.check_model(model)
 
-    def begin_turn(self, cache, rounds: list[tuple[int, int]], store: RoundStore | None) -> None:
-        """Called by `ChatSession` before a turn: the cache, the finished rounds' spans, the store."""
-        self._turn = _Turn(cache, list(rounds), store if self.offload == "cpu" else None)
+    def begin_turn(self, cache, rounds: list[tuple[int, int]], store: RoundStore | None,
+                   queries: tuple[int, int]) -> None:  # fmt: skip
+        """Called by `ChatSession` before a turn: the cache, the finished rounds' spans, the store and
+        where the user's text lies among the turn's first new tokens (its queries rank the rounds)."""
+        self._turn = _Turn(cache, list(rounds), store if self.offload == "cpu" else None, queries)
         self._queries = {}
 
     def end_turn(self, span: tuple[int, int] | None) -> None:
@@ -186,7 +189,7 @@ class RoundPress(BasePress):
                  if i > self.watershed and isinstance(layer, PressedLayer) and layer.n}  # fmt: skip
         if not candidates or not upper:
             return
-        self.relevance = self._relevance(obs, [turn.rounds[r] for r in candidates])
+        self.relevance = self._relevance(obs, [turn.rounds[r] for r in candidates], turn.queries)
         available = [r for r in candidates if all(_holds(layer, turn.rounds[r]) or (
             turn.store is not None and (i, r) in turn.store) for i, layer in upper.items())]  # fmt: skip
         self.selected = sorted(sorted(available, key=lambda r: -self.relevance[r])[: self.top_k_rounds])
@@ -202,14 +205,16 @@ class RoundPress(BasePress):
                     layer.insert(turn.store.get(i, r))
 
     @staticmethod
-    def _relevance(obs: Observation, spans: list[tuple[int, int]]) -> list[float]:
-        """Round-level attention of the new tokens: for each query head, the attention (averaged over the
-        new tokens) summed over each span's slots; the max over heads. (Measured on chats: the max finds
-        the asked round where the mean over heads does not.)"""
+    def _relevance(obs: Observation, spans: list[tuple[int, int]], queries: tuple[int, int]) -> list[float]:
+        """Round-level attention of the user's text: for each query head, the attention of the new tokens
+        `queries` (start, stop), averaged over them, summed over each span's slots; the max over heads.
+        (Measured on chats: the user's text and the max over heads find the asked round; the template's
+        headers and the mean over heads lean to recent rounds.)"""
         n_old = obs.keys.shape[2] - obs.q_len
-        probs = obs.attention_probs(0, obs.q_len)[0, ..., :n_old].mean(dim=2).flatten(0, 1)  # [heads, n_old]
+        start, stop = max(0, min(queries[0], obs.q_len - 1)), max(1, min(queries[1], obs.q_len))
+        probs = obs.attention_probs(start, stop)[0, ..., :n_old].mean(dim=2).flatten(0, 1)  # [heads, n_old]
         pos = obs.layer.pos[0, 0, :n_old]
-        return [float(probs[:, (pos >= start) & (pos < end)].sum(-1).max()) for start, end in spans]
+        return [float(probs[:, (pos >= first) & (pos < end)].sum(-1).max()) for first, end in spans]
 
     def _compress_round(self, layer_idx: int, layer: PressedLayer, span: tuple[int, int]) -> None:
         """Apply `inner` to the round's slots alone, as a prefill of that round, with its last queries."""

@@ -1,0 +1,73 @@
+"""Chunk-level selection: keep whole spans of tokens, so a number or a name is never cut in half.
+
+ChunkKV, Liu et al. 2025, "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient
+Long-Context LLM Inference" (arXiv:2502.00299): tokens are grouped into fixed-size chunks (10 in the
+paper) by position, a chunk is scored by the scores of its tokens, and whole chunks are kept; at
+equal memory this beats token-level SnapKV/PyramidKV on LongBench, NIAH and GSM8K. Here every token
+takes the mean score of its chunk (a mean, so chunks thinned by earlier eviction compete fairly), and
+the wrapped press's budget, sinks and window apply as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpress.presses.base import BasePress, Observation
+from kvpress.presses.head_budget import HeadwisePress
+
+
+@dataclass
+class ChunkPress(BasePress):
+    """Wrap a token-level press: its scores averaged over chunks of `chunk_size` consecutive positions.
+
+    Parameters:
+        press: the press that scores tokens (SnapKV, H2O, Knorm, ...); its budget, sinks, window and
+            per-layer scales are used as they are.
+        chunk_size: tokens per chunk (default 10, as in the paper).
+    """
+
+    press: BasePress | None = None
+    chunk_size: int = 10
+
+    def __post_init__(self) -> None:
+        if self.press is None and isinstance(self.compression_ratio, BasePress):  # ChunkPress(SnapKVPress(...))
+            self.press, self.compression_ratio = self.compression_ratio, None
+        if not isinstance(self.press, BasePress) or isinstance(self.press, (HeadwisePress, ChunkPress)):
+            raise TypeError(f"ChunkPress wraps a token-level press such as SnapKVPress, got {self.press!r}")
+        if self.compression_ratio is not None or self.max_tokens is not None:
+            raise ValueError("ChunkPress takes its budget from the wrapped press; set it there")
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer, got {self.chunk_size!r}")
+        self.compression_ratio, self.max_tokens = self.press.compression_ratio, self.press.max_tokens
+        self.rerotate, self.decode_slack = self.press.rerotate, self.press.decode_slack
+        self.layer_scales = self.press.layer_scales
+        super().__post_init__()
+
+    def sink_count(self) -> int:
+        return self.press.sink_count()
+
+    def recent_count(self, budget):
+        return self.press.recent_count(budget)
+
+    def layer_scale(self, layer_idx: int, n_layers: int) -> float:
+        return self.press.layer_scale(layer_idx, n_layers)
+
+    def check_model(self, model) -> None:
+        self.press.check_model(model)
+
+    def observe(self, obs: Observation) -> None:
+        self.press.observe(obs)
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        scores = self.press.score(obs).float()  # [B, H, n]
+        chunk = obs.layer.pos.long() // self.chunk_size
+        valid = obs.layer.valid
+        weight = torch.ones_like(scores) if valid is None else valid.float()
+        scores = scores.masked_fill(weight == 0, 0.0)
+        n_chunks = int(chunk.max()) + 1
+        total = scores.new_zeros(*scores.shape[:2], n_chunks).scatter_add_(-1, chunk, scores)
+        count = scores.new_zeros(*scores.shape[:2], n_chunks).scatter_add_(-1, chunk, weight)
+        mean = total / count.clamp_min(1.0)
+        return mean.gather(-1, chunk) + 1e-6 * scores  # whole chunks first, the tokens' own order within
