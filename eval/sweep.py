@@ -9,7 +9,13 @@ that compressed cache. (Presses with `rerotate=True` need a live prefill and are
 Writes, under `--out`: `results.jsonl` (one line per example and configuration, appended as it goes:
 an interrupted sweep resumes where it stopped), `summary.json` / `summary.csv` (mean score, its
 retention against the full cache, and kept KV bytes per task, press, ratio), `table.md` and `plot.png`
-(score vs kept KV memory per press). A score is the fraction of expected strings in the answer.
+(score vs kept KV memory per press). A score is the task's: mostly the fraction of expected strings
+in the answer (see `eval/tasks/`).
+
+Perplexity tasks cannot share a prefill: each token is predicted from the cache compressed so far.
+They run one live chunked pass per (document, configuration) (`tasks/perplexity.py`); a row records
+`ppl`, `score` = exp(-mean NLL) = 1 / ppl (higher is better, so retention = ppl_full / ppl) and the
+kept / full KV bytes at the end of the document. The summary pools the NLL of all documents.
 
 Data-parallel: under `accelerate launch --multi_gpu --num_processes N` on GPUs, or
 `torchrun --nproc_per_node N -m kvpress.eval.sweep ...` on CPUs (any launcher that sets WORLD_SIZE;
@@ -24,6 +30,7 @@ import argparse
 import copy
 import csv
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -34,9 +41,11 @@ from torch import nn
 from transformers import DynamicCache
 
 import kvpress
-from kvpress.eval.memory import peak_memory, reset_cuda_peak
-from kvpress.eval.tasks import ANSWER_TOKENS, TASKS, task_examples
+from kvpress.eval.memory import full_cache_bytes, peak_memory, reset_cuda_peak
+from kvpress.eval.tasks import ANSWER_TOKENS, TASKS, Document, task_examples
+from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.pipeline import answer_from_cache, split_prompt
+from kvpress.presses import parse_press_spec
 from kvpress.presses.base import BasePress, Observation
 
 
@@ -87,8 +96,7 @@ def compress_recording(model: nn.Module, recording: Recording, press: BasePress)
 def configurations(presses: list[str], ratios: list[float]) -> list[tuple[str, float]]:
     """("none", 0.0) (the full cache: every press at r = 0) plus every (press, r > 0)."""
     for name in presses:
-        if name not in kvpress.PRESSES:
-            raise ValueError(f"unknown press {name!r}; choose one of: {', '.join(sorted(kvpress.PRESSES))}")
+        parse_press_spec(name)  # a press name, optionally with parameters: snapkv:window_size=16
     for ratio in ratios:
         if not 0 <= ratio < 1:
             raise ValueError(f"ratios must be in [0, 1), got {ratio}")
@@ -125,7 +133,8 @@ def run_sweep(
     results_path = out / ("results.jsonl" if world == 1 else f"results.rank{rank}.jsonl")
     done = {(r["task"], r["example"], r["press"], r["ratio"]) for r in _read_results(out)}
     if rank == 0:
-        settings = {"examples": examples, "length": length, "seed": seed, "query_aware": query_aware}
+        settings = {"examples": examples, "length": length, "seed": seed, "query_aware": query_aware,
+                    "perplexity_chunk": CHUNK}  # fmt: skip
         (out / "settings.json").write_text(json.dumps({**settings, "presses": presses, "ratios": ratios,
                                                        "tasks": tasks, "processes": world}))  # fmt: skip
     with results_path.open("a") as sink:
@@ -136,24 +145,50 @@ def run_sweep(
                 todo = [(name, r) for name, r in configs if (task, i, name, r) not in done]
                 if not todo:
                     continue
-                ctx, question = split_prompt(tokenizer, example.context, example.question, chat_template=False)
-                ids = torch.cat([ctx, question], dim=-1).to(model.device)
-                recording = record_prefill(model, ids[:, :-1] if query_aware else ctx.to(model.device))
-                full_bytes = kvpress.cache_bytes(recording.cache)
-                for name, ratio in tqdm(todo, desc="configurations", leave=False, disable=not progress):
-                    reset_cuda_peak()
-                    press = None if name == "none" else kvpress.press_from_name(name, compression_ratio=ratio)
-                    cache = recording.cache if press is None else compress_recording(model, recording, press)
-                    kept = kvpress.cache_bytes(cache)
-                    working = copy.deepcopy(cache) if press is None else cache
-                    text = answer_from_cache(model, tokenizer, ids, working, press, ANSWER_TOKENS[task])
-                    row = {"task": task, "example": i, "press": name, "ratio": ratio, "score": example.score(text),
-                           "kept_bytes": kept, "full_bytes": full_bytes, "answer": text, **peak_memory()}  # fmt: skip
-                    sink.write(json.dumps(row) + "\n")
+                if isinstance(example, Document):
+                    rows = _perplexity_rows(model, tokenizer, example, todo, progress)
+                else:
+                    rows = _answer_rows(model, tokenizer, example, todo, ANSWER_TOKENS[task], query_aware, progress)
+                for row in rows:
+                    sink.write(json.dumps({"task": task, "example": i, **row}) + "\n")
                     sink.flush()
     if state is not None:
         state.wait_for_everyone()
     return write_summary(out) if rank == 0 else []
+
+
+def _answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_aware: bool, progress: bool):
+    """One recorded prefill of the example's context, then one row per configuration in `todo`."""
+    from tqdm.auto import tqdm
+
+    ctx, question = split_prompt(tokenizer, example.context, example.question, chat_template=False)
+    ids = torch.cat([ctx, question], dim=-1).to(model.device)
+    recording = record_prefill(model, ids[:, :-1] if query_aware else ctx.to(model.device))
+    full_bytes = kvpress.cache_bytes(recording.cache)
+    for name, ratio in tqdm(todo, desc="configurations", leave=False, disable=not progress):
+        reset_cuda_peak()
+        press = None if name == "none" else kvpress.press_from_name(name, compression_ratio=ratio)
+        cache = recording.cache if press is None else compress_recording(model, recording, press)
+        kept = kvpress.cache_bytes(cache)
+        working = copy.deepcopy(cache) if press is None else cache
+        text = answer_from_cache(model, tokenizer, ids, working, press, answer_tokens)
+        yield {"press": name, "ratio": ratio, "score": example.score(text), "kept_bytes": kept,
+               "full_bytes": full_bytes, "answer": text, **peak_memory()}  # fmt: skip
+
+
+def _perplexity_rows(model, tokenizer, document: Document, todo, progress: bool):
+    """One live chunked pass of `document` per configuration in `todo` (see the module docstring)."""
+    from tqdm.auto import tqdm
+
+    ids = tokenizer(document.text, return_tensors="pt").input_ids[0].to(model.device)
+    for name, ratio in tqdm(todo, desc="configurations", leave=False, disable=not progress):
+        reset_cuda_peak()
+        press = None if name == "none" else kvpress.press_from_name(name, compression_ratio=ratio)
+        cache = DynamicCache(config=model.config)
+        nll, tokens = chunked_nll(model, ids, press, CHUNK, cache)
+        yield {"press": name, "ratio": ratio, "score": math.exp(-nll / tokens), "ppl": math.exp(nll / tokens),
+               "nll_sum": nll, "tokens": tokens, "kept_bytes": kvpress.cache_bytes(cache),
+               "full_bytes": full_cache_bytes(model, ids.numel()), **peak_memory()}  # fmt: skip
 
 
 def _shard():
@@ -183,10 +218,11 @@ def write_summary(out: Path) -> list[dict]:
     summary = []
     for (task, press, ratio), members in sorted(groups.items()):
         full = groups.get((task, "none", 0.0), [])
-        full_score = sum(m["score"] for m in full) / len(full) if full else None
-        score = sum(m["score"] for m in members) / len(members)
+        full_score = _score(full) if full else None
+        score = _score(members)
         summary.append({
             "task": task, "press": press, "ratio": ratio, "examples": len(members), "score": round(score, 4),
+            "ppl": round(1 / score, 4) if "nll_sum" in members[0] else None,
             "retention": round(score / full_score, 4) if full_score else None,
             "kept_bytes_ratio": round(sum(m["kept_bytes"] / m["full_bytes"] for m in members) / len(members), 4),
             "peak_rss_bytes": max((m.get("peak_rss_bytes", 0) for m in members), default=0),
@@ -201,17 +237,26 @@ def write_summary(out: Path) -> list[dict]:
     return summary
 
 
+def _score(rows: list[dict]) -> float:
+    """Mean score; for perplexity rows exp(-mean NLL) over all their tokens (1 / the pooled perplexity)."""
+    if "nll_sum" in rows[0]:
+        return math.exp(-sum(r["nll_sum"] for r in rows) / sum(r["tokens"] for r in rows))
+    return sum(r["score"] for r in rows) / len(rows)
+
+
 def _table(summary: list[dict]) -> str:
     tasks = sorted({s["task"] for s in summary})
     configs = sorted({(s["press"], s["ratio"]) for s in summary}, key=lambda c: (c[0] != "none", c))
     cell = {(s["task"], s["press"], s["ratio"]): s for s in summary}
-    lines = ["| press | ratio | " + " | ".join(f"{t}: score (kept bytes)" for t in tasks) + " |",
-             "|---|---|" + "---|" * len(tasks)]  # fmt: skip
+    is_ppl = {t: any(s["task"] == t and s["ppl"] is not None for s in summary) for t in tasks}
+    heads = [f"{t}: {'ppl, lower is better' if is_ppl[t] else 'score'} (kept bytes)" for t in tasks]
+    lines = ["| press | ratio | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(tasks)]
     for press, ratio in configs:
         cells = []
         for t in tasks:
             s = cell.get((t, press, ratio))
-            cells.append("" if s is None else f"{s['score']:.3f} ({s['kept_bytes_ratio']:.3f})")
+            value = None if s is None else f"{s['ppl']:.2f}" if is_ppl[t] else f"{s['score']:.3f}"
+            cells.append("" if s is None else f"{value} ({s['kept_bytes_ratio']:.3f})")
         lines.append(f"| {'full cache' if press == 'none' else press} | {ratio} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -229,13 +274,17 @@ def _plot(summary: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=True):
         rows = [s for s in summary if s["task"] == task]
+        key = "ppl" if rows[0]["ppl"] is not None else "score"
         full = next((s for s in rows if s["press"] == "none"), None)
         for press in sorted({s["press"] for s in rows} - {"none"}):
-            points = sorted((s["kept_bytes_ratio"], s["score"]) for s in rows if s["press"] == press)
+            points = sorted((s["kept_bytes_ratio"], s[key]) for s in rows if s["press"] == press)
             if full:
-                points.append((full["kept_bytes_ratio"], full["score"]))
+                points.append((full["kept_bytes_ratio"], full[key]))
             ax.plot(*zip(*points, strict=True), marker="o", label=press)
-        ax.set(title=task, xlabel="kept KV bytes / full", ylabel="score", ylim=(-0.02, 1.02))
+        if key == "ppl":
+            ax.set(title=task, xlabel="kept KV bytes / full", ylabel="perplexity (lower is better)", yscale="log")
+        else:
+            ax.set(title=task, xlabel="kept KV bytes / full", ylabel="score", ylim=(-0.02, 1.02))
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()

@@ -40,3 +40,13 @@ def test_chunk_press_arguments():
         kvpress.ChunkPress(press=kvpress.SnapKVPress(compression_ratio=0.5), compression_ratio=0.5)
     press = kvpress.press_from_name("chunkkv", compression_ratio=0.25, window_size=4)
     assert isinstance(press.press, kvpress.SnapKVPress) and press.compression_ratio == 0.25
+
+
+def test_press_specs_carry_parameters():
+    press = kvpress.press_from_name("chunkkv:inner=knorm:chunk_size=5", compression_ratio=0.5)
+    assert isinstance(press.press, kvpress.KnormPress) and press.chunk_size == 5
+    assert kvpress.press_from_name("snapkv:window_size=16", max_tokens=64).window_size == 16
+    with pytest.raises(ValueError, match="key=value after the name"):
+        kvpress.press_from_name("snapkv:window_size", compression_ratio=0.5)
+    with pytest.raises(ValueError, match="unknown press 'nope'"):
+        kvpress.press_from_name("nope:x=1")

@@ -59,6 +59,48 @@ def test_generate_until_compresses_the_prompt(default_model):
     assert model.config._attn_implementation == "sdpa"
 
 
+def _rolling(lm, texts):
+    requests = [Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(texts)]
+    return lm.loglikelihood_rolling(requests, disable_tqdm=True)
+
+
+DOCS = [CONTEXT + " Madrid. " + " ".join(f"Item {i} is numbered {i}." for i in range(20)), "Two plus two equals four."]
+
+
+def test_rolling_loglikelihood_is_chunked_through_the_compressed_cache(default_model):
+    model, tokenizer = default_model
+    plain = _rolling(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1), DOCS)
+    for chunk in (16, 128):
+        bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="snapkv", compression_ratio=0.0,
+                           window_size=4, rolling_chunk=chunk)  # fmt: skip
+        assert _rolling(bridge, DOCS) == pytest.approx(plain, abs=1e-3)
+    assert len(tokenizer(DOCS[0]).input_ids) > 100  # several chunks of 16
+    bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="knorm", compression_ratio=0.5, rolling_chunk=16)
+    pressed = _rolling(bridge, DOCS)
+    assert pressed[0] < plain[0] - 1  # the document was read through the compressed cache, not HFLM's windows
+    assert 0.5 <= bridge.kv_records[0]["kept_bytes"] / bridge.kv_records[0]["full_bytes"] < 0.55
+
+
+def test_perplexity_task_end_to_end(default_model):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from kvpress.eval.lm_eval_bridge import TASKS_DIR
+
+    model, tokenizer = default_model
+    manager = TaskManager(include_path=TASKS_DIR, include_defaults=False, metadata={"n": 2, "length": 64})
+    metrics = {}
+    for press in (None, "sink-window"):
+        lm = KVPressLM(pretrained=model, tokenizer=tokenizer, press=press, compression_ratio=press and 0.0)
+        out = lm_eval.simple_evaluate(model=lm, tasks=["kvpress_perplexity"], task_manager=manager, bootstrap_iters=0)
+        metrics[press] = out["results"]["kvpress_perplexity"]
+    for key in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        assert metrics[None][key] == pytest.approx(metrics["sink-window"][key], rel=1e-4)
+    assert 1 < metrics[None]["byte_perplexity,none"] < 10
+    assert out["configs"]["kvpress_perplexity"]["metadata"]["n"] == 2 and out["n-samples"]["kvpress_perplexity"][
+        "effective"] == 2  # fmt: skip
+
+
 def test_bad_arguments_are_refused(default_model):
     model, tokenizer = default_model
     with pytest.raises(ValueError, match="unknown press 'snapkvv'; choose one of: adakv"):

@@ -174,3 +174,14 @@ def test_the_user_text_span_excludes_the_template(default_model):
         start, stop = session.user_text_span(messages, new)
         assert tokenizer.decode(new[start:stop]) == text
         session.send(text, reply="Noted.")
+
+
+def test_chat_recall_as_one_prompt_task(default_model):
+    from kvpress.eval.tasks import task_examples
+
+    _, tokenizer = default_model
+    examples = task_examples("chat_recall", tokenizer, 2, 1024, 0)
+    assert examples == task_examples("chat_recall", tokenizer, 2, 1024, 0)
+    for example in examples:
+        assert example.answers[0] in example.context and example.question.startswith("User: What is my")
+        assert len(tokenizer(example.context).input_ids) <= 1024

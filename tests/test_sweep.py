@@ -1,6 +1,7 @@
 """The sweep: one recorded prefill serves every press exactly; resumable; clear errors."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -82,11 +83,38 @@ def test_one_prefill_per_example_and_resume(default_model, tmp_path):
         hook.remove()
 
 
+def test_perplexity_runs_a_live_chunked_pass_per_configuration(default_model, tmp_path):
+    from kvpress.eval.tasks import task_examples
+    from kvpress.eval.tasks.perplexity import chunked_nll
+
+    model, tokenizer = default_model
+    summary = run_sweep(model, tokenizer, ["sink-window", "snapkv"], [0, 0.5], ["perplexity_pydoc"], tmp_path,
+                        examples=2, length=200, progress=False)  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 3 and all(r["ppl"] > 1 and r["score"] == pytest.approx(1 / r["ppl"]) for r in rows)
+    doc = task_examples("perplexity_pydoc", tokenizer, 2, 200, seed=0)[1]
+    ids = tokenizer(doc.text, return_tensors="pt").input_ids[0]
+    nll, tokens = chunked_nll(model, ids, kvpress.SinkWindowPress(compression_ratio=0.5))
+    row = next(r for r in rows if r["example"] == 1 and r["press"] == "sink-window")
+    assert row["tokens"] == tokens == ids.numel() - 1 and row["nll_sum"] == pytest.approx(nll)
+    by = {(s["press"], s["ratio"]): s for s in summary}
+    full = [r for r in rows if r["press"] == "none"]
+    pooled = math.exp(sum(r["nll_sum"] for r in full) / sum(r["tokens"] for r in full))
+    assert by[("none", 0.0)]["ppl"] == pytest.approx(pooled, rel=1e-3) and by[("none", 0.0)]["kept_bytes_ratio"] == 1
+    for name in ("sink-window", "snapkv"):
+        s = by[(name, 0.5)]
+        assert 0.5 <= s["kept_bytes_ratio"] < 0.55  # (1 - r) of the document at its end
+        assert s["retention"] == pytest.approx(by[("none", 0.0)]["ppl"] / s["ppl"], rel=1e-3)
+    table = (tmp_path / "table.md").read_text()
+    assert "perplexity_pydoc: ppl, lower is better (kept bytes)" in table
+    assert f"| full cache | 0.0 | {by[('none', 0.0)]['ppl']:.2f} (1.000) |" in table
+
+
 def test_bad_names_are_refused(default_model, tmp_path, capsys):
     model, tokenizer = default_model
     with pytest.raises(ValueError, match="unknown press 'snap'; choose one of"):
         run_sweep(model, tokenizer, ["snap"], [0.5], ["needle_noise"], tmp_path)
-    with pytest.raises(ValueError, match="unknown task 'ruler'; choose one of: needle_multikey, needle_multiquery"):
+    with pytest.raises(ValueError, match="unknown task 'ruler'; choose one of: arithmetic, chat_recall, common_words, needle_essay"):
         run_sweep(model, tokenizer, ["snapkv"], [0.5], ["ruler"], tmp_path)
     assert main(["--out", str(tmp_path), "--ratios", "0.5,1.2"]) == 2
     assert "ratios must be in [0, 1)" in capsys.readouterr().err

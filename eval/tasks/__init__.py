@@ -2,20 +2,31 @@
 
 `TASKS` maps a task name to a generator `(tokenizer, n, length, seed) -> list[Example]`; an example
 has `context`, `question`, `answers` and `score(text)` in [0, 1]. `ANSWER_TOKENS` is how many tokens
-an answer to the task may need.
+an answer to the task may need. The perplexity tasks give `Document`s instead (a text scored token by
+token, see `perplexity.py`).
 """
 
 from __future__ import annotations
 
+from kvpress.eval.tasks.arithmetic import arithmetic_examples
+from kvpress.eval.tasks.chat_recall import chat_recall_transcripts
+from kvpress.eval.tasks.common_words import common_words_examples
 from kvpress.eval.tasks.example import Example
 from kvpress.eval.tasks.multi_needle import multi_needle_examples
 from kvpress.eval.tasks.needle import needle_examples
+from kvpress.eval.tasks.perplexity import Document, perplexity_documents
 from kvpress.eval.tasks.variable_tracking import variable_tracking_examples
 
 TASKS = {
     "needle_noise": lambda tokenizer, n, length, seed: needle_examples(tokenizer, n, length, seed, "noise"),
     "needle_pydoc": lambda tokenizer, n, length, seed: needle_examples(tokenizer, n, length, seed, "pydoc"),
+    "needle_essay": lambda tokenizer, n, length, seed: needle_examples(tokenizer, n, length, seed, "essay"),
     "variable_tracking": variable_tracking_examples,
+    "common_words": common_words_examples,
+    "arithmetic": arithmetic_examples,
+    "chat_recall": chat_recall_transcripts,
+    "perplexity": lambda tokenizer, n, length, seed: perplexity_documents(tokenizer, n, length, seed, "essay"),
+    "perplexity_pydoc": lambda tokenizer, n, length, seed: perplexity_documents(tokenizer, n, length, seed, "pydoc"),
     **{
         f"needle_{kind}": lambda tokenizer, n, length, seed, kind=kind: multi_needle_examples(
             tokenizer, n, length, seed, kind
@@ -23,15 +34,16 @@ TASKS = {
         for kind in ("multikey", "multivalue", "multiquery")
     },
 }
-ANSWER_TOKENS = {"needle_noise": 12, "needle_pydoc": 12, "variable_tracking": 32, "needle_multikey": 16,
-                 "needle_multivalue": 48, "needle_multiquery": 32}  # fmt: skip
+ANSWER_TOKENS = {"needle_noise": 12, "needle_pydoc": 12, "needle_essay": 12, "variable_tracking": 32,
+                 "needle_multikey": 16, "needle_multivalue": 48, "needle_multiquery": 32, "common_words": 48,
+                 "arithmetic": 8, "chat_recall": 12}  # fmt: skip
 
 
-def task_examples(name: str, tokenizer, n: int, length: int, seed: int) -> list[Example]:
-    """`n` examples of task `name` with contexts of about `length` tokens."""
+def task_examples(name: str, tokenizer, n: int, length: int, seed: int) -> list[Example] | list[Document]:
+    """`n` examples (or documents) of task `name` with contexts of about `length` tokens."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(sorted(TASKS))}")
     return TASKS[name](tokenizer, n, length, seed)
 
 
-__all__ = ["ANSWER_TOKENS", "Example", "TASKS", "task_examples"]
+__all__ = ["ANSWER_TOKENS", "Document", "Example", "TASKS", "task_examples"]

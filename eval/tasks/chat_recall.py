@@ -62,3 +62,19 @@ def chat_recall_examples(n: int, rounds: int = 10, seed: int = 0, plant_within: 
         asked = rng.randrange(2)
         out.append(ChatExample(tuple(map(tuple, turns)), facts[asked][1], values[asked], where[asked]))
     return out
+
+
+def chat_recall_transcripts(tokenizer, n: int, length: int, seed: int) -> list:
+    """The same chats as one prompt each (for lm-eval and sweeps, which take a context and a question):
+    the rounds as a "User:/Assistant:" transcript, as many as fit in about `length` tokens (at least 4),
+    then the question. The multi-turn form with a live session is `eval/bench_chat.py`."""
+    from kvpress.eval.tasks.example import Example
+
+    out = []
+    for example in chat_recall_examples(n, rounds=10, seed=seed):
+        lines = [f"User: {user}\nAssistant: {reply}" for user, reply in example.rounds]
+        while len(lines) > 4 and len(tokenizer("\n".join(lines)).input_ids) > length:
+            lines.pop()  # drop the latest rounds: the planted ones are among the first three
+        out.append(Example(context="\n".join(lines), question=f"User: {example.question}\nAssistant:",
+                           answers=(example.answer,)))  # fmt: skip
+    return out

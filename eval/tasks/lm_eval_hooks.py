@@ -1,11 +1,14 @@
-"""lm-eval hooks of kvpress's task YAMLs (`kvpress_*.yaml`): `custom_dataset` and `process_results`.
+"""lm-eval hooks of kvpress's task YAMLs (`kvpress_*.yaml`): `custom_dataset` and the `process_results`
+of each scoring rule (the same functions the sweep's examples score with).
 
 lm-eval loads this file by path, so it imports the generators through the installed package.
 """
 
 from __future__ import annotations
 
-from kvpress.eval.tasks import task_examples
+from kvpress.eval.tasks import Document, task_examples
+from kvpress.eval.tasks.arithmetic import first_number_score
+from kvpress.eval.tasks.common_words import top_words_score
 
 
 def _tokenizer(kwargs: dict):
@@ -22,14 +25,28 @@ def _tokenizer(kwargs: dict):
 
 
 def dataset(task: str, length: int = 1024, n: int = 32, seed: int = 0, **kwargs) -> dict:
-    """lm-eval's `custom_dataset`: `{"test": Dataset}` of kvpress task `task` (metadata: length, n, seed)."""
+    """lm-eval's `custom_dataset`: `{"test": Dataset}` of kvpress task `task` (metadata: length, n, seed).
+    Rows have `context`, `question`, `answers`, or `text` for the perplexity tasks."""
     import datasets
 
-    examples = task_examples(task, _tokenizer(kwargs), int(n), int(length), int(seed))
-    rows = [{"context": e.context, "question": e.question, "answers": list(e.answers)} for e in examples]
+    items = task_examples(task, _tokenizer(kwargs), int(n), int(length), int(seed))
+    if isinstance(items[0], Document):
+        rows = [{"text": d.text} for d in items]
+    else:
+        rows = [{"context": e.context, "question": e.question, "answers": list(e.answers)} for e in items]
     return {"test": datasets.Dataset.from_list(rows)}
 
 
 def process_results(doc: dict, results: list[str]) -> dict:
     """The fraction of the expected strings found in the generated text."""
     return {"score": sum(answer in results[0] for answer in doc["answers"]) / len(doc["answers"])}
+
+
+def process_first_number(doc: dict, results: list[str]) -> dict:
+    """1 when the first number of the generated text is the expected one (the arithmetic task)."""
+    return {"score": first_number_score(tuple(doc["answers"]), results[0])}
+
+
+def process_top_words(doc: dict, results: list[str]) -> dict:
+    """The fraction of the expected words among the first words named (the common-words task)."""
+    return {"score": top_words_score(tuple(doc["answers"]), results[0])}

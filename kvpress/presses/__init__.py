@@ -39,11 +39,34 @@ PRESSES = {
 }
 
 
-def press_from_name(name: str, **kwargs) -> BasePress:
-    """Build a press by its CLI name (see `PRESSES`)."""
+def parse_press_spec(spec: str) -> tuple[str, dict]:
+    """`"snapkv:window_size=16:kernel_size=3"` -> `("snapkv", {"window_size": 16, "kernel_size": 3})`:
+    a press name and its parameters (ints, floats, true/false, none, or text)."""
+    name, *pairs = spec.split(":")
     if name not in PRESSES:
         raise ValueError(f"unknown press {name!r}; choose one of: {', '.join(sorted(PRESSES))}")
-    return PRESSES[name](**kwargs)
+    params = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"press parameters are key=value after the name (snapkv:window_size=16), got {pair!r}")
+        params[key] = _value(text)
+    return name, params
+
+
+def _value(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def press_from_name(name: str, **kwargs) -> BasePress:
+    """Build a press by its CLI name (see `PRESSES`), optionally with parameters: `"snapkv:window_size=16"`."""
+    name, params = parse_press_spec(name)
+    return PRESSES[name](**params, **kwargs)
 
 
 __all__ = [
@@ -63,5 +86,6 @@ __all__ = [
     "StreamingLLMPress",
     "SnapKVPress",
     "PRESSES",
+    "parse_press_spec",
     "press_from_name",
 ]

