@@ -19,10 +19,11 @@ from torch import nn
 from kvpress.head_cache import HeadwiseLayer
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.head_budget import HeadwisePress, allocate, head_observation
+from kvpress.presses.wrapping import WrapsPress
 
 
 @dataclass
-class AdaKVPress(HeadwisePress):
+class AdaKVPress(WrapsPress, HeadwisePress):
     """Wrap a score-based press: same budget per layer, spread across KV heads by a global top-k.
 
     Parameters:
@@ -36,28 +37,12 @@ class AdaKVPress(HeadwisePress):
     alpha_safeguard: float = 0.2
 
     def __post_init__(self) -> None:
-        if self.press is None and isinstance(self.compression_ratio, BasePress):  # AdaKVPress(SnapKVPress(...))
-            self.press, self.compression_ratio = self.compression_ratio, None
-        if not isinstance(self.press, BasePress) or isinstance(self.press, HeadwisePress):
-            raise TypeError(f"AdaKVPress wraps a token-level press such as SnapKVPress, got {self.press!r}")
+        self.adopt_press(refused=(HeadwisePress,))
         if self.press.rerotate:
             raise ValueError("AdaKVPress gives heads different budgets: the wrapped press cannot use rerotate=True")
-        if self.compression_ratio is not None or self.max_tokens is not None:
-            raise ValueError("AdaKVPress takes its budget from the wrapped press; set it there")
         if not isinstance(self.alpha_safeguard, (int, float)) or not 0 <= self.alpha_safeguard <= 1:
             raise ValueError(f"alpha_safeguard must be a fraction in [0, 1], got {self.alpha_safeguard!r}")
-        self.compression_ratio, self.max_tokens = self.press.compression_ratio, self.press.max_tokens
-        self.decode_slack = self.press.decode_slack
         super().__post_init__()
-
-    def sink_count(self) -> int:
-        return self.press.sink_count()
-
-    def recent_count(self, budget):
-        return self.press.recent_count(budget)
-
-    def layer_scale(self, layer_idx: int, n_layers: int) -> float:
-        return self.press.layer_scale(layer_idx, n_layers)
 
     def observe(self, obs: Observation) -> None:
         self.press.observe(obs)

@@ -16,10 +16,11 @@ import torch
 
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.head_budget import HeadwisePress
+from kvpress.presses.wrapping import WrapsPress
 
 
 @dataclass
-class ChunkPress(BasePress):
+class ChunkPress(WrapsPress, BasePress):
     """Wrap a token-level press: its scores averaged over chunks of `chunk_size` consecutive positions.
 
     Parameters:
@@ -32,27 +33,11 @@ class ChunkPress(BasePress):
     chunk_size: int = 10
 
     def __post_init__(self) -> None:
-        if self.press is None and isinstance(self.compression_ratio, BasePress):  # ChunkPress(SnapKVPress(...))
-            self.press, self.compression_ratio = self.compression_ratio, None
-        if not isinstance(self.press, BasePress) or isinstance(self.press, (HeadwisePress, ChunkPress)):
-            raise TypeError(f"ChunkPress wraps a token-level press such as SnapKVPress, got {self.press!r}")
-        if self.compression_ratio is not None or self.max_tokens is not None:
-            raise ValueError("ChunkPress takes its budget from the wrapped press; set it there")
+        self.adopt_press(refused=(HeadwisePress, ChunkPress))
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer, got {self.chunk_size!r}")
-        self.compression_ratio, self.max_tokens = self.press.compression_ratio, self.press.max_tokens
-        self.rerotate, self.decode_slack = self.press.rerotate, self.press.decode_slack
-        self.layer_scales = self.press.layer_scales
+        self.rerotate, self.layer_scales = self.press.rerotate, self.press.layer_scales
         super().__post_init__()
-
-    def sink_count(self) -> int:
-        return self.press.sink_count()
-
-    def recent_count(self, budget):
-        return self.press.recent_count(budget)
-
-    def layer_scale(self, layer_idx: int, n_layers: int) -> float:
-        return self.press.layer_scale(layer_idx, n_layers)
 
     def check_model(self, model) -> None:
         self.press.check_model(model)

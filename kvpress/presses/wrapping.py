@@ -1,0 +1,33 @@
+"""What a press wrapping another press shares: the wrapped press's budget, sinks, window and layer scales."""
+
+from __future__ import annotations
+
+from kvpress.presses.base import BasePress
+
+
+class WrapsPress:
+    """Mixin of presses built around another press (`press`), which keeps its own budget and protections."""
+
+    press: BasePress | None
+
+    def adopt_press(self, refused: tuple[type, ...] = ()) -> None:
+        """First step of `__post_init__`: accept `Wrapper(inner)` positionally, check the wrapped press (a
+        token-level press, none of `refused`) and take its budget: the wrapper has none of its own."""
+        name = type(self).__name__
+        if self.press is None and isinstance(self.compression_ratio, BasePress):  # Wrapper(SnapKVPress(...))
+            self.press, self.compression_ratio = self.compression_ratio, None
+        if not isinstance(self.press, BasePress) or isinstance(self.press, refused):
+            raise TypeError(f"{name} wraps a token-level press such as SnapKVPress, got {self.press!r}")
+        if self.compression_ratio is not None or self.max_tokens is not None:
+            raise ValueError(f"{name} takes its budget from the wrapped press; set it there")
+        self.compression_ratio, self.max_tokens = self.press.compression_ratio, self.press.max_tokens
+        self.decode_slack = self.press.decode_slack
+
+    def sink_count(self) -> int:
+        return self.press.sink_count()
+
+    def recent_count(self, budget):
+        return self.press.recent_count(budget)
+
+    def layer_scale(self, layer_idx: int, n_layers: int) -> float:
+        return self.press.layer_scale(layer_idx, n_layers)
