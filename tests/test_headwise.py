@@ -201,6 +201,19 @@ def test_duo_compression_ratio_sets_the_bytes():
         assert abs(kept - (1 - ratio)) < 1 / 8 + 0.02, kept  # one (layer, head) pair of 8 is the granularity
 
 
+def test_duo_fed_in_chunks_splits_heads_once_the_budget_allows():
+    model = tiny_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4)
+    ids = prompt(1, 400)
+    full = DynamicCache(config=model.config)
+    model(ids, cache=full)
+    cache = DynamicCache(config=model.config)
+    with DuoAttentionPress(compression_ratio=0.5, head_pattern=_pattern(model), window=16)(model):
+        for start in range(0, 400, 32):  # the first chunk's budget (16) is below a streaming head's 20
+            model(ids[:, start : start + 32], cache=cache)
+    kept = cache_bytes(cache) / cache_bytes(full)
+    assert 0.25 < kept <= 0.5 + 1 / 8, kept  # not every head streaming (the split waited for a real budget)
+
+
 def test_head_pattern_for_another_model_is_refused():
     llama, qwen = tiny_model("llama"), tiny_model("qwen2", num_hidden_layers=3)
     press = DuoAttentionPress(compression_ratio=0.5, head_pattern=_pattern(qwen))

@@ -28,7 +28,10 @@ class DuoAttentionPress(HeadwisePress):
 
     Parameters:
         compression_ratio: fraction of the context's cache removed; the number of retrieval heads is
-            chosen per row so that the kept bytes match it (given the context length). Or:
+            chosen per row so that the kept bytes match it (given the context length), once: at the first
+            forward where every row's budget holds more than a streaming head's `n_sink + window`
+            (before that nothing is evicted). A context fed in chunks keeps that split, so later
+            chunks are kept at the first split's share (below 1 - r). Or:
         retrieval_fraction: a fixed fraction of the (layer, KV head) pairs kept whole. Exactly one of the two.
         head_pattern: "auto" (default: the packaged pattern made for the model's architecture), a packaged
             pattern's model name ("smollm2-135m", "qwen2.5-0.5b"), a JSON path, or a dict; a pattern made
@@ -96,6 +99,10 @@ class DuoAttentionPress(HeadwisePress):
         layer = obs.layer
         stream = self.n_sink + self.window
         if not bool((layer.held() > stream).any()):
+            return None
+        if self.compression_ratio is not None and any(
+            n - math.floor(n * self.compression_ratio) <= stream for n in layer.real_seen.tolist()
+        ):  # the split is decided once: wait until every row's budget holds more than a streaming head
             return None
         retrieval = self._retrieval(obs.layer_idx, layer.real_seen)
         pos = layer.pos
