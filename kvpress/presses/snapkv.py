@@ -25,17 +25,26 @@ class SnapKVPress(BasePress):
         compression_ratio / max_tokens: the budget (see `BasePress`).
         window_size: queries in the observation window (default 64); those tokens are always kept.
         kernel_size: width of the average pooling over neighbouring tokens (default 5, odd).
+        n_sink: leading tokens always kept (default 0, as in the paper). Fed in chunks (streaming,
+            chunked perplexity), SnapKV otherwise evicts the attention sink: measured on SmolLM2,
+            chunked perplexity 49.0 -> 24.2 at r = 0.5 with `n_sink=4` (full cache 26.2; eval/results).
     """
 
     window_size: int = 64
     kernel_size: int = 5
+    n_sink: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.window_size, int) or self.window_size < 1:
             raise ValueError(f"window_size must be a positive integer, got {self.window_size!r}")
         if not isinstance(self.kernel_size, int) or self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be a positive odd integer, got {self.kernel_size!r}")
+        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise ValueError(f"n_sink must be a non-negative integer, got {self.n_sink!r}")
         super().__post_init__()
+
+    def sink_count(self) -> int:
+        return self.n_sink
 
     def recent_count(self, budget):
         return self.window_size
