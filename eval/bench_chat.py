@@ -128,7 +128,7 @@ def watershed(model, tokenizer, examples: list[ChatExample]) -> list[float]:
         session = kvpress.ChatSession(model, tokenizer, max_new_tokens=1)
         for user, reply in example.rounds:
             session.send(user, reply=reply)
-        spans = [(max(r.start, session.prefix_tokens), r.end) for r in session.rounds[:-1]]
+        spans = session.round_spans()[:-1]
         messages = session.messages + [{"role": "user", "content": example.question}]
         new = session._new_tokens(messages)
         queries = session.user_text_span(messages, new)

@@ -11,7 +11,8 @@ prompt is compressed at prefill and decoding continues with the press's decode-t
 loglikelihood_rolling (perplexity tasks): the whole document goes through one cache in chunks of
 `rolling_chunk` tokens with the press installed (StreamingLLM's evaluation, `tasks/perplexity.py`), so
 every token is predicted from the compressed past, not from HFLM's full-cache windows; documents
-longer than `max_length` are not cut into windows (the press bounds the cache, or use `rerotate=True`).
+longer than `max_length` are not cut into windows: the press bounds the cache, and a document past the
+model's positions is refused unless the press re-rotates (`rerotate=True`).
 
 Every request records the KV bytes it held (summed over the cache's tensors) next to what a full
 cache would hold; `kv_summary()` (also in lm-eval's results under `config.kvpress`) gives their
@@ -158,6 +159,12 @@ class KVPressLM(HFLM):
         for request in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc="kvpress loglikelihood_rolling"):
             (string,) = request.args
             ids = torch.tensor([self.prefix_token_id, *self.tok_encode(string)], device=self.device)
+            limit = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+            if limit is not None and ids.numel() > limit and not self.press.rerotate:
+                raise ValueError(
+                    f"a document of {ids.numel()} tokens runs past the model's {limit} positions; use a press "
+                    "with rerotate=True (positions inside the cache) or shorter documents"
+                )
             cache = DynamicCache(config=self.model.config)
             nll, _ = chunked_nll(self.model, ids, self.press, self.rolling_chunk, cache)
             self._record(cache, ids.numel())

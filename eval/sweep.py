@@ -15,7 +15,9 @@ in the answer (see `eval/tasks/`).
 Perplexity tasks cannot share a prefill: each token is predicted from the cache compressed so far.
 They run one live chunked pass per (document, configuration) (`tasks/perplexity.py`); a row records
 `ppl`, `score` = exp(-mean NLL) = 1 / ppl (higher is better, so retention = ppl_full / ppl) and the
-kept / full KV bytes at the end of the document. The summary pools the NLL of all documents.
+kept / full KV bytes at the end of the document. The summary pools the NLL of all documents. (Their
+full bytes are computed, keys and values only, as no full cache is built; answer rows measure the
+recorded full cache, per-slot positions included, ~1% more.)
 
 Data-parallel: under `accelerate launch --multi_gpu --num_processes N` on GPUs, or
 `torchrun --nproc_per_node N -m kvpress.eval.sweep ...` on CPUs (any launcher that sets WORLD_SIZE;
@@ -96,7 +98,9 @@ def compress_recording(model: nn.Module, recording: Recording, press: BasePress)
 def configurations(presses: list[str], ratios: list[float]) -> list[tuple[str, float]]:
     """("none", 0.0) (the full cache: every press at r = 0) plus every (press, r > 0)."""
     for name in presses:
-        parse_press_spec(name)  # a press name, optionally with parameters: snapkv:window_size=16
+        _, params = parse_press_spec(name)  # a press name, optionally with parameters: snapkv:window_size=16
+        if {"compression_ratio", "max_tokens"} & set(params):
+            raise ValueError(f"{name!r}: a sweep sets the budget from --ratios; leave it out of the press name")
     for ratio in ratios:
         if not 0 <= ratio < 1:
             raise ValueError(f"ratios must be in [0, 1), got {ratio}")

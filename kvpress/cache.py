@@ -231,26 +231,31 @@ class PressedLayer(DynamicLayer):
             del self.slots["valid"]
 
     def copy_slots(self, chosen: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Copies of the held slots where `chosen` `[n]` is True (the same slots in every row and head):
-        `keys`, `values` and every per-slot tensor, for `insert` to bring back later."""
-        index = chosen.nonzero().squeeze(-1).to(self.keys.device)
+        """Copies of the held slots where `chosen` `[n]` (bool) is True (the same slots in every row and
+        head): `keys`, `values` and every per-slot tensor, for `insert` to bring back later."""
+        index = self._chosen(chosen).nonzero().squeeze(-1)
         out = {"keys": self.keys[:, :, : self.n].index_select(2, index),
                "values": self.values[:, :, : self.n].index_select(2, index)}  # fmt: skip
         out.update({name: t[..., : self.n].index_select(2, index) for name, t in self.slots.items()})
         return out
 
     def drop_slots(self, chosen: torch.Tensor) -> None:
-        """Evict the held slots where `chosen` `[n]` is True (the same slots in every row and head)."""
+        """Evict the held slots where `chosen` `[n]` (bool) is True (the same slots in every row and head)."""
         b, h = self.keys.shape[:2]
-        index = (~chosen).nonzero().squeeze(-1).to(self.keys.device)
+        index = (~self._chosen(chosen)).nonzero().squeeze(-1)
         self.keep(index.expand(b, h, -1))
 
     def insert(self, held: dict[str, torch.Tensor]) -> None:
         """Hold again slots copied by `copy_slots` (tokens seen before, so `seen` does not change),
-        everything kept in position order."""
+        everything kept in position order. Slots already held are refused."""
         extra = {name: t.to(self.keys.device) for name, t in held.items()}
         if set(extra) != {"keys", "values", *self.slots}:
             raise ValueError(f"slots to insert carry {sorted(extra)}, this layer keeps {sorted(self.slots)}")
+        if extra["keys"].shape[:2] != self.keys.shape[:2] or extra["keys"].shape[3:] != self.keys.shape[3:]:
+            raise ValueError(f"slots to insert have shape {tuple(extra['keys'].shape)}, this layer's keys "
+                             f"{tuple(self.keys.shape)} (batch, heads and head size must match)")  # fmt: skip
+        if bool(torch.isin(extra["pos"][0, 0], self.pos[0, 0]).any()):
+            raise ValueError("some slots to insert are already held (their positions are in the layer)")
         merged = {"keys": torch.cat([self.keys[:, :, : self.n], extra["keys"]], dim=2),
                   "values": torch.cat([self.values[:, :, : self.n], extra["values"]], dim=2)}  # fmt: skip
         merged.update({name: torch.cat([t[..., : self.n], extra[name]], dim=2) for name, t in self.slots.items()})
@@ -261,6 +266,12 @@ class PressedLayer(DynamicLayer):
         added = extra["keys"].shape[2]
         self.n += added
         self.shift = self.shift - added
+
+    def _chosen(self, chosen: torch.Tensor) -> torch.Tensor:
+        if not isinstance(chosen, torch.Tensor) or chosen.dtype != torch.bool or tuple(chosen.shape) != (self.n,):
+            got = tuple(chosen.shape) if isinstance(chosen, torch.Tensor) else type(chosen).__name__
+            raise ValueError(f"slots are chosen by a bool mask of the {self.n} held slots, got {got}")
+        return chosen.to(self.keys.device)
 
     def remove_one(self, index: torch.Tensor) -> None:
         """Evict one slot per head, `index` `[B, H]`, by moving the last slot into it (no copy of the rest)."""

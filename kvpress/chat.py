@@ -48,6 +48,7 @@ class ChatSession:
         self._rendered = ""  # the template text that `_ids` plus `_pending` stand for
         self.prefix_tokens = 0  # tokens of the template before the first user message (system prompt)
         self.store = RoundStore(device="cpu") if isinstance(press, RoundPress) else None
+        self._broken = ""  # set when a turn failed after the cache had changed in a way that cannot be undone
 
     def _render(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -64,48 +65,59 @@ class ChatSession:
         return self._pending + self.tokenizer(delta, add_special_tokens=False).input_ids
 
     def _prefix_length(self) -> int:
-        """Tokens every rendering shares before the first user message's text (system prompt, headers)."""
+        """Tokens every rendering shares before the first user message's text (system prompt, then the
+        first user header)."""
         a, b = (self.tokenizer(self._render(self.messages + [{"role": "user", "content": t}]),
                                add_special_tokens=False).input_ids for t in ("1", "2"))  # fmt: skip
-        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        return _first_difference(a, b)
 
     def user_text_span(self, messages: list[dict], new: list[int]) -> tuple[int, int]:
         """Where, among the `new` tokens of a turn, the last user message's own text lies (the template's
         headers around it excluded): the tokens two renderings with different texts do not share."""
         a, b = (self._new_tokens(messages[:-1] + [{"role": "user", "content": t}]) for t in ("1", "2"))
-        head = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), 0)
-        tail = next((i for i, (x, y) in enumerate(zip(a[::-1], b[::-1], strict=False)) if x != y), 0)
+        head, tail = _first_difference(a, b), _first_difference(a[::-1], b[::-1])
         return head, max(head + 1, len(new) - tail)
 
-    def _reply_tokens(self, messages: list[dict], reply: str) -> list[int]:
-        """Ids of the assistant turn `reply` as the template writes it after `messages`."""
+    def round_spans(self, prefix: int | None = None) -> list[tuple[int, int]]:
+        """`[start, end)` positions of each finished round, the prefix (system prompt) left out."""
+        prefix = self.prefix_tokens if prefix is None else prefix
+        return [(max(r.start, prefix), r.end) for r in self.rounds]
+
+    def _reply_tokens(self, messages: list[dict], reply: str) -> tuple[list[int], str]:
+        """Ids of the assistant turn `reply` as the template writes it after `messages`, and that text."""
         with_reply = self.tokenizer.apply_chat_template(
             messages + [{"role": "assistant", "content": reply}], tokenize=False, add_generation_prompt=False
         )
         prompt = self._render(messages)
         if not with_reply.startswith(prompt):
             raise ValueError("the chat template renders an assistant turn differently after the generation prompt")
-        return self.tokenizer(with_reply[len(prompt) :], add_special_tokens=False).input_ids
+        return self.tokenizer(with_reply[len(prompt) :], add_special_tokens=False).input_ids, with_reply
 
     @torch.inference_mode()
     def send(self, text: str, max_new_tokens: int | None = None, streamer=None, reply: str | None = None) -> str:
         """Add a user turn, answer it greedily and return the answer.
 
         A refused input (empty message, a turn past the model's positions) leaves the session unchanged,
-        and so does an error inside the model when there is no press; with a press, a forward that
-        raised half-way leaves a cache the next turn refuses with a clear error.
+        and so does an error inside the model when there is no press (the cache is cropped back); with a
+        press, an error after the cache changed makes every later `send` raise (start a new session).
 
         `reply=` records the given assistant answer instead of generating one (a known history, or a
         benchmark's scripted turns); it is fed to the model, not generated, and returned.
         """
+        if self._broken:
+            raise RuntimeError(f"this session was interrupted mid-turn ({self._broken}); start a new one")
         if not isinstance(text, str) or not text.strip():
             raise ValueError("the message is empty")
         if reply is not None and (not isinstance(reply, str) or not reply.strip()):
             raise ValueError("the reply is empty")
+        if reply is not None and (streamer is not None or max_new_tokens is not None):
+            raise ValueError("reply= records a given answer: streamer and max_new_tokens do not apply to it")
         max_new_tokens = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         messages = self.messages + [{"role": "user", "content": text}]
         new = self._new_tokens(messages)
-        reply_ids = self._reply_tokens(messages, reply) if reply is not None else []
+        reply_ids, with_reply = self._reply_tokens(messages, reply) if reply is not None else ([], "")
         total = len(self._ids) + len(new) + (len(reply_ids) if reply is not None else max_new_tokens)
         limit = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         if limit is not None and total > limit and (self.press is None or not self.press.rerotate):
@@ -117,8 +129,7 @@ class ChatSession:
         start = len(self._ids)
         if isinstance(self.press, RoundPress):
             self.store = self.store if self.store is not None else RoundStore(device="cpu")
-            spans = [(max(r.start, prefix), r.end) for r in self.rounds]
-            self.press.begin_turn(self.cache, spans, self.store, self.user_text_span(messages, new))
+            self.press.begin_turn(self.cache, self.round_spans(prefix), self.store, self.user_text_span(messages, new))
         try:
             with maybe_installed(self.press, self.model):
                 if reply is None:
@@ -133,11 +144,13 @@ class ChatSession:
             end = start + len(new) + len(answer_ids) - 1
             if isinstance(self.press, RoundPress):
                 self.press.end_turn((max(start, prefix), end))
-        except BaseException:
-            if self.press is None:  # a full cache goes back to the history before this turn, layer by layer
-                for layer in self.cache.layers:
-                    if getattr(layer, "is_croppable", False) and layer.get_seq_length() > start:
-                        layer.crop(start - layer.get_seq_length())
+        except BaseException as err:
+            advanced = [layer for layer in self.cache.layers if layer.get_seq_length() > start]
+            if advanced and self.press is None and all(getattr(layer, "is_croppable", False) for layer in advanced):
+                for layer in advanced:  # a full cache goes back to the history before this turn
+                    layer.crop(start - layer.get_seq_length())
+            elif advanced:  # compressed: the evicted tokens are gone, the turn cannot be undone
+                self._broken = f"{type(err).__name__}: {err}"
             raise
         finally:
             if isinstance(self.press, RoundPress):
@@ -148,7 +161,10 @@ class ChatSession:
         self.rounds.append(Round(start, len(self._ids)))
         self.messages = messages + [{"role": "assistant", "content": reply if reply is not None else
                                      self.tokenizer.decode(answer_ids, skip_special_tokens=True)}]  # fmt: skip
-        self._rendered = self._render(messages) + self.tokenizer.decode(answer_ids, skip_special_tokens=False)
+        if reply is not None:
+            self._rendered = with_reply
+        else:
+            self._rendered = self._render(messages) + self.tokenizer.decode(answer_ids, skip_special_tokens=False)
         return self.messages[-1]["content"]
 
     def _generate(self, ids: torch.Tensor, max_new_tokens: int, streamer) -> list[int]:
@@ -162,3 +178,8 @@ class ChatSession:
             streamer=streamer,
         )
         return out[0, ids.shape[1] :].tolist()
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    """Index of the first position where `a` and `b` differ (the shorter length if one extends the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

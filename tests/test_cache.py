@@ -137,3 +137,16 @@ def test_slots_copied_dropped_and_inserted_come_back_in_place():
     assert layer.pos[0, 0].tolist() == list(range(10)) and int(layer.shift[0]) == 0
     with pytest.raises(ValueError, match="slots to insert carry"):
         layer.insert({"keys": part["keys"], "values": part["values"]})
+
+
+def test_slot_masks_and_duplicate_inserts_are_refused():
+    layer = PressedLayer()
+    layer.update(torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4))
+    held = layer.copy_slots(torch.ones(6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="already held"):
+        layer.insert(held)
+    with pytest.raises(ValueError, match="bool mask of the 6 held slots"):
+        layer.drop_slots(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="bool mask of the 6 held slots"):
+        layer.copy_slots(torch.ones(3, dtype=torch.bool))
+    assert layer.n == 6

@@ -98,3 +98,21 @@ def test_a_model_error_mid_turn_leaves_a_full_cache_session_unchanged(default_mo
     reference = kvpress.ChatSession(model, tokenizer, max_new_tokens=4)
     reference.send("Hello.", reply="Hi!")
     assert session.send("What did I say?") == reference.send("What did I say?")
+
+
+def test_a_model_error_mid_turn_with_a_press_stops_the_session(default_model):
+    model, tokenizer = default_model
+    session = kvpress.ChatSession(model, tokenizer, press=kvpress.SinkWindowPress(max_tokens=40), max_new_tokens=4)
+    session.send("Hello.", reply="Hi!")
+
+    def fail(module, args, output):
+        raise RuntimeError("boom")
+
+    hook = model.model.layers[5].register_forward_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            session.send("What did I say?")
+    finally:
+        hook.remove()
+    with pytest.raises(RuntimeError, match="interrupted mid-turn .*boom.*start a new one"):
+        session.send("Hello again.")

@@ -50,3 +50,10 @@ def test_press_specs_carry_parameters():
         kvpress.press_from_name("snapkv:window_size", compression_ratio=0.5)
     with pytest.raises(ValueError, match="unknown press 'nope'"):
         kvpress.press_from_name("nope:x=1")
+    with pytest.raises(ValueError, match="given twice"):
+        kvpress.press_from_name("snapkv:window_size=16:window_size=8", compression_ratio=0.5)
+    with pytest.raises(ValueError, match=r"\['window_size'\] are given both"):
+        kvpress.press_from_name("snapkv:window_size=16", compression_ratio=0.5, window_size=8)
+    assert kvpress.press_from_name("snapkv:max_tokens=64", compression_ratio=None, max_tokens=None).max_tokens == 64
+    with pytest.raises(ValueError, match="takes decode_slack from the wrapped press"):
+        kvpress.ChunkPress(kvpress.SnapKVPress(compression_ratio=0.5), decode_slack=0.5)

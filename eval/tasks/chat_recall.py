@@ -10,6 +10,7 @@ the user asks for one of them. Deterministic for a seed.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 _FACTS = (
@@ -31,7 +32,8 @@ class ChatExample:
     fact_round: int  # the round that holds the asked fact
 
     def score(self, text: str) -> float:
-        return float(self.answer in text)
+        """1 if the answer appears as a whole number in `text` (not inside a longer one)."""
+        return float(re.search(rf"(?<!\d){re.escape(self.answer)}(?!\d)", text) is not None)
 
 
 def conversations() -> list[list[str]]:

@@ -50,6 +50,8 @@ def parse_press_spec(spec: str) -> tuple[str, dict]:
         key, sep, text = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"press parameters are key=value after the name (snapkv:window_size=16), got {pair!r}")
+        if key in params:
+            raise ValueError(f"press parameter {key!r} is given twice in {spec!r}")
         params[key] = _value(text)
     return name, params
 
@@ -66,6 +68,10 @@ def _value(text: str):
 def press_from_name(name: str, **kwargs) -> BasePress:
     """Build a press by its CLI name (see `PRESSES`), optionally with parameters: `"snapkv:window_size=16"`."""
     name, params = parse_press_spec(name)
+    kwargs = {key: value for key, value in kwargs.items() if not (key in params and value is None)}
+    both = sorted(set(params) & set(kwargs))
+    if both:
+        raise ValueError(f"press parameters {both} are given both in {name!r}'s name and as arguments")
     return PRESSES[name](**params, **kwargs)
 
 

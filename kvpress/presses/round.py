@@ -157,6 +157,10 @@ class RoundPress(BasePress):
             self._queries = {}
             return
         index = len(turn.rounds)
+        layers = [layer for layer in turn.cache.layers if isinstance(layer, PressedLayer)]
+        if self.inner is not None and any(set(layer.slots) != {"pos"} for layer in layers):
+            kinds = sorted({name for layer in layers for name in layer.slots})
+            raise RuntimeError(f"cannot compress a round of layers holding per-slot {kinds} (padding or scores)")
         for layer_idx, layer in enumerate(turn.cache.layers):
             if not isinstance(layer, PressedLayer):
                 continue
@@ -227,10 +231,8 @@ class RoundPress(BasePress):
         self.inner.after_attention(Observation(module, query, alone.keys, alone.values, alone))
         if alone.n == part["keys"].shape[2]:
             return
-        if set(layer.slots) != {"pos"}:  # a per-slot state (padding, scores) a round cannot carry over
-            raise RuntimeError(f"cannot compress a round of a layer holding per-slot {sorted(layer.slots)}")
         kept = {"keys": alone.keys[:, :, : alone.n], "values": alone.values[:, :, : alone.n],
-                "pos": alone.pos + span[0]}  # fmt: skip
+                "pos": part["pos"].gather(2, alone.pos.long())}  # fmt: skip
         layer.drop_slots(chosen)
         layer.insert(kept)
 
