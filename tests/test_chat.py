@@ -76,24 +76,29 @@ def test_streaming_and_a_bounded_cache(default_model):
     assert len(session.rounds) == 3
 
 
+def _send_failing(model, session, text: str, at_call: int) -> None:
+    """`session.send(text)` with layer 5 raising at its `at_call`-th forward (mid-turn)."""
+    calls = []
+
+    def fail(module, args, output):
+        calls.append(1)
+        if len(calls) == at_call:
+            raise RuntimeError("boom")
+
+    hook = model.model.layers[5].register_forward_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            session.send(text)
+    finally:
+        hook.remove()
+
+
 def test_a_model_error_mid_turn_leaves_a_full_cache_session_unchanged(default_model):
     model, tokenizer = default_model
     session = kvpress.ChatSession(model, tokenizer, max_new_tokens=4)
     session.send("Hello.", reply="Hi!")
     before = _state(session)
-    calls = []
-
-    def fail_on_third_step(module, args, output):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("boom")
-
-    hook = model.model.layers[5].register_forward_hook(fail_on_third_step)
-    try:
-        with pytest.raises(RuntimeError, match="boom"):
-            session.send("What did I say?")
-    finally:
-        hook.remove()
+    _send_failing(model, session, "What did I say?", at_call=3)
     assert _state(session) == before
     reference = kvpress.ChatSession(model, tokenizer, max_new_tokens=4)
     reference.send("Hello.", reply="Hi!")
@@ -104,15 +109,6 @@ def test_a_model_error_mid_turn_with_a_press_stops_the_session(default_model):
     model, tokenizer = default_model
     session = kvpress.ChatSession(model, tokenizer, press=kvpress.SinkWindowPress(max_tokens=40), max_new_tokens=4)
     session.send("Hello.", reply="Hi!")
-
-    def fail(module, args, output):
-        raise RuntimeError("boom")
-
-    hook = model.model.layers[5].register_forward_hook(fail)
-    try:
-        with pytest.raises(RuntimeError, match="boom"):
-            session.send("What did I say?")
-    finally:
-        hook.remove()
+    _send_failing(model, session, "What did I say?", at_call=1)
     with pytest.raises(RuntimeError, match="interrupted mid-turn .*boom.*start a new one"):
         session.send("Hello again.")
