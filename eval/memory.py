@@ -9,6 +9,8 @@ import sys
 
 import torch
 
+from kvpress.patches.model_access import layer_types
+
 
 def reset_cuda_peak() -> None:
     if torch.cuda.is_available():
@@ -29,6 +31,6 @@ def full_cache_bytes(model, tokens: int) -> int:
     config = model.config.get_text_config(decoder=True)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_token = 2 * config.num_key_value_heads * head_dim * torch.finfo(model.dtype).bits // 8
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    types = layer_types(model)
     window = getattr(config, "sliding_window", None) or tokens
     return sum(per_token * (tokens if t == "full_attention" else min(tokens, window)) for t in types)

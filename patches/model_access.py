@@ -84,6 +84,11 @@ def inv_freq(model: nn.Module) -> torch.Tensor:
     return rotary_embedding(model).inv_freq
 
 
+def layer_types(model: nn.Module) -> list[str]:
+    """Each decoder layer's attention kind ("full_attention", "sliding_attention", ...)."""
+    config = text_config(model)
+    return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+
+
 def has_sliding_layers(model: nn.Module) -> bool:
-    types = getattr(text_config(model), "layer_types", None) or []
-    return any(t != "full_attention" for t in types)
+    return any(t != "full_attention" for t in layer_types(model))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from kvpress.head_cache import HeadwiseLayer
+from kvpress.patches import model_access
 from kvpress.patterns import check_pattern, find_pattern, load_pattern
 from kvpress.presses.base import Observation, _check_ratio
 from kvpress.presses.head_budget import HeadwisePress
@@ -67,9 +68,7 @@ class DuoAttentionPress(HeadwisePress):
         pattern = find_pattern(model) if self.head_pattern == "auto" else self.pattern
         check_pattern(pattern, model)
         scores = torch.tensor(pattern["scores"], dtype=torch.float64)
-        config = model.config.get_text_config(decoder=True)
-        types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-        full = torch.tensor([t == "full_attention" for t in types])
+        full = torch.tensor([t == "full_attention" for t in model_access.layer_types(model)])
         scores[~full] = -torch.inf  # sliding-window layers are never compressed: rank only the others
         order = scores.flatten().argsort(descending=True, stable=True)
         self.pattern = pattern

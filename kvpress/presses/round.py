@@ -125,9 +125,8 @@ class RoundPress(BasePress):
     def check_model(self, model: nn.Module) -> None:
         from kvpress.patches import model_access
 
-        config = model_access.text_config(model)
-        n_layers = config.num_hidden_layers
-        types = getattr(config, "layer_types", None) or ["full_attention"] * n_layers
+        types = model_access.layer_types(model)
+        n_layers = len(types)
         full = [i for i, kind in enumerate(types) if kind == "full_attention"]
         if self.watershed_layer == "auto":
             target = auto_watershed(model)
