@@ -47,7 +47,7 @@ class ChatSession:
         self._pending: list[int] = []  # generated but not fed yet (the last token of the last answer)
         self._rendered = ""  # the template text that `_ids` plus `_pending` stand for
         self.prefix_tokens = 0  # tokens of the template before the first user message (system prompt)
-        self.store = RoundStore(device="cpu") if isinstance(press, RoundPress) else None
+        self.store: RoundStore | None = None  # finished rounds out of the working cache (made by a RoundPress turn)
         self._broken = ""  # set when a turn failed after the cache had changed in a way that cannot be undone
 
     def _render(self, messages: list[dict]) -> str:
