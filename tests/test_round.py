@@ -185,3 +185,4 @@ def test_chat_recall_as_one_prompt_task(default_model):
     for example in examples:
         assert example.answers[0] in example.context and example.question.startswith("User: What is my")
         assert len(tokenizer(example.context).input_ids) <= 1024
+        assert example.score(f"It is {example.answers[0]}.") == 1.0 and example.score(f"9{example.answers[0]}") == 0.0

@@ -13,6 +13,8 @@ import random
 import re
 from dataclasses import dataclass
 
+from kvpress.eval.tasks.example import Example
+
 _FACTS = (
     ("By the way, my locker code is {v}.", "What is my locker code? Answer with the number.", 10000, 99999),
     ("Also, my flight number is {v}.", "What is my flight number? Answer with the number.", 100, 999),
@@ -32,8 +34,20 @@ class ChatExample:
     fact_round: int  # the round that holds the asked fact
 
     def score(self, text: str) -> float:
-        """1 if the answer appears as a whole number in `text` (not inside a longer one)."""
-        return float(re.search(rf"(?<!\d){re.escape(self.answer)}(?!\d)", text) is not None)
+        return whole_number_score(self.answer, text)
+
+
+def whole_number_score(answer: str, text: str) -> float:
+    """1 if the number `answer` appears whole in `text` (not inside a longer number)."""
+    return float(re.search(rf"(?<!\d){re.escape(answer)}(?!\d)", text) is not None)
+
+
+@dataclass(frozen=True)
+class TranscriptExample(Example):
+    """A chat as one prompt; scored as `ChatExample` is (the number, whole)."""
+
+    def score(self, text: str) -> float:
+        return whole_number_score(self.answers[0], text)
 
 
 def conversations() -> list[list[str]]:
@@ -70,13 +84,11 @@ def chat_recall_transcripts(tokenizer, n: int, length: int, seed: int) -> list:
     """The same chats as one prompt each (for lm-eval and sweeps, which take a context and a question):
     the rounds as a "User:/Assistant:" transcript, as many as fit in about `length` tokens (at least 4),
     then the question. The multi-turn form with a live session is `eval/bench_chat.py`."""
-    from kvpress.eval.tasks.example import Example
-
     out = []
     for example in chat_recall_examples(n, rounds=10, seed=seed):
         lines = [f"User: {user}\nAssistant: {reply}" for user, reply in example.rounds]
         while len(lines) > 4 and len(tokenizer("\n".join(lines)).input_ids) > length:
             lines.pop()  # drop the latest rounds: the planted ones are among the first three
-        out.append(Example(context="\n".join(lines), question=f"User: {example.question}\nAssistant:",
+        out.append(TranscriptExample(context="\n".join(lines), question=f"User: {example.question}\nAssistant:",
                            answers=(example.answer,)))  # fmt: skip
     return out

@@ -6,8 +6,9 @@ lm-eval loads this file by path, so it imports the generators through the instal
 
 from __future__ import annotations
 
-from kvpress.eval.tasks import Document, task_examples
+from kvpress.eval.tasks import Document, Example, task_examples
 from kvpress.eval.tasks.arithmetic import first_number_score
+from kvpress.eval.tasks.chat_recall import whole_number_score
 from kvpress.eval.tasks.common_words import top_words_score
 
 
@@ -38,8 +39,13 @@ def dataset(task: str, length: int = 1024, n: int = 32, seed: int = 0, **kwargs)
 
 
 def process_results(doc: dict, results: list[str]) -> dict:
-    """The fraction of the expected strings found in the generated text."""
-    return {"score": sum(answer in results[0] for answer in doc["answers"]) / len(doc["answers"])}
+    """The fraction of the expected strings found in the generated text (`Example.score`)."""
+    return {"score": Example("", "", tuple(doc["answers"])).score(results[0])}
+
+
+def process_whole_number(doc: dict, results: list[str]) -> dict:
+    """1 when the expected number appears whole in the generated text (the chat-recall task)."""
+    return {"score": whole_number_score(doc["answers"][0], results[0])}
 
 
 def process_first_number(doc: dict, results: list[str]) -> dict:
