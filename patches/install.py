@@ -193,8 +193,9 @@ class PressInstallation:
         if layer.adopted and info is not None and info.padding is not None:
             layer.adopt_padding(info.padding[:, : layer.seen - q_len])
         layer.commit(info.new_valid(q_len) if info is not None else None)
-        if not layer.compressed:  # slots still line up with tokens: transformers' own mask is right
-            mask = info.standard() if info is not None else None
+        standard = info.standard() if info is not None else None
+        if not layer.compressed and not _sized_for_another_layer(standard, key):
+            mask = standard  # slots still line up with tokens: transformers' own mask is right
         elif self._original.startswith("flash_attention") and "valid" not in layer.slots:
             mask = None  # flash aligns causal masks bottom-right: new tokens after every held slot
         else:  # flash cannot express holes in a padded batch: that call runs on sdpa
@@ -238,3 +239,9 @@ def _inputs(args: tuple, kwargs: dict) -> torch.Tensor:
     """The new tokens of a forward: `input_ids`, or `inputs_embeds` when no ids are given."""
     inputs = kwargs.get("input_ids", args[0] if args else None)
     return inputs if inputs is not None else kwargs["inputs_embeds"]
+
+
+def _sized_for_another_layer(mask, key: torch.Tensor) -> bool:
+    """transformers sizes one mask per layer type from the first such layer; a full layer after a compressed
+    one (per-layer budgets that leave a layer whole) holds more keys than that mask covers."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] != key.shape[-2]

@@ -30,6 +30,20 @@ def test_layers_of_different_lengths_generate(attn, family):
         assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_whole_layer_after_a_compressed_one_gets_its_own_mask(attn):
+    model = tiny_model("llama", attn, num_hidden_layers=2)
+    ids = prompt(1, 40)
+    press = KnormPress(compression_ratio=0.25, layer_scales=(0.2, 3.0))  # layer 1 may keep more than it saw
+    cache = DynamicCache(config=model.config)
+    with press(model) as installed:
+        model(ids, cache=cache)
+        assert [layer.n for layer in cache.layers] == [3, 40]  # transformers sizes its mask from layer 0
+        with installed.frozen():
+            logits = model(prompt(1, 5, seed=1), cache=cache).logits
+    assert logits.shape == (1, 5, 128) and torch.isfinite(logits).all()  # was a mask size mismatch
+
+
 def test_pyramid_total_bytes_match_uniform():
     model = tiny_model("llama", num_hidden_layers=4)
     ids = prompt(1, 128)
