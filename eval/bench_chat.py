@@ -118,9 +118,9 @@ def bench(model, tokenizer, examples: list[ChatExample], top_k: int) -> dict:
 def watershed(model, tokenizer, examples: list[ChatExample]) -> list[float]:
     """Per layer: the fraction of examples where the question's round-level attention ranks the asked
     fact's round first among the past rounds (full cache, every round present)."""
-    from kvpress.eval.sweep import _Recorder
     from kvpress.patches import model_access
     from kvpress.presses.base import Observation
+    from kvpress.recording import _Recorder
 
     n_layers = model_access.text_config(model).num_hidden_layers
     hits = [0] * n_layers

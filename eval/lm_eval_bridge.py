@@ -3,11 +3,19 @@
     lm_eval.simple_evaluate(model=KVPressLM(press="snapkv", compression_ratio=0.5), tasks=[...])
     kvpress lm-eval --model_args pretrained=default,press=snapkv,compression_ratio=0.5 --tasks kvpress_ruler
 
-Loglikelihood requests: the context (minus its last token) is prefilled with the press installed, so
-it is compressed; then the last context token and the continuation are fed frozen and every
+Two modes, as in `kvpress.generate`. Query-agnostic (the default, `query_aware=False`): only the text
+before the request's question is compressed, so the compressed cache could serve any question; the
+question is found as the document's `question` field, which the prompt must contain after some context
+(kvpress's tasks and SQuAD-style tasks have it; for others the bridge refuses and names
+`query_aware=True`). The question and the answer are then fed with the press frozen. Query-aware
+(`query_aware=True`): the whole prompt is compressed at prefill, so the question guides the scores,
+and generation continues with the press's decode-time eviction (a press that scores the context by a
+pass of its own, KVzip, compresses each prompt alone and then answers frozen).
+
+Loglikelihood requests: the compressed part (query-aware: the context minus its last token) is
+prefilled with the press installed; then the rest and the continuation are fed frozen and every
 continuation token is scored against the compressed cache (no mask simulation). Requests that share a
-context share its prefill (the compressed cache is copied per continuation). generate_until: the
-prompt is compressed at prefill and decoding continues with the press's decode-time eviction.
+compressed part share its prefill (the compressed cache is copied per continuation).
 loglikelihood_rolling (perplexity tasks): the whole document goes through one cache in chunks of
 `rolling_chunk` tokens with the press installed (StreamingLLM's evaluation, `tasks/perplexity.py`), so
 every token is predicted from the compressed past, not from HFLM's full-cache windows; documents
@@ -39,12 +47,13 @@ from kvpress.eval.memory import full_cache_bytes, peak_memory
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import resolve_model_path
 from kvpress.patches.model_access import cache_keyword
+from kvpress.pipeline import prefill_context
 from kvpress.presses import PRESSES, BasePress, press_from_name
 
 
 def _press_parameters() -> set[str]:
     """Every keyword some press takes (the model_args that belong to the press, not to HFLM)."""
-    names = {"inner", "alpha_safeguard"}
+    names = {"inner", "alpha_safeguard", "chunk_size"}
     for factory in PRESSES.values():
         if dataclasses.is_dataclass(factory):
             names |= {f.name for f in dataclasses.fields(factory)}
@@ -61,6 +70,8 @@ class KVPressLM(HFLM):
         press: a press name (`kvpress.PRESSES`), a press object, or None / "none" (plain HFLM).
         compression_ratio, max_tokens, and any press parameter (`window_size`, `n_sink`, ...): the press's.
         rolling_chunk: tokens fed per forward in loglikelihood_rolling (default 128).
+        query_aware: compress the whole prompt, question included (default False: only the text before
+            the document's `question`; see the module docstring).
     """
 
     def __init__(
@@ -70,8 +81,16 @@ class KVPressLM(HFLM):
         compression_ratio: float | None = None,
         max_tokens: int | None = None,
         rolling_chunk: int = CHUNK,
+        query_aware: bool = False,
         **kwargs,
     ) -> None:
+        if isinstance(query_aware, str):  # from --model_args
+            if query_aware.lower() not in ("true", "false"):
+                raise ValueError(f"query_aware must be true or false, got {query_aware!r}")
+            query_aware = query_aware.lower() == "true"
+        self.query_aware = bool(query_aware)
+        self._question_tails: dict[tuple[int, ...], int] = {}  # prompt tokens -> tokens of its question
+        self._question_starts: dict[str, int] = {}  # loglikelihood context -> where its question starts
         rolling_chunk = int(rolling_chunk)
         if rolling_chunk < 1:
             raise ValueError(f"rolling_chunk must be a positive number of tokens, got {rolling_chunk}")
@@ -118,6 +137,16 @@ class KVPressLM(HFLM):
                 raise ValueError(f"a continuation of {len(continuation)} tokens exceeds max_length={self.max_length}")
             full = (context + continuation)[-(self.max_length + 1) :]
             split = len(full) - len(continuation) - 1  # the compressed part: context minus its last token
+            if not self.query_aware:  # the compressed part: the context before the question
+                text = requests[i][0][0] if requests[i][0] is not None else None
+                if text not in self._question_starts:
+                    raise ValueError("query-agnostic loglikelihood needs each request's document (its question): "
+                                     "call loglikelihood(), or pass query_aware=True")  # fmt: skip
+                head = self._head_tokens(text, self._question_starts[text], context)
+                split = head - (len(context) + len(continuation) - len(full))
+                if split < 1:
+                    raise ValueError(f"query-agnostic loglikelihood: max_length={self.max_length} cut off the text "
+                                     "before the question; raise max_length or pass query_aware=True")  # fmt: skip
             tokens.append((full, split))
             groups.setdefault(tuple(full[:split]), []).append(i)
         results: list = [None] * len(requests)
@@ -135,12 +164,43 @@ class KVPressLM(HFLM):
         bar.close()
         return results
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        if self.press is not None and not self.query_aware:
+            self._question_starts = {request.args[0]: self._question_start(request) for request in requests}
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+
+    def _head_tokens(self, text: str, start: int, tokens: list[int]) -> int:
+        """How many of `tokens` (`text` encoded as lm-eval does) end before character `start` (its question);
+        a token across the boundary goes with the question, so it is not compressed."""
+        special = tokens[:1] == [self.prefix_token_id] and not text.startswith(self.tok_decode([self.prefix_token_id]))
+        enc = self.tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+        if enc.input_ids != tokens:
+            raise ValueError("query-agnostic mode: cannot map the prompt's tokens to its text; pass query_aware=True")
+        head = 0
+        while head < len(tokens) and enc.offset_mapping[head][1] <= start:
+            head += 1
+        return head
+
+    @staticmethod
+    def _question_start(request) -> int:
+        """Where the request's question starts in its prompt (query-agnostic mode), or a clear error."""
+        doc, context = request.doc, request.args[0]
+        question = doc.get("question") if isinstance(doc, dict) else None
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError(f"query-agnostic mode compresses the text before the question, but task "
+                             f"{request.task_name!r} has no 'question' field in its documents; pass "
+                             "query_aware=True to compress the whole prompt")  # fmt: skip
+        start = context.rfind(question.strip())
+        if start <= 0:
+            raise ValueError(f"query-agnostic mode: the prompt of task {request.task_name!r} does not contain its "
+                             "document's question after some context; pass query_aware=True")  # fmt: skip
+        return start
+
     @torch.inference_mode()
     def _prefill(self, prefix: list[int]) -> DynamicCache:
         cache = DynamicCache(config=self.model.config)
         if prefix:
-            with self.press(self.model):
-                self.model(torch.tensor([prefix], device=self.device), cache=cache, use_cache=True)
+            prefill_context(self.model, torch.tensor([prefix], device=self.device), self.press, cache, self.tokenizer)
         return cache
 
     @torch.inference_mode()
@@ -172,16 +232,48 @@ class KVPressLM(HFLM):
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), -nll)
         return results
 
-    # ----- generation: compressed prompt, decode-time eviction -----------------------------------------------
+    # ----- generation: query-aware, the prompt compressed with decode-time eviction; else the context only ------
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        if self.press is not None and not self.query_aware:
+            self._question_tails = {}
+            for request in requests:
+                context = request.args[0]
+                tokens = self.tok_encode(context)
+                head = self._head_tokens(context, self._question_start(request), tokens)
+                self._question_tails[tuple(tokens)] = len(tokens) - head
+        return super().generate_until(requests, disable_tqdm=disable_tqdm)
+
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
         if self.press is None:
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
-        cache = DynamicCache(config=self.model.config)
         keyword = cache_keyword(self.model)
-        with self.press(self.model):
-            out = super()._model_generate(context, max_length, stop, **{keyword: cache}, **generation_kwargs)
-        self._record(cache, cache.get_seq_length(), batch=context.shape[0])
-        return out
+        if self.query_aware and not self.press.needs_whole_context:
+            cache = DynamicCache(config=self.model.config)
+            with self.press(self.model):
+                out = super()._model_generate(context, max_length, stop, **{keyword: cache}, **generation_kwargs)
+            self._record(cache, cache.get_seq_length(), batch=context.shape[0])
+            return out
+        mask = generation_kwargs.pop("attention_mask", None)
+        rows = []  # each row is compressed alone (its own question; KVzip's pass), then answered frozen
+        for b in range(context.shape[0]):
+            ids = context[b : b + 1] if mask is None else context[b : b + 1, mask[b].bool()]
+            tail = 1 if self.query_aware else self._question_tails.get(tuple(ids[0].tolist()))
+            if tail is None:
+                raise ValueError("query-agnostic mode: a prompt no longer matches its question (cut to max_length?); "
+                                 "raise max_length or pass query_aware=True")  # fmt: skip
+            cache = self._prefill(ids[0, : ids.shape[1] - tail].tolist())
+            with self.press(self.model) as installed, installed.frozen():
+                out = super()._model_generate(ids, max_length - (context.shape[1] - ids.shape[1]), stop,
+                                              attention_mask=torch.ones_like(ids), **{keyword: cache},
+                                              **generation_kwargs)  # fmt: skip
+            self._record(cache, cache.get_seq_length())
+            rows.append(out[0, ids.shape[1] :])
+        width = max(row.numel() for row in rows)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
+        new = torch.full((len(rows), width), pad, device=context.device)
+        for b, row in enumerate(rows):
+            new[b, : row.numel()] = row
+        return torch.cat([context, new.to(context.dtype)], dim=1)
 
     # ----- memory records ----------------------------------------------------------------------------------
     def _record(self, cache: DynamicCache, tokens: int, batch: int = 1) -> None:

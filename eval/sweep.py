@@ -4,7 +4,8 @@ Prefill attention is full: within the prefill forward a press only evicts after 
 so no layer's output depends on the press. One recorded prefill per example (the full cache plus
 each layer's queries) therefore serves every configuration: each press is applied to a copy of the
 recorded cache exactly as it would have been inside the forward, then the question is answered from
-that compressed cache. (Presses with `rerotate=True` need a live prefill and are refused.)
+that compressed cache (`kvpress.recording`). Presses with `rerotate=True` need a live prefill and are
+refused; KVzip's reconstruction pass runs once per example and serves every ratio.
 
 Writes, under `--out`: `results.jsonl` (one line per example and configuration, appended as it goes:
 an interrupted sweep resumes where it stopped), `summary.json` / `summary.csv` (mean score, its
@@ -35,7 +36,6 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,51 +48,7 @@ from kvpress.eval.tasks import ANSWER_TOKENS, TASKS, Document, task_examples
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.pipeline import answer_from_cache, split_prompt
 from kvpress.presses import parse_press_spec
-from kvpress.presses.base import BasePress, Observation
-
-
-@dataclass
-class _Recorder(BasePress):
-    """Evicts nothing (ratio 0); keeps each layer's attention module and queries of the prefill."""
-
-    queries: dict[int, tuple[nn.Module, torch.Tensor]] = field(default_factory=dict)
-
-    def observe(self, obs: Observation) -> None:
-        self.queries[obs.layer_idx] = (obs.module, obs.query)
-
-
-@dataclass
-class Recording:
-    """A full prefill: its cache and, per compressible layer, the attention module and its queries."""
-
-    cache: DynamicCache
-    queries: dict[int, tuple[nn.Module, torch.Tensor]]
-    tokens: int
-
-
-@torch.inference_mode()
-def record_prefill(model: nn.Module, ids: torch.Tensor) -> Recording:
-    recorder = _Recorder(compression_ratio=0.0)
-    cache = DynamicCache(config=model.config)
-    with recorder(model):
-        model(ids, cache=cache, use_cache=True)
-    return Recording(cache, recorder.queries, ids.shape[1])
-
-
-@torch.inference_mode()
-def compress_recording(model: nn.Module, recording: Recording, press: BasePress) -> DynamicCache:
-    """The cache `press` would have left after the recorded prefill (the recording is not changed)."""
-    if press.rerotate:
-        raise ValueError("a sweep applies presses to a recorded prefill; rerotate=True needs a live one")
-    press(model)  # validates the press for this model (a head pattern for another model is refused here)
-    cache = copy.deepcopy(recording.cache)
-    for idx, (module, query) in recording.queries.items():
-        layer = cache.layers[idx]
-        obs = Observation(module, query, layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n], layer)
-        replacement = press.after_attention(obs, None)
-        if replacement is not None:  # a head-wise press moved the layer to per-head storage
-            cache.layers[idx] = replacement
-    return cache
+from kvpress.recording import compress_recording, record_prefill
 
 
 def configurations(presses: list[str], ratios: list[float]) -> list[tuple[str, float]]:
@@ -131,6 +87,11 @@ def run_sweep(
 
     configs = configurations(presses, ratios)
     check_tasks(tasks)
+    chunked = [task for task in tasks if task.startswith("perplexity")]
+    whole = [name for name in presses if kvpress.press_from_name(name, compression_ratio=0.5).needs_whole_context]
+    if chunked and whole:
+        raise ValueError(f"{whole} score a context once it is all cached; the perplexity tasks {chunked} feed "
+                         "documents in chunks through the press: sweep them separately")  # fmt: skip
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rank, world, state = _shard()
@@ -172,7 +133,7 @@ def _answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_awar
     for name, ratio in tqdm(todo, desc="configurations", leave=False, disable=not progress):
         reset_cuda_peak()
         press = None if name == "none" else kvpress.press_from_name(name, compression_ratio=ratio)
-        cache = recording.cache if press is None else compress_recording(model, recording, press)
+        cache = recording.cache if press is None else compress_recording(model, recording, press, tokenizer)
         kept = kvpress.cache_bytes(cache)
         working = copy.deepcopy(cache) if press is None else cache
         text = answer_from_cache(model, tokenizer, ids, working, press, answer_tokens)

@@ -13,6 +13,7 @@ from kvpress.head_cache import HeadwiseLayer
 from kvpress.models import load_model
 from kvpress.pipeline import generate
 from kvpress.presses import (
+    DEFAULT_PRESS,
     PRESSES,
     AdaKVPress,
     BasePress,
@@ -21,6 +22,7 @@ from kvpress.presses import (
     H2OPress,
     HeavyHitterPress,
     KnormPress,
+    KVzipPress,
     Observation,
     PyramidKVPress,
     RandomPress,
@@ -34,6 +36,7 @@ from kvpress.round_store import RoundStore
 from kvpress.stream import stream
 
 __all__ = [
+    "DEFAULT_PRESS",
     "AdaKVPress",
     "BasePress",
     "ChunkPress",
@@ -43,6 +46,7 @@ __all__ = [
     "H2OPress",
     "HeavyHitterPress",
     "KnormPress",
+    "KVzipPress",
     "Observation",
     "PRESSES",
     "PressedLayer",

@@ -31,7 +31,9 @@ def _press(name: str | None, ratio: float | None, max_tokens: int | None):
     return kvpress.press_from_name(name, compression_ratio=ratio, max_tokens=max_tokens)
 
 
-def _answer(model, tokenizer, context: str, question: str, press, max_new_tokens: int) -> tuple[str, int, float]:
+def _answer(
+    model, tokenizer, context: str, question: str, press, max_new_tokens: int, query_aware: bool = False
+) -> tuple[str, int, float]:
     """(answer, KV bytes held at the end, seconds)."""
     from transformers import DynamicCache
 
@@ -39,7 +41,8 @@ def _answer(model, tokenizer, context: str, question: str, press, max_new_tokens
 
     cache = DynamicCache(config=model.config)
     start = time.perf_counter()
-    text = kvpress.generate(model, tokenizer, context, question, press, max_new_tokens=max_new_tokens, cache=cache)
+    text = kvpress.generate(model, tokenizer, context, question, press, max_new_tokens=max_new_tokens, cache=cache,
+                            query_aware=query_aware)  # fmt: skip
     return text, kvpress.cache_bytes(cache), time.perf_counter() - start
 
 
@@ -51,14 +54,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     n_tokens = sum(t.shape[1] for t in kvpress.pipeline.split_prompt(tokenizer, context, DEMO_QUESTION))
     print(f"document: {n_tokens} tokens of Python documentation; hidden fact: {DEMO_FACT!r}")
     print(f"question: {DEMO_QUESTION}\n")
-    print(f"{'press':12s} {'ratio':>5s} {'KV bytes':>12s} {'kept':>6s} {'seconds':>7s}  answer")
+    print(f"{'press':20s} {'ratio':>5s} {'KV bytes':>12s} {'kept':>6s} {'seconds':>7s}  answer")
     full_text, full_bytes, seconds = _answer(model, tokenizer, context, DEMO_QUESTION, None, args.max_new_tokens)
-    print(f"{'none':12s} {0:5.2f} {full_bytes:12,d} {1:6.0%} {seconds:7.1f}  {full_text!r}")
+    print(f"{'none':20s} {0:5.2f} {full_bytes:12,d} {1:6.0%} {seconds:7.1f}  {full_text!r}")
     for name in args.presses.split(","):
         press = _press(name, args.ratio, None)
         text, kept, seconds = _answer(model, tokenizer, context, DEMO_QUESTION, press, args.max_new_tokens)
         mark = "" if DEMO_ANSWER in text else "  (fact lost)"
-        print(f"{name:12s} {args.ratio:5.2f} {kept:12,d} {kept / full_bytes:6.0%} {seconds:7.1f}  {text!r}{mark}")
+        print(f"{name:20s} {args.ratio:5.2f} {kept:12,d} {kept / full_bytes:6.0%} {seconds:7.1f}  {text!r}{mark}")
     return 0
 
 
@@ -71,7 +74,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     press = _press(args.press, args.ratio, args.max_tokens)
     model, tokenizer = kvpress.load_model(args.model)
-    text, kv_bytes, seconds = _answer(model, tokenizer, path.read_text(), args.question, press, args.max_new_tokens)
+    text, kv_bytes, seconds = _answer(model, tokenizer, path.read_text(), args.question, press, args.max_new_tokens,
+                                      args.query_aware)  # fmt: skip
     print(text)
     print(f"[{args.press or 'none'}: {kv_bytes:,d} KV bytes held, {seconds:.1f} s]", file=sys.stderr)
     return 0
@@ -95,6 +99,7 @@ def cmd_calibrate_heads(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     import kvpress
+    from kvpress.presses import DEFAULT_PRESS
 
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("lm-eval", "sweep"):  # the eval bridge's commands parse their own arguments
@@ -113,13 +118,16 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = sub.add_parser("demo", help="answer a question about a long document with and without compression")
     demo.add_argument("--model", default=None, help="packaged model name or local directory (default SmolLM2-135M)")
-    demo.add_argument("--presses", default="snapkv,h2o,sink-window,knorm,random")
+    demo.add_argument("--presses", default=f"{DEFAULT_PRESS},snapkv,h2o,sink-window,knorm,random")
     demo.add_argument("--ratio", type=float, default=0.5)
     demo.add_argument("--max-new-tokens", type=int, default=16)
     demo.set_defaults(fn=cmd_demo)
 
     gen = sub.add_parser("generate", help="answer --question about --context-file with a press")
-    gen.add_argument("--press", default="snapkv", help=f"one of: none, {', '.join(sorted(kvpress.PRESSES))}")
+    gen.add_argument("--press", default=DEFAULT_PRESS,
+                     help=f"one of: none, {', '.join(sorted(kvpress.PRESSES))} (default: {DEFAULT_PRESS})")  # fmt: skip
+    gen.add_argument("--query-aware", action="store_true",
+                     help="compress the context with the question (it guides the scores; the cache serves it alone)")
     gen.add_argument("--ratio", type=float, default=None, help="compression ratio in [0, 1) (default 0.5)")
     gen.add_argument("--max-tokens", type=int, default=None, help="a fixed token budget instead of --ratio")
     gen.add_argument("--context-file", required=True)

@@ -8,6 +8,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from kvpress.presses.base import BasePress, maybe_installed
+from kvpress.recording import compress_recording, record_prefill
 
 
 def pad_token_id(tokenizer) -> int:
@@ -72,9 +73,20 @@ def generate(
     cache = DynamicCache(config=model.config) if cache is None else cache
     ids = torch.cat([ctx_ids, q_ids], dim=-1)
     prefill = ids[:, :-1] if query_aware else ctx_ids  # generate feeds at least the last token itself
-    with maybe_installed(press, model):
-        model(prefill, cache=cache, use_cache=True)
+    prefill_context(model, prefill, press, cache, tokenizer)
     return answer_from_cache(model, tokenizer, ids, cache, press, max_new_tokens)
+
+
+@torch.inference_mode()
+def prefill_context(model, ids: torch.Tensor, press: BasePress | None, cache: DynamicCache, tokenizer=None) -> None:
+    """Prefill `ids` into `cache`, compressed by `press` (none: the full cache). Presses that score the
+    context with a pass of their own (`needs_whole_context`, KVzip) are applied once it is all cached;
+    they write a prompt, so they need `tokenizer`."""
+    if press is not None and press.needs_whole_context:
+        compress_recording(model, record_prefill(model, ids, cache), press, tokenizer, in_place=True)
+    else:
+        with maybe_installed(press, model):
+            model(ids, cache=cache, use_cache=True)
 
 
 @torch.inference_mode()

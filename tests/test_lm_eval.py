@@ -3,9 +3,11 @@
 import pytest
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
+from transformers import DynamicCache
 
 import kvpress
 from kvpress.eval.lm_eval_bridge import KVPressLM, full_cache_bytes
+from kvpress.pipeline import answer_from_cache, prefill_context
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,8 @@ PAIRS = [(CONTEXT, " Madrid."), (CONTEXT, " Paris."), ("Two plus two equals", " 
 def test_ratio_zero_equals_plain_hflm(default_model):
     model, tokenizer = default_model
     plain = _loglikelihood(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1), PAIRS)
-    bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="snapkv", compression_ratio=0.0, window_size=4)
+    bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="snapkv", compression_ratio=0.0, window_size=4,
+                       query_aware=True)
     pressed = _loglikelihood(bridge, PAIRS)
     for (a, greedy_a), (b, greedy_b) in zip(plain, pressed, strict=True):
         assert abs(a - b) <= 1e-3 and greedy_a == greedy_b
@@ -37,7 +40,7 @@ def test_ratio_zero_equals_plain_hflm(default_model):
 def test_compressed_context_scores_against_the_compressed_cache(default_model):
     model, tokenizer = default_model
     context = " ".join(f"Item {i} is numbered {i}." for i in range(60)) + " The first item is"
-    bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="knorm", compression_ratio=0.5)
+    bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="knorm", compression_ratio=0.5, query_aware=True)
     pressed = _loglikelihood(bridge, [(context, " Item 0."), (context, " numbered 7.")])
     plain = _loglikelihood(KVPressLM(pretrained=model, tokenizer=tokenizer), [(context, " Item 0.")])
     assert pressed[0][0] != pytest.approx(plain[0][0], abs=1e-3)
@@ -49,7 +52,8 @@ def test_compressed_context_scores_against_the_compressed_cache(default_model):
 
 def test_generate_until_compresses_the_prompt(default_model):
     model, tokenizer = default_model
-    bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="sink-window", compression_ratio=0.5, batch_size=2)
+    bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="sink-window", compression_ratio=0.5, batch_size=2,
+                       query_aware=True)
     prompts = ["The capital of France is Paris. " * 20 + "The capital of France is", "Count: one, two, three,"]
     arguments = {"until": ["\n"], "max_gen_toks": 6}
     requests = [Instance("generate_until", {}, (p, arguments), i) for i, p in enumerate(prompts)]
@@ -120,3 +124,80 @@ def test_cli_refuses_bad_press_task_and_model(default_model, capsys):
         main(["lm-eval", "--model_args", "pretrained=default", "--tasks", "no_such_task"])
     assert main(["lm-eval", "--model", "hf", "--tasks", "kvpress_needle_noise"]) == 2
     assert "--model is always kvpress" in capsys.readouterr().err
+
+
+def _needle_requests(examples, kind="generate_until"):
+    docs = [{"context": e.context, "question": e.question, "answers": list(e.answers)} for e in examples]
+    if kind == "generate_until":
+        args = {"until": ["\n"], "max_gen_toks": 8}
+        return [Instance(kind, d, (f"{d['context']}\n\n{d['question']}", args), i) for i, d in enumerate(docs)]
+    return [Instance(kind, d, (f"{d['context']}\n\n{d['question']}", " 1"), i) for i, d in enumerate(docs)]
+
+
+def test_query_agnostic_generation_compresses_only_the_context(default_model):
+    from kvpress.eval.tasks import task_examples
+
+    model, tokenizer = default_model
+    examples = task_examples("needle_noise", tokenizer, 2, 256, 0)
+    answers = {}
+    for aware in (False, True):
+        bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="snapkv", compression_ratio=0.6,
+                           window_size=8, query_aware=aware, batch_size=2)  # fmt: skip
+        answers[aware] = bridge.generate_until(_needle_requests(examples), disable_tqdm=True)
+    for example, answer in zip(examples, answers[False], strict=True):  # the context compressed, then asked
+        ids = tokenizer(f"{example.context}\n\n{example.question}", return_tensors="pt").input_ids
+        head = len(tokenizer(f"{example.context}\n").input_ids) + 1  # "\n\n" is two tokens before a word
+        press, cache = kvpress.SnapKVPress(0.6, window_size=8), DynamicCache(config=model.config)
+        prefill_context(model, ids[:, :head], press, cache)
+        assert cache.layers[0].n == head - int(head * 0.6)
+        expected = answer_from_cache(model, tokenizer, ids, cache, press, max_new_tokens=8)
+        assert answer.strip() == expected.split("\n")[0].strip()
+    assert answers[False] != answers[True]  # the question guided the query-aware compression
+
+
+def test_query_agnostic_loglikelihood_shares_the_context_prefill(default_model):
+    model, tokenizer = default_model
+    context = " ".join(f"Item {i} is numbered {i}." for i in range(40))
+    docs = [{"question": q} for q in ("Which item is numbered 3? Item", "Which item is first? Item")]
+    requests = [Instance("loglikelihood", d, (f"{context}\n\n{d['question']}", " 3"), i) for i, d in enumerate(docs)]
+    prefixes = {}
+    for aware in (False, True):
+        bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="knorm", compression_ratio=0.5,
+                           query_aware=aware)
+        seen = []
+        original = bridge._prefill
+        bridge._prefill = lambda prefix, seen=seen, original=original: seen.append(len(prefix)) or original(prefix)
+        bridge.loglikelihood(requests, disable_tqdm=True)
+        prefixes[aware] = seen
+    head = len(tokenizer(context + "\n").input_ids) + 1  # "\n\n" is two tokens before a word
+    assert prefixes[False] == [head]  # one prefill of the context, shared by both questions
+    assert len(prefixes[True]) == 2 and min(prefixes[True]) > head
+
+
+def test_query_agnostic_mode_needs_the_question(default_model):
+    model, tokenizer = default_model
+    bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="knorm", compression_ratio=0.5)
+    request = Instance("generate_until", {"text": "x"}, ("Some context. Some question?", {"until": ["\n"]}), 0)
+    with pytest.raises(ValueError, match="no 'question' field.*query_aware=True"):
+        bridge.generate_until([request], disable_tqdm=True)
+    request = Instance("loglikelihood", {"question": "Not in the prompt?"}, ("Some context.", " x"), 0)
+    with pytest.raises(ValueError, match="does not contain its document's question.*query_aware=True"):
+        bridge.loglikelihood([request], disable_tqdm=True)
+    with pytest.raises(ValueError, match="query_aware must be true or false"):
+        KVPressLM(pretrained=model, tokenizer=tokenizer, press="knorm", compression_ratio=0.5, query_aware="maybe")
+
+
+def test_kvzip_runs_through_the_bridge_in_both_modes(default_model):
+    from kvpress.eval.tasks import task_examples
+
+    model, tokenizer = default_model
+    requests = _needle_requests(task_examples("needle_noise", tokenizer, 1, 256, 0))
+    for aware in (False, True):
+        bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="kvzip", compression_ratio=0.5,
+                           query_aware=aware)  # fmt: skip
+        (answer,) = bridge.generate_until(requests, disable_tqdm=True)
+        bridge.loglikelihood(_needle_requests(task_examples("needle_noise", tokenizer, 1, 256, 0), "loglikelihood"),
+                             disable_tqdm=True)  # fmt: skip
+        assert isinstance(answer, str) and len(bridge.kv_records) == 2
+        for record in bridge.kv_records:  # half the context, then the question (and answer) in full
+            assert 0.45 < record["kept_bytes"] / record["full_bytes"] < 0.65

@@ -9,8 +9,9 @@ from transformers import DynamicCache
 
 import kvpress
 from kvpress import AdaKVPress, DuoAttentionPress, HeavyHitterPress, PyramidKVPress, SnapKVPress
-from kvpress.eval.sweep import compress_recording, main, record_prefill, run_sweep
+from kvpress.eval.sweep import main, run_sweep
 from kvpress.patterns import config_hash
+from kvpress.recording import compress_recording, record_prefill
 from tiny import prompt, tiny_model
 
 
@@ -118,3 +119,25 @@ def test_bad_names_are_refused(default_model, tmp_path, capsys):
         run_sweep(model, tokenizer, ["snapkv"], [0.5], ["ruler"], tmp_path)
     assert main(["--out", str(tmp_path), "--ratios", "0.5,1.2"]) == 2
     assert "ratios must be in [0, 1)" in capsys.readouterr().err
+
+
+def test_fidelity_table_picks_the_best_press_per_task_and_marks_the_targets(tmp_path):
+    from kvpress.eval.fidelity import fidelity, markdown
+
+    def row(task, press, ratio, score, full):
+        retention = round(score / full, 4) if full else None
+        return {"task": task, "press": press, "ratio": ratio, "score": score, "retention": retention}
+
+    agnostic = [row("needle_noise", "none", 0.0, 0.8, 0.8), row("needle_noise", "knorm", 0.5, 0.8, 0.8),
+                row("needle_noise", kvpress.DEFAULT_PRESS, 0.5, 0.4, 0.8), row("needle_noise", "knorm", 0.75, 0.6, 0.8),
+                row("variable_tracking", "none", 0.0, 0.0, 0.0), row("variable_tracking", "knorm", 0.5, 0.0, 0.0)]
+    aware = [row("needle_noise", "snapkv", 0.75, 0.8, 0.8)]
+    for name, rows in (("sweep", agnostic), ("sweep-query-aware", aware)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(rows))
+    noise, tracking = fidelity(tmp_path)
+    assert noise["agnostic@0.5"] == ("knorm", 1.0) and noise["default@0.5"] == 0.5
+    assert noise["agnostic@0.75"] == ("knorm", 0.75) and noise["aware@0.75"] == ("snapkv", 1.0)
+    assert tracking["full"] == 0.0 and tracking["agnostic@0.5"] is None  # no retention without a full score
+    table = markdown([noise, tracking])
+    assert "100% ✓ (knorm)" in table and "75% ✗ (knorm)" in table and "100% ✓ (snapkv)" in table

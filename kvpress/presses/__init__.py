@@ -7,6 +7,7 @@ from kvpress.presses.duo_attention import DuoAttentionPress
 from kvpress.presses.head_budget import HeadwisePress
 from kvpress.presses.heavy_hitter import H2OPress, HeavyHitterPress
 from kvpress.presses.knorm import KnormPress
+from kvpress.presses.kvzip import KVzipPress
 from kvpress.presses.pyramidkv import PyramidKVPress
 from kvpress.presses.random_press import RandomPress
 from kvpress.presses.round import RoundPress
@@ -34,9 +35,15 @@ PRESSES = {
     "sink-window": SinkWindowPress,
     "streaming-llm": SinkWindowPress,
     "knorm": KnormPress,
+    "kvzip": KVzipPress,
     "pyramidkv": PyramidKVPress,
     "random": RandomPress,
 }
+
+
+# What a user gets without choosing (`kvpress generate`, `kvpress demo`): the best query-agnostic press
+# measured by the sweeps in eval/results/README.md ("Fidelity").
+DEFAULT_PRESS = "chunkkv:inner=kvzip"
 
 
 def parse_press_spec(spec: str) -> tuple[str, dict]:
@@ -76,6 +83,7 @@ def press_from_name(name: str, **kwargs) -> BasePress:
 
 
 __all__ = [
+    "DEFAULT_PRESS",
     "AdaKVPress",
     "ChunkPress",
     "DuoAttentionPress",
@@ -85,6 +93,7 @@ __all__ = [
     "HeavyHitterPress",
     "H2OPress",
     "KnormPress",
+    "KVzipPress",
     "PyramidKVPress",
     "RandomPress",
     "RoundPress",

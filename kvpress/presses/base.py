@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -95,6 +96,10 @@ class BasePress:
             never exceeds its budget). 0 evicts one token per step.
     """
 
+    # True for presses that score the context with a pass of their own once it is all cached (KVzip):
+    # they are applied to a recorded prefill (`kvpress.recording`), never inside the prefill forward.
+    needs_whole_context: ClassVar[bool] = False
+
     compression_ratio: float | None = None
     max_tokens: int | None = None
     rerotate: bool = False
@@ -133,6 +138,10 @@ class BasePress:
 
     def observe(self, obs: Observation) -> None:
         """Called after every attention call, before any eviction (accumulating presses override it)."""
+
+    def prepare(self, model: nn.Module, recording, tokenizer=None) -> None:
+        """Called before this press is applied to a recorded prefill (`kvpress.recording.Recording`);
+        presses with `needs_whole_context` run their own pass over the context here."""
 
     def sink_count(self) -> int:
         """Leading tokens always kept (attention sinks)."""

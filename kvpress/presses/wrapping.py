@@ -28,6 +28,13 @@ class WrapsPress:
         self.compression_ratio, self.max_tokens = self.press.compression_ratio, self.press.max_tokens
         self.decode_slack = self.press.decode_slack
 
+    @property
+    def needs_whole_context(self) -> bool:
+        return self.press.needs_whole_context
+
+    def prepare(self, model, recording, tokenizer=None) -> None:
+        self.press.prepare(model, recording, tokenizer)
+
     def sink_count(self) -> int:
         return self.press.sink_count()
 

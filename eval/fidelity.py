@@ -1,0 +1,101 @@
+"""`python -m kvpress.eval.fidelity`: the fidelity check of the sweeps in eval/results, as one table.
+
+For each model and task (needle, variable tracking, arithmetic): the full cache's score, then, at
+r = 0.5 and 0.75, the retention (score / full score) of the default press (`kvpress.DEFAULT_PRESS`),
+of the best query-agnostic press and of the best query-aware one, each against its target: the best
+query-agnostic press keeps >= 98% at r = 0.5 and >= 90% at r = 0.75, the best query-aware one >= 98%
+at r = 0.75. Reads the sweeps' `summary.json`; writes `eval/results/fidelity.md` and `fidelity.json`.
+A task whose full cache scores 0 has no retention (shown as "-").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from kvpress.presses import DEFAULT_PRESS
+
+RESULTS = Path(__file__).parent / "results"
+TASKS = ("needle_noise", "needle_pydoc", "variable_tracking", "arithmetic")
+# model -> (query-agnostic sweep directories, query-aware sweep directories)
+SWEEPS = {
+    "SmolLM2-135M": (("sweep", "sweep-tasks"), ("sweep-query-aware",)),
+    "Qwen2.5-0.5B": (("sweep-qwen2.5-0.5b", "sweep-tasks-qwen2.5-0.5b"), ("sweep-query-aware-qwen2.5-0.5b",)),
+}
+TARGETS = {("agnostic", 0.5): 0.98, ("agnostic", 0.75): 0.90, ("aware", 0.75): 0.98}
+
+
+def _rows(dirs: tuple[str, ...], results: Path) -> list[dict]:
+    rows = []
+    for name in dirs:
+        path = results / name / "summary.json"
+        if path.exists():
+            rows += [r for r in json.loads(path.read_text()) if r["task"] in TASKS]
+    return rows
+
+
+def _best(rows: list[dict], task: str, ratio: float) -> tuple[str, float] | None:
+    """The press with the highest retention on `task` at `ratio` (ties: the first by name)."""
+    found = sorted((r for r in rows if r["task"] == task and r["ratio"] == ratio and r["retention"] is not None),
+                   key=lambda r: (-r["retention"], r["press"]))  # fmt: skip
+    return (found[0]["press"], found[0]["retention"]) if found else None
+
+
+def fidelity(results: Path = RESULTS) -> list[dict]:
+    """One row per (model, task): full score and the retentions of the default / best presses."""
+    table = []
+    for model, (agnostic_dirs, aware_dirs) in SWEEPS.items():
+        agnostic, aware = _rows(agnostic_dirs, results), _rows(aware_dirs, results)
+        for task in TASKS:
+            full = next((r["score"] for r in agnostic if r["task"] == task and r["press"] == "none"), None)
+            if full is None:
+                continue
+            row = {"model": model, "task": task, "full": full}
+            for ratio in (0.5, 0.75):
+                default = next((r["retention"] for r in agnostic if r["task"] == task and r["press"] == DEFAULT_PRESS
+                                and r["ratio"] == ratio), None)  # fmt: skip
+                row[f"default@{ratio}"] = default
+                row[f"agnostic@{ratio}"] = _best(agnostic, task, ratio)
+                row[f"aware@{ratio}"] = _best(aware, task, ratio)
+            table.append(row)
+    return table
+
+
+def _cell(value, target: float | None = None) -> str:
+    if value is None:
+        return "-"
+    press, retention = value if isinstance(value, tuple) else (None, value)
+    mark = "" if target is None else (" ✓" if retention >= target else " ✗")
+    return f"{retention:.0%}{mark}" + (f" ({press})" if press else "")
+
+
+def markdown(table: list[dict]) -> str:
+    head = ("| model | task | full cache | default press r=0.5 | default r=0.75 | best query-agnostic r=0.5 (>= 98%) "
+            "| best query-agnostic r=0.75 (>= 90%) | best query-aware r=0.75 (>= 98%) |")  # fmt: skip
+    lines = [head, "|" + "---|" * 8]
+    for r in table:
+        lines.append(
+            f"| {r['model']} | {r['task']} | {r['full']:.3f} | {_cell(r['default@0.5'])} | {_cell(r['default@0.75'])} "
+            f"| {_cell(r['agnostic@0.5'], 0.98)} | {_cell(r['agnostic@0.75'], 0.90)} | {_cell(r['aware@0.75'], 0.98)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", default=str(RESULTS), help="the directory holding the sweeps")
+    args = parser.parse_args(argv)
+    results = Path(args.results)
+    table = fidelity(results)
+    if not table:
+        print(f"no sweep summaries under {results} (expected {', '.join(sorted(SWEEPS))}'s sweep directories)")
+        return 2
+    (results / "fidelity.json").write_text(json.dumps(table, indent=1) + "\n")
+    (results / "fidelity.md").write_text(markdown(table))
+    print(markdown(table))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,76 @@
+"""A recorded prefill: the full cache plus each layer's queries, and the press applied to it afterwards.
+
+Within a prefill forward a press only evicts after a layer's attention, so no layer's output depends on
+the press: applying the press to the recorded full cache, layer by layer, leaves exactly the cache a
+live prefill under the press would have left. The sweep uses this to serve every (press, ratio) from
+one prefill; presses that score the context with a pass of their own (KVzip's reconstruction) need the
+whole context cached first, so they always go this way (`BasePress.prepare`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from kvpress.presses.base import BasePress, Observation
+
+
+@dataclass
+class _Recorder(BasePress):
+    """Evicts nothing (ratio 0); keeps each layer's attention module and queries of the prefill."""
+
+    queries: dict[int, tuple[nn.Module, torch.Tensor]] = field(default_factory=dict)
+
+    def observe(self, obs: Observation) -> None:
+        self.queries[obs.layer_idx] = (obs.module, obs.query)
+
+
+@dataclass
+class Recording:
+    """A full prefill of `ids` `[1, n]`: its cache and, per compressible layer, the attention module and
+    its queries. `memo` keeps what presses derive from the context alone (KVzip's scores), so every
+    ratio of a sweep reuses it."""
+
+    cache: DynamicCache
+    queries: dict[int, tuple[nn.Module, torch.Tensor]]
+    ids: torch.Tensor
+    memo: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return self.ids.shape[1]
+
+
+@torch.inference_mode()
+def record_prefill(model: nn.Module, ids: torch.Tensor, cache: DynamicCache | None = None) -> Recording:
+    """Prefill `ids` into `cache` (a new one by default) with nothing evicted, recording the queries."""
+    recorder = _Recorder(compression_ratio=0.0)
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    with recorder(model):
+        model(ids, cache=cache, use_cache=True)
+    return Recording(cache, recorder.queries, ids)
+
+
+@torch.inference_mode()
+def compress_recording(
+    model: nn.Module, recording: Recording, press: BasePress, tokenizer=None, in_place: bool = False
+) -> DynamicCache:
+    """The cache `press` would have left after the recorded prefill: a copy (the recording is not
+    changed), or `recording.cache` itself with `in_place=True`. `tokenizer` is for presses that write a
+    prompt of their own (KVzip's repeat request)."""
+    if press.rerotate:
+        raise ValueError("presses applied to a recorded prefill cannot re-rotate keys; rerotate=True needs a live one")
+    press(model)  # validates the press for this model (a head pattern for another model is refused here)
+    press.prepare(model, recording, tokenizer)
+    cache = recording.cache if in_place else copy.deepcopy(recording.cache)
+    for idx, (module, query) in recording.queries.items():
+        layer = cache.layers[idx]
+        obs = Observation(module, query, layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n], layer)
+        replacement = press.after_attention(obs, None)
+        if replacement is not None:  # a head-wise press moved the layer to per-head storage
+            cache.layers[idx] = replacement
+    return cache

@@ -1,0 +1,117 @@
+"""KVzip: scores are the peak attention of a reconstruction pass; the context is compressed once cached."""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvpress
+from kvpress import KVzipPress
+from kvpress.eval.sweep import run_sweep
+from kvpress.presses.kvzip import reconstruction_scores
+from kvpress.recording import compress_recording, record_prefill
+from tiny import prompt, tiny_model
+
+REPEAT = torch.tensor([[5, 6, 7]])
+
+
+class _Tokenizer:
+    """Stands in for a tokenizer: every repeat request is the tokens 5, 6, 7."""
+
+    def __call__(self, text, add_special_tokens=False, return_tensors="pt"):
+        return SimpleNamespace(input_ids=REPEAT.clone())
+
+
+def _plain(ratio: float) -> KVzipPress:
+    """KVzip as in the paper's per-layer form: every layer keeps the same number, no window."""
+    return KVzipPress(ratio, window_size=0, global_budget=0.0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_scores_are_the_peak_attention_of_the_reconstruction(family):
+    model = tiny_model(family, attn="eager")
+    ids = prompt(1, 40)
+    recording = record_prefill(model, ids)
+    before = copy.deepcopy(recording.cache)
+    scores = reconstruction_scores(model, recording.cache, ids, REPEAT, chunk_size=7)  # fed in 7-token chunks
+    for layer, kept in zip(recording.cache.layers, before.layers, strict=True):  # the cache is left as it was
+        assert torch.equal(layer.keys, kept.keys) and layer.get_seq_length() == kept.get_seq_length() == 40
+    full = torch.cat([ids, REPEAT, ids], dim=-1)
+    attentions = model(full, output_attentions=True).attentions  # [1, Hq, L, L] per layer
+    assert sorted(scores) == sorted(recording.queries)  # every compressible layer (gemma3: the global one too)
+    for idx, peak in scores.items():
+        hkv = peak.shape[1]
+        expected = attentions[idx][:, :, 40:, :40].amax(dim=2)  # [1, Hq, 40]
+        expected = expected.view(1, hkv, -1, 40).amax(dim=2)  # max over the query heads of each KV group
+        torch.testing.assert_close(peak, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_compressed_once_cached_keeping_the_top_scores():
+    model = tiny_model("llama")
+    ids = prompt(1, 40)
+    recording = record_prefill(model, ids)
+    fed = []
+    hook = model.register_forward_pre_hook(lambda m, a, k: fed.append(1), with_kwargs=True)
+    try:
+        caches = {r: compress_recording(model, recording, _plain(r), _Tokenizer()) for r in (0.5, 0.75)}
+    finally:
+        hook.remove()
+    assert len(fed) == 1  # one reconstruction pass serves every ratio (kept in the recording's memo)
+    scores = next(iter(recording.memo.values()))
+    for r, cache in caches.items():
+        for idx, layer in enumerate(cache.layers):
+            assert layer.n == 40 - int(40 * r)
+            kept = layer.pos[0].sort(dim=-1).values  # positions kept per KV head
+            best = scores[idx][0].topk(layer.n, dim=-1).indices.sort(dim=-1).values
+            assert torch.equal(kept.long(), best)
+
+
+def test_refuses_to_score_inside_a_forward_or_without_a_tokenizer():
+    model = tiny_model("llama")
+    ids = prompt(1, 40)
+    press = KVzipPress(0.5)
+    with pytest.raises(RuntimeError, match="reconstruction pass once the whole context is cached"):
+        with press(model):
+            model(ids, cache=DynamicCache(config=model.config))
+    with pytest.raises(ValueError, match="pass tokenizer="):
+        compress_recording(model, record_prefill(model, ids), press)
+    with pytest.raises(ValueError, match="feed documents in chunks through the press: sweep them separately"):
+        run_sweep(model, None, ["snapkv", "chunkkv:inner=kvzip"], [0.5], ["needle_noise", "perplexity"], "/nonexistent")
+    with pytest.raises(ValueError, match="reconstruction_chunk must be a positive integer"):
+        KVzipPress(0.5, reconstruction_chunk=0)
+    with pytest.raises(ValueError, match="prompt must be a non-empty repeat request"):
+        KVzipPress(0.5, prompt="  ")
+
+
+def test_generate_compresses_the_context_with_kvzip():
+    model, tokenizer = kvpress.load_model()
+    context = "The grass is green. The sky is blue. " * 20 + "The pass key is 71432. " + "The sun is yellow. " * 20
+    cache = DynamicCache(config=model.config)
+    answer = kvpress.generate(model, tokenizer, context, "What is the pass key? The pass key is", chat_template=False,
+                              press=_plain(0.75), cache=cache, max_new_tokens=6)  # fmt: skip
+    n = len(tokenizer(context + "\n\n").input_ids)
+    question = len(tokenizer("What is the pass key? The pass key is", add_special_tokens=False).input_ids)
+    assert cache.layers[0].n == n - int(n * 0.75) + question - 1 + 6  # compressed context, then question and answer
+    assert "71432" in answer
+
+
+def test_global_budget_moves_tokens_to_the_layers_that_score_higher():
+    model = tiny_model("llama", num_hidden_layers=4)
+    ids = prompt(1, 60)
+    recording = record_prefill(model, ids)
+    held = {}
+    for g in (0.0, 0.5, 1.0):
+        cache = compress_recording(model, recording, KVzipPress(0.5, global_budget=g, window_size=0), _Tokenizer())
+        held[g] = [layer.n for layer in cache.layers]
+    assert held[0.0] == [30] * 4
+    for g in (0.5, 1.0):
+        assert len(set(held[g])) > 1 and abs(sum(held[g]) - 120) <= 4  # the total stays the budget (floors)
+        assert min(held[g]) >= 30 * (1 - g) - 1  # each layer keeps (1 - g) of its even share
+    scores = next(iter(recording.memo.values()))
+    threshold = torch.cat([s.flatten() for s in scores.values()]).topk(240).values[-1]  # 30 x 2 heads x 4
+    above = [int((s >= threshold).sum()) / 2 for s in scores.values()]  # the global top-k, per layer and head
+    assert held[1.0] == [int(a) for a in above]
+    with pytest.raises(ValueError, match=r"global_budget must be a fraction in \[0, 1\]"):
+        KVzipPress(0.5, global_budget=1.5)
