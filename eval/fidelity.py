@@ -5,7 +5,8 @@ r = 0.5 and 0.75, the retention (score / full score) of the default press (`kvpr
 of the best query-agnostic press and of the best query-aware one, each against its target: the best
 query-agnostic press keeps >= 98% at r = 0.5 and >= 90% at r = 0.75, the best query-aware one >= 98%
 at r = 0.75. Reads the sweeps' `summary.json`; writes `eval/results/fidelity.md` and `fidelity.json`.
-A task whose full cache scores 0 has no retention (shown as "-").
+A task whose full cache scores 0 has no retention (shown as "-"); one whose full cache scores below
+`NEAR_CHANCE` is marked so and not checked against the targets (one lucky answer in 8 moves it by 100%).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ SWEEPS = {
     "SmolLM2-135M": (("sweep", "sweep-tasks"), ("sweep-query-aware",)),
     "Qwen2.5-0.5B": (("sweep-qwen2.5-0.5b", "sweep-tasks-qwen2.5-0.5b"), ("sweep-query-aware-qwen2.5-0.5b",)),
 }
-TARGETS = {("agnostic", 0.5): 0.98, ("agnostic", 0.75): 0.90, ("aware", 0.75): 0.98}
+NEAR_CHANCE = 0.25
 
 
 def _rows(dirs: tuple[str, ...], results: Path) -> list[dict]:
@@ -75,9 +76,12 @@ def markdown(table: list[dict]) -> str:
             "| best query-agnostic r=0.75 (>= 90%) | best query-aware r=0.75 (>= 98%) |")  # fmt: skip
     lines = [head, "|" + "---|" * 8]
     for r in table:
+        checked = r["full"] >= NEAR_CHANCE
+        low, high = (0.98, 0.90) if checked else (None, None)
+        full = f"{r['full']:.3f}" + ("" if checked else " (near chance)")
         lines.append(
-            f"| {r['model']} | {r['task']} | {r['full']:.3f} | {_cell(r['default@0.5'])} | {_cell(r['default@0.75'])} "
-            f"| {_cell(r['agnostic@0.5'], 0.98)} | {_cell(r['agnostic@0.75'], 0.90)} | {_cell(r['aware@0.75'], 0.98)} |"
+            f"| {r['model']} | {r['task']} | {full} | {_cell(r['default@0.5'])} | {_cell(r['default@0.75'])} "
+            f"| {_cell(r['agnostic@0.5'], low)} | {_cell(r['agnostic@0.75'], high)} | {_cell(r['aware@0.75'], low)} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -262,7 +262,7 @@ class KVPressLM(HFLM):
                 raise ValueError("query-agnostic mode: a prompt no longer matches its question (cut to max_length?); "
                                  "raise max_length or pass query_aware=True")  # fmt: skip
             cache = self._prefill(ids[0, : ids.shape[1] - tail].tolist())
-            with self.press(self.model) as installed, installed.frozen():
+            with torch.inference_mode(), self.press(self.model) as installed, installed.frozen():  # as the prefill
                 out = super()._model_generate(ids, max_length - (context.shape[1] - ids.shape[1]), stop,
                                               attention_mask=torch.ones_like(ids), **{keyword: cache},
                                               **generation_kwargs)  # fmt: skip

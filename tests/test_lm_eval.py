@@ -201,3 +201,19 @@ def test_kvzip_runs_through_the_bridge_in_both_modes(default_model):
         assert isinstance(answer, str) and len(bridge.kv_records) == 2
         for record in bridge.kv_records:  # half the context, then the question (and answer) in full
             assert 0.45 < record["kept_bytes"] / record["full_bytes"] < 0.65
+
+
+def test_needle_task_end_to_end_as_lm_eval_runs_it(default_model):
+    import lm_eval
+    import torch
+    from lm_eval.tasks import TaskManager
+
+    from kvpress.eval.lm_eval_bridge import TASKS_DIR
+
+    model, tokenizer = default_model
+    manager = TaskManager(include_path=TASKS_DIR, include_defaults=False, metadata={"n": 2, "length": 128})
+    with torch.inference_mode(False):  # lm-eval generates under no_grad only, not inference mode
+        lm = KVPressLM(pretrained=model, tokenizer=tokenizer, press="chunkkv", inner="kvzip", compression_ratio=0.5)
+        out = lm_eval.simple_evaluate(model=lm, tasks=["kvpress_needle_noise"], task_manager=manager, bootstrap_iters=0)
+    assert 0 <= out["results"]["kvpress_needle_noise"]["score,none"] <= 1
+    assert len(lm.kv_records) == 2 and all(r["kept_bytes"] < 0.7 * r["full_bytes"] for r in lm.kv_records)

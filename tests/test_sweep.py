@@ -141,3 +141,4 @@ def test_fidelity_table_picks_the_best_press_per_task_and_marks_the_targets(tmp_
     assert tracking["full"] == 0.0 and tracking["agnostic@0.5"] is None  # no retention without a full score
     table = markdown([noise, tracking])
     assert "100% ✓ (knorm)" in table and "75% ✗ (knorm)" in table and "100% ✓ (snapkv)" in table
+    assert "| variable_tracking | 0.000 (near chance) | - |" in table

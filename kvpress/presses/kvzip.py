@@ -75,7 +75,8 @@ class KVzipPress(BasePress):
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g <= 1:
             raise ValueError(f"global_budget must be a fraction in [0, 1], got {g!r}")
         if g and self.layer_scales is not None:
-            raise ValueError("KVzipPress takes layer_scales or global_budget=True, not both")
+            raise ValueError("KVzipPress sets layer budgets from its scores (global_budget > 0); pass global_budget=0 "
+                             "to give layer_scales yourself")
         super().__post_init__()
 
     def sink_count(self) -> int:
