@@ -93,7 +93,7 @@ class ChatSession:
             raise ValueError("the chat template renders an assistant turn differently after the generation prompt")
         return self.tokenizer(with_reply[len(prompt) :], add_special_tokens=False).input_ids, with_reply
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: `chat.cache` stays usable outside it
     def send(self, text: str, max_new_tokens: int | None = None, streamer=None, reply: str | None = None) -> str:
         """Add a user turn, answer it greedily and return the answer.
 

