@@ -41,8 +41,9 @@ PRESSES = {
 }
 
 
-# What a user gets without choosing (`kvpress generate`, `kvpress demo`): the best query-agnostic press
-# measured by the sweeps in eval/results/README.md ("Fidelity").
+# What a user gets without choosing (`kvpress generate`, `kvpress demo`): the query-agnostic press with the
+# best worst case over the needle haystacks on the tuning seed, reported on seed 0 in eval/results/README.md
+# ("Fidelity").
 DEFAULT_PRESS = "chunkkv:inner=kvzip"
 
 
