@@ -193,7 +193,7 @@ class PressInstallation:
         if layer.adopted and info is not None and info.padding is not None:
             layer.adopt_padding(info.padding[:, : layer.seen - q_len])
         layer.commit(info.new_valid(q_len) if info is not None else None)
-        standard = info.standard() if info is not None else None
+        standard = info.standard() if info is not None and not layer.compressed else None  # built only if used
         if not layer.compressed and not _sized_for_another_layer(standard, key):
             mask = standard  # slots still line up with tokens: transformers' own mask is right
         elif self._original.startswith("flash_attention") and "valid" not in layer.slots:
