@@ -109,6 +109,8 @@ class KVPressLM(HFLM):
         else:
             budget = {"compression_ratio": compression_ratio, "max_tokens": max_tokens}
             self.press = press_from_name(press, **budget, **press_kwargs)
+        if self.press is not None and self.press.needs_question and not self.query_aware:
+            raise ValueError(f"{type(self.press).__name__} scores by the question: pass query_aware=true")
         if isinstance(pretrained, str):  # a local directory: HFLM loads it (and shards data under accelerate)
             pretrained = str(resolve_model_path(None if pretrained == "default" else pretrained))
             kwargs.setdefault("dtype", "float32")
@@ -148,11 +150,12 @@ class KVPressLM(HFLM):
                     raise ValueError(f"query-agnostic loglikelihood: max_length={self.max_length} cut off the text "
                                      "before the question; raise max_length or pass query_aware=True")  # fmt: skip
             tokens.append((full, split))
-            groups.setdefault(tuple(full[:split]), []).append(i)
+            groups.setdefault(tuple(full[: split + 1 if self.query_aware else split]), []).append(i)
         results: list = [None] * len(requests)
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="kvpress loglikelihood")
-        for prefix, members in groups.items():
-            cache = self._prefill(list(prefix))
+        for key, members in groups.items():  # query-aware: the prefix and the token fed next (Lookahead drafts)
+            prefix, following = (key[:-1], key[-1:]) if self.query_aware else (key, None)
+            cache = self._prefill(list(prefix), following)
             for j, i in enumerate(members):
                 full, split = tokens[i]
                 working = cache if j == len(members) - 1 else copy.deepcopy(cache)
@@ -197,10 +200,12 @@ class KVPressLM(HFLM):
         return start
 
     @torch.inference_mode()
-    def _prefill(self, prefix: list[int]) -> DynamicCache:
+    def _prefill(self, prefix: list[int], following: list[int] | None = None) -> DynamicCache:
         cache = DynamicCache(config=self.model.config)
         if prefix:
-            prefill_context(self.model, torch.tensor([prefix], device=self.device), self.press, cache, self.tokenizer)
+            ids = torch.tensor([prefix], device=self.device)
+            after = None if following is None else torch.tensor([list(following)], device=self.device)
+            prefill_context(self.model, ids, self.press, cache, self.tokenizer, next_ids=after)
         return cache
 
     @torch.inference_mode()
@@ -261,7 +266,8 @@ class KVPressLM(HFLM):
             if tail is None:
                 raise ValueError("query-agnostic mode: a prompt no longer matches its question (cut to max_length?); "
                                  "raise max_length or pass query_aware=True")  # fmt: skip
-            cache = self._prefill(ids[0, : ids.shape[1] - tail].tolist())
+            cut = ids.shape[1] - tail
+            cache = self._prefill(ids[0, :cut].tolist(), ids[0, cut:].tolist() if self.query_aware else None)
             with torch.inference_mode(), self.press(self.model) as installed, installed.frozen():  # as the prefill
                 out = super()._model_generate(ids, max_length - (context.shape[1] - ids.shape[1]), stop,
                                               attention_mask=torch.ones_like(ids), **{keyword: cache},

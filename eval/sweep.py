@@ -88,7 +88,11 @@ def run_sweep(
     configs = configurations(presses, ratios)
     check_tasks(tasks)
     chunked = [task for task in tasks if task not in ANSWER_TOKENS]  # the perplexity tasks: no answer
-    whole = [name for name in presses if kvpress.press_from_name(name, compression_ratio=0.5).needs_whole_context]
+    built = {name: kvpress.press_from_name(name, compression_ratio=0.5) for name in presses}
+    whole = [name for name, press in built.items() if press.needs_whole_context]
+    asking = [name for name, press in built.items() if press.needs_question]
+    if asking and not query_aware:
+        raise ValueError(f"{asking} score by the question: sweep them with --query-aware")
     if chunked and whole:
         raise ValueError(f"{whole} score a context once it is all cached; the perplexity tasks {chunked} feed "
                          "documents in chunks through the press: sweep them separately")  # fmt: skip
@@ -128,7 +132,10 @@ def _answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_awar
 
     ctx, question = split_prompt(tokenizer, example.context, example.question, chat_template=False)
     ids = torch.cat([ctx, question], dim=-1).to(model.device)
-    recording = record_prefill(model, ids[:, :-1] if query_aware else ctx.to(model.device))
+    if query_aware:  # the question too; the answer is generated from its last token
+        recording = record_prefill(model, ids[:, :-1], next_ids=ids[:, -1:])
+    else:
+        recording = record_prefill(model, ctx.to(model.device))
     full_bytes = kvpress.cache_bytes(recording.cache)
     for name, ratio in tqdm(todo, desc="configurations", leave=False, disable=not progress):
         reset_cuda_peak()

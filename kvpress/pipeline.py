@@ -61,6 +61,8 @@ def generate(
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if press is not None and press.needs_question and not query_aware:
+        raise ValueError(f"{type(press).__name__} scores by the question: it needs query_aware=True")
     device = model.device
     ctx_ids, q_ids = split_prompt(tokenizer, context, question, chat_template)
     ctx_ids, q_ids = ctx_ids.to(device), q_ids.to(device)
@@ -73,17 +75,21 @@ def generate(
     cache = DynamicCache(config=model.config) if cache is None else cache
     ids = torch.cat([ctx_ids, q_ids], dim=-1)
     prefill = ids[:, :-1] if query_aware else ctx_ids  # generate feeds at least the last token itself
-    prefill_context(model, prefill, press, cache, tokenizer)
+    prefill_context(model, prefill, press, cache, tokenizer, next_ids=ids[:, -1:] if query_aware else None)
     return answer_from_cache(model, tokenizer, ids, cache, press, max_new_tokens)
 
 
 @torch.no_grad()
-def prefill_context(model, ids: torch.Tensor, press: BasePress | None, cache: DynamicCache, tokenizer=None) -> None:
+def prefill_context(
+    model, ids: torch.Tensor, press: BasePress | None, cache: DynamicCache, tokenizer=None, next_ids=None
+) -> None:
     """Prefill `ids` into `cache`, compressed by `press` (none: the full cache). Presses that score the
-    context with a pass of their own (`needs_whole_context`, KVzip) are applied once it is all cached;
-    they write a prompt, so they need `tokenizer`."""
+    context with a pass of their own (`needs_whole_context`: KVzip, Lookahead) are applied once it is all
+    cached; KVzip writes a prompt, so it needs `tokenizer`; Lookahead drafts from `next_ids`, the prompt
+    tokens fed afterwards (query-aware prefills)."""
     if press is not None and press.needs_whole_context:
-        compress_recording(model, record_prefill(model, ids, cache), press, tokenizer, in_place=True)
+        recording = record_prefill(model, ids, cache, next_ids)
+        compress_recording(model, recording, press, tokenizer, in_place=True)
     else:
         with maybe_installed(press, model):
             model(ids, cache=cache, use_cache=True)

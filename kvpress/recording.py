@@ -32,12 +32,15 @@ class _Recorder(BasePress):
 @dataclass
 class Recording:
     """A full prefill of `ids` `[1, n]`: its cache and, per compressible layer, the attention module and
-    its queries. `memo` keeps what presses derive from the context alone (KVzip's scores), so every
-    ratio of a sweep reuses it."""
+    its queries. `next_ids` are the prompt tokens the caller feeds after compression (the prompt's last
+    token when the question was prefilled too; none when only a context was), for presses that draft
+    the answer (Lookahead). `memo` keeps what presses derive from the recording alone (KVzip's scores),
+    so every ratio of a sweep reuses it."""
 
     cache: DynamicCache
     queries: dict[int, tuple[nn.Module, torch.Tensor]]
     ids: torch.Tensor
+    next_ids: torch.Tensor | None = None
     memo: dict = field(default_factory=dict)
 
     @property
@@ -46,13 +49,16 @@ class Recording:
 
 
 @torch.no_grad()
-def record_prefill(model: nn.Module, ids: torch.Tensor, cache: DynamicCache | None = None) -> Recording:
-    """Prefill `ids` into `cache` (a new one by default) with nothing evicted, recording the queries."""
+def record_prefill(
+    model: nn.Module, ids: torch.Tensor, cache: DynamicCache | None = None, next_ids: torch.Tensor | None = None
+) -> Recording:
+    """Prefill `ids` into `cache` (a new one by default) with nothing evicted, recording the queries
+    (`next_ids`: the prompt tokens that follow, see `Recording`)."""
     recorder = _Recorder(compression_ratio=0.0)
     cache = DynamicCache(config=model.config) if cache is None else cache
     with recorder(model):
         model(ids, cache=cache, use_cache=True)
-    return Recording(cache, recorder.queries, ids)
+    return Recording(cache, recorder.queries, ids, next_ids)
 
 
 @torch.no_grad()

@@ -203,6 +203,24 @@ def test_kvzip_runs_through_the_bridge_in_both_modes(default_model):
             assert 0.45 < record["kept_bytes"] / record["full_bytes"] < 0.65
 
 
+def test_lookahead_drafts_from_the_question_in_the_bridge(default_model):
+    from kvpress.eval.tasks import task_examples
+
+    model, tokenizer = default_model
+    examples = task_examples("needle_noise", tokenizer, 2, 256, 0)
+    bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="lookahead", compression_ratio=0.5,
+                       query_aware=True, batch_size=2)  # fmt: skip
+    answers = bridge.generate_until(_needle_requests(examples), disable_tqdm=True)
+    expected = [kvpress.generate(model, tokenizer, e.context, e.question, press=kvpress.LookaheadPress(0.5),
+                                 chat_template=False, query_aware=True, max_new_tokens=8).split("\n")[0]
+                for e in examples]  # fmt: skip
+    assert [a.strip() for a in answers] == [e.strip() for e in expected]  # the same draft, the same cache
+    bridge.loglikelihood(_needle_requests(examples, "loglikelihood"), disable_tqdm=True)
+    assert len(bridge.kv_records) == 4
+    for record in bridge.kv_records:  # half the prompt, then its last token (and the answer) in full
+        assert 0.45 < record["kept_bytes"] / record["full_bytes"] < 0.6
+
+
 def test_needle_task_end_to_end_as_lm_eval_runs_it(default_model):
     import lm_eval
     import torch

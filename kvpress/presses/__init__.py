@@ -8,6 +8,7 @@ from kvpress.presses.head_budget import HeadwisePress
 from kvpress.presses.heavy_hitter import H2OPress, HeavyHitterPress
 from kvpress.presses.knorm import KnormPress
 from kvpress.presses.kvzip import KVzipPress
+from kvpress.presses.lookahead import LookaheadPress
 from kvpress.presses.pyramidkv import PyramidKVPress
 from kvpress.presses.random_press import RandomPress
 from kvpress.presses.round import RoundPress
@@ -36,6 +37,7 @@ PRESSES = {
     "streaming-llm": SinkWindowPress,
     "knorm": KnormPress,
     "kvzip": KVzipPress,
+    "lookahead": LookaheadPress,
     "pyramidkv": PyramidKVPress,
     "random": RandomPress,
 }
@@ -95,6 +97,7 @@ __all__ = [
     "H2OPress",
     "KnormPress",
     "KVzipPress",
+    "LookaheadPress",
     "PyramidKVPress",
     "RandomPress",
     "RoundPress",

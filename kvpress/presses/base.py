@@ -99,6 +99,8 @@ class BasePress:
     # True for presses that score the context with a pass of their own once it is all cached (KVzip):
     # they are applied to a recorded prefill (`kvpress.recording`), never inside the prefill forward.
     needs_whole_context: ClassVar[bool] = False
+    # True for presses that score by the question (Lookahead drafts its answer): query-aware prefills only.
+    needs_question: ClassVar[bool] = False
 
     compression_ratio: float | None = None
     max_tokens: int | None = None

@@ -32,6 +32,10 @@ class WrapsPress:
     def needs_whole_context(self) -> bool:
         return self.press.needs_whole_context
 
+    @property
+    def needs_question(self) -> bool:
+        return self.press.needs_question
+
     def prepare(self, model, recording, tokenizer=None) -> None:
         self.press.prepare(model, recording, tokenizer)
 
