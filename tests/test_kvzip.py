@@ -115,3 +115,19 @@ def test_global_budget_moves_tokens_to_the_layers_that_score_higher():
     assert held[1.0] == [int(a) for a in above]
     with pytest.raises(ValueError, match=r"global_budget must be a fraction in \[0, 1\]"):
         KVzipPress(0.5, global_budget=1.5)
+
+
+def test_value_norm_weights_each_score_by_its_value():
+    model = tiny_model("llama")
+    ids = prompt(1, 40)
+    recording = record_prefill(model, ids)
+    press = KVzipPress(0.5, window_size=0, global_budget=0.0, value_norm=True)
+    cache = compress_recording(model, recording, press, _Tokenizer())
+    scores = next(iter(recording.memo.values()))
+    for idx, layer in enumerate(cache.layers):
+        weighted = scores[idx][0] * recording.cache.layers[idx].values[0].norm(dim=-1)  # [Hkv, 40]
+        kept = layer.pos[0].sort(dim=-1).values.long()
+        assert torch.equal(kept, weighted.topk(20, dim=-1).indices.sort(dim=-1).values)
+        assert not torch.equal(kept, scores[idx][0].topk(20, dim=-1).indices.sort(dim=-1).values)
+    with pytest.raises(ValueError, match="value_norm must be true or false"):
+        KVzipPress(0.5, value_norm="yes")

@@ -166,7 +166,8 @@ def test_query_agnostic_loglikelihood_shares_the_context_prefill(default_model):
                            query_aware=aware)
         seen = []
         original = bridge._prefill
-        bridge._prefill = lambda prefix, seen=seen, original=original: seen.append(len(prefix)) or original(prefix)
+        bridge._prefill = lambda prefix, following=None, seen=seen, original=original: (
+            seen.append(len(prefix)) or original(prefix, following))
         bridge.loglikelihood(requests, disable_tqdm=True)
         prefixes[aware] = seen
     head = len(tokenizer(context + "\n").input_ids) + 1  # "\n\n" is two tokens before a word
