@@ -54,14 +54,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     n_tokens = sum(t.shape[1] for t in kvpress.pipeline.split_prompt(tokenizer, context, DEMO_QUESTION))
     print(f"document: {n_tokens} tokens of Python documentation; hidden fact: {DEMO_FACT!r}")
     print(f"question: {DEMO_QUESTION}\n")
-    print(f"{'press':20s} {'ratio':>5s} {'KV bytes':>12s} {'kept':>6s} {'seconds':>7s}  answer")
+    names = args.presses.split(",")
+    w = max(len(name) for name in ["press", *names])
+    print(f"{'press':{w}s} {'ratio':>5s} {'KV bytes':>12s} {'kept':>6s} {'seconds':>7s}  answer")
     full_text, full_bytes, seconds = _answer(model, tokenizer, context, DEMO_QUESTION, None, args.max_new_tokens)
-    print(f"{'none':20s} {0:5.2f} {full_bytes:12,d} {1:6.0%} {seconds:7.1f}  {full_text!r}")
-    for name in args.presses.split(","):
+    print(f"{'none':{w}s} {0:5.2f} {full_bytes:12,d} {1:6.0%} {seconds:7.1f}  {full_text!r}")
+    for name in names:
         press = _press(name, args.ratio, None)
         text, kept, seconds = _answer(model, tokenizer, context, DEMO_QUESTION, press, args.max_new_tokens)
         mark = "" if DEMO_ANSWER in text else "  (fact lost)"
-        print(f"{name:20s} {args.ratio:5.2f} {kept:12,d} {kept / full_bytes:6.0%} {seconds:7.1f}  {text!r}{mark}")
+        print(f"{name:{w}s} {args.ratio:5.2f} {kept:12,d} {kept / full_bytes:6.0%} {seconds:7.1f}  {text!r}{mark}")
     return 0
 
 
