@@ -41,8 +41,8 @@ class KVzipPress(BasePress):
             head, or spread across heads with `AdaKVPress(KVzipPress(...))`.
         value_norm: weight each pair's score by the L2 norm of its value (default False), since what a
             pair adds to an attention output is its weight times its value (value-aware pruning, Guo et
-            al. 2024, arXiv:2406.12335, weights by the L1 norm). Layer budgets still rank the
-            unweighted scores.
+            al. 2024, arXiv:2406.12335, weights by the L1 norm: no better on the tuning seeds). Layer
+            budgets still rank the unweighted scores.
 
     Defaults chosen on tuning seed 1 (never on the reported seed 0; eval/results/README.md, "Fidelity"):
     with g = 1 SmolLM2 kept every prose needle at r = 0.75 but lost the noise-haystack ones that g = 0
