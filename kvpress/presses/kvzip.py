@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from kvpress.presses.base import BasePress, Observation
+from kvpress.presses.prepared import PromptAttention, check_prepared
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
 
@@ -122,32 +123,10 @@ class KVzipPress(BasePress):
         return super().layer_scale(layer_idx, n_layers)
 
     def score(self, obs: Observation) -> torch.Tensor:
-        if self.scores is None:
-            raise RuntimeError(
-                "KVzipPress scores a context by a reconstruction pass once the whole context is cached, so it "
-                "cannot evict inside a forward; compress with kvpress.generate(..., press=...) or "
-                "kvpress.recording.compress_recording"
-            )
+        tokens = None if self.scores is None else self.scores[obs.layer_idx].shape[-1]
+        check_prepared(self, tokens, obs, "a reconstruction pass", "kvpress.generate(..., press=...)")
         scores = self.scores[obs.layer_idx]
-        if scores.shape != obs.keys.shape[:3]:
-            raise RuntimeError(
-                f"KVzipPress scored a context of {scores.shape[-1]} tokens but layer {obs.layer_idx} now holds "
-                f"{obs.keys.shape[2]}; it compresses the context it was prepared on, not later tokens"
-            )
         return scores * obs.values.float().norm(dim=-1) if self.value_norm else scores
-
-
-@dataclass
-class _PeakAttention(BasePress):
-    """Evicts nothing; per layer, the largest attention any query pays each of the first `n_context` slots."""
-
-    n_context: int = 0
-    peaks: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def observe(self, obs: Observation) -> None:
-        peak = obs.attention_probs(0, obs.q_len)[..., : self.n_context].amax(dim=(2, 3))  # [B, Hkv, n_context]
-        best = self.peaks.get(obs.layer_idx)
-        self.peaks[obs.layer_idx] = peak if best is None else torch.maximum(best, peak)
 
 
 @torch.no_grad()
@@ -165,7 +144,7 @@ def reconstruction_scores(
                 f"layer {idx} holds {getattr(layer, 'n', '?')} of {getattr(layer, 'seen', '?')} tokens"
             )
     work = copy.deepcopy(cache)
-    observer = _PeakAttention(compression_ratio=0.0, n_context=n)
+    observer = PromptAttention(compression_ratio=0.0, n_prompt=n)
     ids = torch.cat([prompt_ids.expand(context_ids.shape[0], -1), context_ids], dim=-1)
     with observer(model):
         for start in range(0, ids.shape[1], chunk_size):

@@ -22,7 +22,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from kvpress.presses.base import BasePress, Observation
+from kvpress.presses.base import Observation
+from kvpress.presses.prepared import PromptAttention, check_prepared
 from kvpress.presses.snapkv import SnapKVPress, pool_by_position
 
 QUERY_AWARE_ONLY = (
@@ -76,43 +77,21 @@ class LookaheadPress(SnapKVPress):
         self.draft = recording.memo[key]
 
     def score(self, obs: Observation) -> torch.Tensor:
-        if self.draft is None:
-            raise RuntimeError(
-                "LookaheadPress drafts an answer from the whole cached prompt before it scores, so it cannot "
-                "evict inside a forward; compress with kvpress.generate(..., query_aware=True) or "
-                "kvpress.recording.compress_recording"
-            )
+        tokens = None if self.draft is None else self.draft[obs.layer_idx][0].shape[-1]
+        check_prepared(self, tokens, obs, "a draft of the answer", "kvpress.generate(..., query_aware=True)")
         total, count = self.draft[obs.layer_idx]
-        n = total.shape[-1]
-        if obs.keys.shape[2] != n:
-            raise RuntimeError(f"LookaheadPress drafted over {n} cached tokens but layer {obs.layer_idx} now "
-                               f"holds {obs.keys.shape[2]}; it compresses the prompt it was prepared on")  # fmt: skip
         w = min(self.window_size, obs.q_len)
         window = obs.attention_probs(obs.q_len - w, obs.q_len)  # [B, Hkv, g, w, n]
         mean = (window.sum(dim=(2, 3)) + total) / (window.shape[2] * w + count)
         return pool_by_position(mean, obs.layer, self.kernel_size)
 
 
-@dataclass
-class _SummedAttention(BasePress):
-    """Evicts nothing; per layer, the attention every query pays each of the first `n_context` slots,
-    summed over queries and the query heads of each KV group, and how many (query, head) pairs paid it."""
-
-    n_context: int = 0
-    sums: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
-
-    def observe(self, obs: Observation) -> None:
-        probs = obs.attention_probs(0, obs.q_len)[..., : self.n_context]  # [B, Hkv, g, q, n]
-        total, count = self.sums.get(obs.layer_idx, (0.0, 0))
-        self.sums[obs.layer_idx] = (probs.sum(dim=(2, 3)) + total, count + probs.shape[2] * probs.shape[3])
-
-
 @torch.no_grad()
 def draft_attention(model: nn.Module, recording, steps: int, tokenizer=None) -> dict[int, tuple[torch.Tensor, int]]:
     """Feed `recording.next_ids`, then up to `steps` greedy tokens, over a copy of the recorded cache; per
-    compressible layer, the attention those queries paid the recorded tokens (see `_SummedAttention`)."""
+    compressible layer, the attention those queries paid the recorded tokens, summed (`PromptAttention.sums`)."""
     work = copy.deepcopy(recording.cache)
-    observer = _SummedAttention(compression_ratio=0.0, n_context=recording.tokens)
+    observer = PromptAttention(compression_ratio=0.0, n_prompt=recording.tokens)
     eos = tokenizer.eos_token_id if tokenizer is not None else model.config.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
     fed = recording.next_ids

@@ -1,0 +1,45 @@
+"""What presses that score in `prepare` share (KVzip's reconstruction, Lookahead's draft): an observer of
+the attention new queries pay the cached prompt, and the errors when such a press is used unprepared."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpress.presses.base import BasePress, Observation
+
+
+@dataclass
+class PromptAttention(BasePress):
+    """Evicts nothing; per compressible layer, the attention the queries fed while it is installed pay each
+    of the first `n_prompt` slots, over the query heads of each KV group: the largest (`peaks`,
+    `[B, Hkv, n_prompt]`) and the sum with the number of (query, head) pairs that paid it (`sums`)."""
+
+    n_prompt: int = 0
+    peaks: dict[int, torch.Tensor] = field(default_factory=dict)
+    sums: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+
+    def observe(self, obs: Observation) -> None:
+        probs = obs.attention_probs(0, obs.q_len)[..., : self.n_prompt]  # [B, Hkv, g, q, n_prompt]
+        peak, total, count = probs.amax(dim=(2, 3)), probs.sum(dim=(2, 3)), probs.shape[2] * probs.shape[3]
+        if obs.layer_idx in self.peaks:
+            peak = torch.maximum(self.peaks[obs.layer_idx], peak)
+            total, count = total + self.sums[obs.layer_idx][0], count + self.sums[obs.layer_idx][1]
+        self.peaks[obs.layer_idx], self.sums[obs.layer_idx] = peak, (total, count)
+
+
+def check_prepared(press: BasePress, tokens: int | None, obs: Observation, scored_by: str, call: str) -> None:
+    """Raise unless `press` was prepared (`tokens`: the prompt length it scored, None if not prepared) on
+    exactly the tokens `obs`'s layer holds. `scored_by` names its pass, `call` the way to compress with it."""
+    name = type(press).__name__
+    if tokens is None:
+        raise RuntimeError(
+            f"{name} scores by {scored_by} once the whole context is cached, so it cannot evict inside a "
+            f"forward; compress with {call} or kvpress.recording.compress_recording"
+        )
+    if obs.keys.shape[2] != tokens:
+        raise RuntimeError(
+            f"{name} scored a prompt of {tokens} tokens but layer {obs.layer_idx} now holds {obs.keys.shape[2]}; "
+            "it compresses the prompt it was prepared on, not later tokens"
+        )
