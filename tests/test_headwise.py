@@ -114,6 +114,52 @@ def test_adakv_without_freedom_equals_the_dense_press(attn, family, inner):
     assert (dense - headwise).nan_to_num(0.0).abs().max() <= 1e-5  # -inf - -inf: the masked EOS
 
 
+def _loud_first_head(cls):
+    """`cls` whose first KV head scores 1000 times louder: the same order within every head."""
+
+    class Loud(cls):
+        def score(self, obs):
+            scores = super().score(obs)
+            return scores * torch.tensor([1000.0] + [1.0] * (scores.shape[1] - 1))[None, :, None]
+
+    return Loud
+
+
+def _kept(model, ids, press):
+    cache = DynamicCache(config=model.config)
+    with press(model):
+        model(ids, cache=cache)
+    return [[layer.slot("pos", 0, h).tolist() for h in range(layer.heads)] for layer in cache.layers]
+
+
+@pytest.mark.parametrize("inner", [SnapKVPress, KnormPress])  # positive scores; negative (minus the key norm)
+def test_adakv_normalize_makes_heads_compete_by_shape_not_scale(inner):
+    """With normalize=True a head whose scores are 1000 times louder keeps exactly what it kept before;
+    without, one head gets the whole budget above the other head's safeguard (0.2 x 64 slots). Each head's
+    own order is kept: with even shares (alpha_safeguard=1) normalizing changes nothing."""
+    model = tiny_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    ids = prompt(1, 128)
+    kwargs = {"window_size": 8} if inner is SnapKVPress else {}
+    plain, loud = inner(0.5, **kwargs), _loud_first_head(inner)(0.5, **kwargs)
+    normalized = _kept(model, ids, AdaKVPress(plain, normalize=True))
+    assert _kept(model, ids, AdaKVPress(loud, normalize=True)) == normalized
+    raw = _kept(model, ids, AdaKVPress(loud))
+    split = [116, 12] if inner is SnapKVPress else [12, 116]  # louder: positive scores win, negative lose
+    assert all([len(h) for h in heads] == split for heads in raw)
+    assert raw != normalized
+    even = _kept(model, ids, AdaKVPress(plain, alpha_safeguard=1.0, normalize=True))
+    assert even == _kept(model, ids, AdaKVPress(plain, alpha_safeguard=1.0))
+    # while decoding, rows over budget are re-allocated one head at a time: scaled the same way
+    budget = {"window_size": 4} if inner is SnapKVPress else {}
+    runs = [_generate(model, prompt(1, 64), AdaKVPress(make(max_tokens=24, **budget), normalize=True), new=30)
+            for make in (inner, _loud_first_head(inner))]  # fmt: skip
+    (plain_logits, plain_cache), (loud_logits, loud_cache) = runs
+    assert torch.equal(plain_logits, loud_logits)
+    assert [layer.lengths for layer in plain_cache.layers] == [layer.lengths for layer in loud_cache.layers]
+    with pytest.raises(ValueError, match="normalize must be true or false"):
+        AdaKVPress(plain, normalize="yes")
+
+
 @pytest.mark.parametrize("make", ["adakv", "duo"])
 def test_padded_batch_rows_equal_rows_alone(make):
     model = tiny_model("llama")

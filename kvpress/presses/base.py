@@ -186,12 +186,18 @@ class BasePress:
         floor = torch.minimum(budget, torch.as_tensor(self.sink_count() + self.recent_count(budget)))
         return torch.maximum(budget - (budget * self.decode_slack).long(), floor)
 
-    def ranked_scores(self, obs: Observation, budgets: torch.Tensor) -> torch.Tensor:
-        """`score()` as eviction ranks it: protected tokens (sinks, recent window) +inf, padding and holes -inf."""
+    def ranked_scores(self, obs: Observation, budgets: torch.Tensor, per_head_scale: bool = False) -> torch.Tensor:
+        """`score()` as eviction ranks it: protected tokens (sinks, recent window) +inf, padding and holes -inf.
+        `per_head_scale` first divides each head's scores by its largest finite |score| over the tokens it
+        holds (a positive number: each head's own order is unchanged, only comparisons across heads)."""
         layer = obs.layer
         scores = self.score(obs).float()
-        scores = scores.masked_fill(self._protected(layer, budgets.to(scores.device)), math.inf)
         valid = layer.valid
+        if per_head_scale:
+            counted = scores.isfinite() if valid is None else scores.isfinite() & valid
+            peak = scores.abs().masked_fill(~counted, 0.0).amax(dim=-1, keepdim=True)
+            scores = scores / peak.clamp_min(torch.finfo(scores.dtype).tiny)
+        scores = scores.masked_fill(self._protected(layer, budgets.to(scores.device)), math.inf)
         return scores if valid is None else scores.masked_fill(~valid, -math.inf)
 
     def _protected(self, layer: PressedLayer, budgets: torch.Tensor) -> torch.Tensor:
