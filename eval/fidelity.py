@@ -7,6 +7,9 @@ query-agnostic press keeps >= 98% at r = 0.5 and >= 90% at r = 0.75, the best qu
 at r = 0.75. Reads the sweeps' `summary.json`; writes `eval/results/fidelity.md` and `fidelity.json`.
 A task whose full cache scores 0 has no retention (shown as "-"); one whose full cache scores below
 `NEAR_CHANCE` is marked so and not checked against the targets (one lucky answer in 8 moves it by 100%).
+
+A second table ranks the query-agnostic presses measured on every checked cell (both models, every task
+not near chance, r = 0.5 and 0.75) by their worst cell, then their mean: the default press should lead it.
 """
 
 from __future__ import annotations
@@ -63,6 +66,23 @@ def fidelity(results: Path = RESULTS) -> list[dict]:
     return table
 
 
+def ranking(results: Path = RESULTS) -> list[dict]:
+    """The query-agnostic presses measured on every checked cell (model, task not near chance, r = 0.5 and
+    0.75), best first by their worst retention, then their mean."""
+    cells, retention = set(), {}
+    for model, (agnostic_dirs, _) in SWEEPS.items():
+        rows = _rows(agnostic_dirs, results)
+        full = {r["task"]: r["score"] for r in rows if r["press"] == "none"}
+        for r in rows:
+            if full.get(r["task"], 0.0) >= NEAR_CHANCE and r["ratio"] in (0.5, 0.75) and r["retention"] is not None:
+                cell = (model, r["task"], r["ratio"])
+                cells.add(cell)
+                retention.setdefault(r["press"], {})[cell] = r["retention"]
+    ranked = [{"press": press, "worst": min(by_cell.values()), "mean": sum(by_cell.values()) / len(by_cell)}
+              for press, by_cell in retention.items() if by_cell.keys() == cells]  # fmt: skip
+    return sorted(ranked, key=lambda r: (-r["worst"], -r["mean"], r["press"]))
+
+
 def _cell(value, target: float | None = None) -> str:
     if value is None:
         return "-"
@@ -86,6 +106,14 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ranking_markdown(ranked: list[dict]) -> str:
+    lines = ["| query-agnostic press (every checked cell) | worst cell | mean |", "|---|---|---|"]
+    for r in ranked:
+        mark = " (default)" if r["press"] == DEFAULT_PRESS else ""
+        lines.append(f"| {r['press']}{mark} | {r['worst']:.0%} | {r['mean']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", default=str(RESULTS), help="the directory holding the sweeps")
@@ -95,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     if not table:
         print(f"no sweep summaries under {results} (expected {', '.join(sorted(SWEEPS))}'s sweep directories)")
         return 2
-    (results / "fidelity.json").write_text(json.dumps(table, indent=1) + "\n")
-    (results / "fidelity.md").write_text(markdown(table))
-    print(markdown(table))
+    ranked = ranking(results)
+    (results / "fidelity.json").write_text(json.dumps({"tasks": table, "ranking": ranked}, indent=1) + "\n")
+    text = markdown(table) + "\n" + ranking_markdown(ranked)
+    (results / "fidelity.md").write_text(text)
+    print(text)
     return 0
 
 

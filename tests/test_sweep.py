@@ -142,3 +142,26 @@ def test_fidelity_table_picks_the_best_press_per_task_and_marks_the_targets(tmp_
     table = markdown([noise, tracking])
     assert "100% ✓ (knorm)" in table and "75% ✗ (knorm)" in table and "100% ✓ (snapkv)" in table
     assert "| variable_tracking | 0.000 (near chance) | - |" in table
+
+
+def test_fidelity_ranking_orders_presses_measured_everywhere_by_worst_cell(tmp_path):
+    from kvpress.eval.fidelity import ranking, ranking_markdown
+
+    def row(task, press, ratio, retention, score=0.8):
+        return {"task": task, "press": press, "ratio": ratio, "score": score, "retention": retention}
+
+    rows = [row("needle_noise", "none", 0.0, 1.0), row("needle_pydoc", "none", 0.0, 1.0),
+            row("arithmetic", "none", 0.0, 1.0, score=0.1),  # near chance: not a checked cell
+            row("arithmetic", "steady", 0.5, 0.0, score=0.0)]  # fmt: skip
+    for task in ("needle_noise", "needle_pydoc"):
+        for ratio in (0.5, 0.75):
+            default = 1.0 if ratio == 0.5 else 0.5
+            rows += [row(task, "steady", ratio, 0.75), row(task, kvpress.DEFAULT_PRESS, ratio, default)]
+            if ratio == 0.5:
+                rows.append(row(task, "partial", ratio, 1.0))  # missing at r = 0.75: not ranked
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "sweep" / "summary.json").write_text(json.dumps(rows))
+    ranked = ranking(tmp_path)
+    assert [(r["press"], r["worst"], r["mean"]) for r in ranked] == [("steady", 0.75, 0.75),
+                                                                      (kvpress.DEFAULT_PRESS, 0.5, 0.75)]  # fmt: skip
+    assert f"| {kvpress.DEFAULT_PRESS} (default) | 50% | 75.0% |" in ranking_markdown(ranked)
