@@ -117,6 +117,30 @@ def test_global_budget_moves_tokens_to_the_layers_that_score_higher():
         KVzipPress(0.5, global_budget=1.5)
 
 
+def test_normalize_layers_spreads_the_budget_by_each_heads_shape_not_its_scale():
+    model = tiny_model("llama", num_hidden_layers=4)
+    ids = prompt(1, 60)
+    recording = record_prefill(model, ids)
+
+    def held(normalize_layers: bool) -> list[int]:
+        press = KVzipPress(0.5, global_budget=1.0, window_size=0, normalize_layers=normalize_layers)
+        return [layer.n for layer in compress_recording(model, recording, press, _Tokenizer()).layers]
+
+    scaled, raw = held(True), held(False)
+    scores = next(iter(recording.memo.values()))
+    peaked = torch.cat([(s / s.amax(-1, keepdim=True)).flatten() for s in scores.values()])
+    threshold = peaked.topk(240).values[-1]  # 30 x 2 heads x 4 layers, in units of each head's own peak
+    assert scaled == [int((s / s.amax(-1, keepdim=True) >= threshold).sum()) // 2 for s in scores.values()]
+    assert scaled != raw
+    scores[1] = scores[1] * 1000  # layer 1 louder: raw ranking hands it the budget, the scaled one does not move
+    assert held(True) == scaled
+    assert held(False)[1] == 60 and raw[1] < 60
+    with pytest.raises(ValueError, match="normalize_layers must be true or false"):
+        KVzipPress(0.5, normalize_layers="yes")
+    with pytest.raises(ValueError, match="needs global_budget > 0"):
+        KVzipPress(0.5, normalize_layers=True, global_budget=0.0)
+
+
 def test_value_norm_weights_each_score_by_its_value():
     model = tiny_model("llama")
     ids = prompt(1, 40)

@@ -44,6 +44,11 @@ class KVzipPress(BasePress):
             pair adds to an attention output is its weight times its value (value-aware pruning, Guo et
             al. 2024, arXiv:2406.12335, weights by the L1 norm: no better on the tuning seeds). Layer
             budgets still rank the unweighted scores.
+        normalize_layers: spread the layer budgets by each head's scores divided by that head's peak
+            (default False: by the raw scores), as `AdaKVPress(normalize=True)` does across heads: a layer
+            pays for the tokens near its heads' own peaks, so one whose heads look only at the attention
+            sink keeps little more than its window (DuoAttention's streaming heads), whatever its scale.
+            Needs global_budget > 0.
 
     Defaults chosen on tuning seed 1 (never on the reported seed 0; eval/results/README.md, "Fidelity"):
     with g = 1 SmolLM2 kept every prose needle at r = 0.75 but lost the noise-haystack ones that g = 0
@@ -64,6 +69,7 @@ class KVzipPress(BasePress):
     window_size: int = 16
     global_budget: float = 0.5
     value_norm: bool = False
+    normalize_layers: bool = False
     scores: dict[int, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
     _shares: dict[int, float] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -82,6 +88,10 @@ class KVzipPress(BasePress):
             raise ValueError(f"global_budget must be a fraction in [0, 1], got {g!r}")
         if not isinstance(self.value_norm, bool):
             raise ValueError(f"value_norm must be true or false, got {self.value_norm!r}")
+        if not isinstance(self.normalize_layers, bool):
+            raise ValueError(f"normalize_layers must be true or false, got {self.normalize_layers!r}")
+        if self.normalize_layers and not g:
+            raise ValueError("normalize_layers spreads the budget across layers: it needs global_budget > 0")
         if g and self.layer_scales is not None:
             raise ValueError("KVzipPress sets layer budgets from its scores (global_budget > 0); pass global_budget=0 "
                              "to give layer_scales yourself")
@@ -107,7 +117,11 @@ class KVzipPress(BasePress):
 
     def _layer_shares(self, scores: dict[int, torch.Tensor], n: int) -> dict[int, float]:
         """Each layer's budget relative to the average layer: (1 - g) plus g times its share of the global
-        top-k of all layers' scores."""
+        top-k of all layers' scores (each head's divided by its peak first with `normalize_layers`)."""
+        if self.normalize_layers:
+            tiny = torch.finfo(torch.float32).tiny
+            scores = {idx: s.float() / s.float().abs().amax(-1, keepdim=True).clamp_min(tiny)
+                      for idx, s in scores.items()}
         flat = torch.cat([s.flatten().float() for s in scores.values()])
         per_layer = self._budget_of(n) * next(iter(scores.values())).shape[1]
         k = min(flat.numel(), per_layer * len(scores))
