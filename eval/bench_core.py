@@ -6,7 +6,9 @@ is shared and noisy. Writes `eval/results/core.json`:
     {"prefill_overhead": {press: t_press / t_none}, "decode_step_ratio": {press: step time at
      4K context with r=0.75 / full-cache step time}, "kept_bytes_ratio": {press: kept / full bytes},
      "varlen_vs_dense_decode": AdaKV(SnapKV) step time / SnapKV step time (same tokens kept per layer:
-     per-head variable-length storage and attention vs one dense tensor)}
+     per-head variable-length storage and attention vs one dense tensor), "kvzip_scoring_peak_ratio": the
+     most bytes the cache holds while KVzip scores the decode context (its reconstruction passes) / the
+     context's full-cache bytes}
 
 Run: `make bench` (or `python -m kvpress.eval.bench_core --help`).
 """
@@ -23,7 +25,9 @@ import torch
 from transformers import DynamicCache
 
 import kvpress
+from kvpress.patches.model_access import attention_modules
 from kvpress.presses.base import maybe_installed
+from kvpress.recording import record_prefill
 
 PRESSES = ("snapkv", "h2o", "sink-window", "knorm", "random", "adakv", "duo-attention")
 
@@ -50,6 +54,22 @@ def timed_forward(model, ids: torch.Tensor, cache: DynamicCache, press=None) -> 
 def prefill(model, ids: torch.Tensor, press=None) -> tuple[DynamicCache, float]:
     cache = DynamicCache(config=model.config)
     return cache, timed_forward(model, ids, cache, press)
+
+
+def kvzip_scoring_peak(model, tokenizer, ids: torch.Tensor) -> float:
+    """The most bytes the cache holds while KVzip scores the context `ids` (sampled at every attention call
+    of its reconstruction passes, which run in the cache itself), over the context's full-cache bytes."""
+    recording = record_prefill(model, ids)
+    full = kvpress.cache_bytes(recording.cache)
+    peak = [full]
+    hooks = [module.register_forward_hook(lambda *_: peak.append(kvpress.cache_bytes(recording.cache)))
+             for module in attention_modules(model).values()]  # fmt: skip
+    try:
+        kvpress.KVzipPress(compression_ratio=0.5).prepare(model, recording, tokenizer)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return max(peak) / full
 
 
 @torch.inference_mode()
@@ -100,6 +120,8 @@ def run(args: argparse.Namespace) -> dict:
         ratio = statistics.median(times["adakv"]) / statistics.median(times["snapkv"])
         result["varlen_vs_dense_decode"] = round(ratio, 3)
         print(f"decode at {args.decode_context}: variable-length / dense step x{result['varlen_vs_dense_decode']}")
+    result["kvzip_scoring_peak_ratio"] = round(kvzip_scoring_peak(model, tokenizer, ids), 3)
+    print(f"KVzip scoring at {args.decode_context}: the cache peaks at x{result['kvzip_scoring_peak_ratio']} of full")
     for name, press in presses.items():
         cache, _ = prefill(model, ids, press)
         result["kept_bytes_ratio"][name] = round(kvpress.cache_bytes(cache) / full_bytes, 4)

@@ -16,6 +16,10 @@ the slots held, so transformers' own masks stay right for unpadded continuation.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -120,6 +124,20 @@ class PressedLayer(DynamicLayer):
     def prefetch(self) -> None:
         if self.is_initialized and self.keys.device != self.device:
             self._map_all(lambda t: t.to(self.device, non_blocking=True))
+
+    def rewind_point(self) -> tuple[int, dict]:
+        """What `rewind` needs to drop every slot appended from now on: the number of slots held and a copy
+        of the small state (counters, flags, per-row totals); keys, values and per-slot tensors are not copied."""
+        small = {name: value for name, value in vars(self).items() if name not in ("keys", "values", "slots")}
+        return self.n, copy.deepcopy(small)
+
+    def rewind(self, point: tuple[int, dict]) -> None:
+        """Drop the slots appended since `rewind_point` gave `point`. Appends go after the held slots, so the
+        first `n` are exactly those held then; they move to tensors of their own (the rest is freed)."""
+        n, small = point
+        self.keys, self.values = self.keys[:, :, :n].clone(), self.values[:, :, :n].clone()
+        self.slots = {name: t[..., :n].clone() for name, t in self.slots.items()}
+        vars(self).update(small)
 
     # ----- what a press reads ---------------------------------------------------------------------
     @property
@@ -346,3 +364,22 @@ def layer_tensors(layer) -> list[torch.Tensor]:
 def cache_bytes(cache: Cache) -> int:
     """Bytes held by every tensor of every layer of `cache` (keys, values, positions, masks, scores)."""
     return tensor_bytes(t for layer in cache.layers for t in layer_tensors(layer))
+
+
+@contextmanager
+def scratch(cache: Cache) -> Iterator[Cache]:
+    """Let forwards append to `cache`, then put every layer back as it was, also when one raises. A
+    `PressedLayer` drops what was appended (no copy of what it holds); any other layer (a sliding window:
+    bounded) is restored from a copy taken on entry."""
+    points = [
+        layer.rewind_point() if isinstance(layer, PressedLayer) else copy.deepcopy(layer) for layer in cache.layers
+    ]
+    try:
+        yield cache
+    finally:
+        for layer, point in zip(cache.layers, points, strict=True):
+            if isinstance(layer, PressedLayer):
+                layer.rewind(point)
+            else:
+                vars(layer).clear()
+                vars(layer).update(vars(point))

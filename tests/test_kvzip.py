@@ -9,8 +9,9 @@ from transformers import DynamicCache
 
 import kvpress
 from kvpress import KVzipPress
+from kvpress.eval.bench_core import kvzip_scoring_peak
 from kvpress.eval.sweep import run_sweep
-from kvpress.presses.kvzip import reconstruction_scores
+from kvpress.presses.kvzip import LEAD_IN, reconstruction_scores
 from kvpress.recording import compress_recording, record_prefill
 from tiny import prompt, tiny_model
 
@@ -35,7 +36,7 @@ def test_scores_are_the_peak_attention_of_the_reconstruction(family):
     ids = prompt(1, 40)
     recording = record_prefill(model, ids)
     before = copy.deepcopy(recording.cache)
-    scores = reconstruction_scores(model, recording.cache, ids, REPEAT, chunk_size=7)  # fed in 7-token chunks
+    scores = reconstruction_scores(model, recording.cache, ids, REPEAT, chunk_size=64, piece_size=7)  # one pass
     for layer, kept in zip(recording.cache.layers, before.layers, strict=True):  # the cache is left as it was
         assert torch.equal(layer.keys, kept.keys) and layer.get_seq_length() == kept.get_seq_length() == 40
     full = torch.cat([ids, REPEAT, ids], dim=-1)
@@ -46,6 +47,55 @@ def test_scores_are_the_peak_attention_of_the_reconstruction(family):
         expected = attentions[idx][:, :, 40:, :40].amax(dim=2)  # [1, Hq, 40]
         expected = expected.view(1, hkv, -1, 40).amax(dim=2)  # max over the query heads of each KV group
         torch.testing.assert_close(peak, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_long_contexts_are_rebuilt_a_chunk_a_pass_in_the_cache_itself_which_is_put_back():
+    model = tiny_model("llama", attn="eager")
+    ids = prompt(1, 40)
+    recording = record_prefill(model, ids)
+    cache = recording.cache
+    before = copy.deepcopy(cache)
+    held = []  # tokens each layer holds whenever attention runs, and whether it runs on the caller's cache
+
+    def watch(module, args, kwargs, out):
+        held.append((kwargs["cache"] is cache, cache.layers[module.layer_idx].n))
+
+    hooks = [layer.self_attn.register_forward_hook(watch, with_kwargs=True) for layer in model.model.layers]
+    try:
+        scores = reconstruction_scores(model, cache, ids, REPEAT, chunk_size=16, piece_size=5)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert all(same for same, _ in held)  # no copy of the cache
+    assert max(n for _, n in held) == 40 + 3 + LEAD_IN + 16  # the context plus one pass, never two
+    expected = None  # the peak over three passes, each over the context alone: the request, a lead-in, a chunk
+    for start in (0, 16, 32):
+        fed = torch.cat([REPEAT, ids[:, max(0, start - LEAD_IN) : start + 16]], dim=-1)
+        attentions = model(torch.cat([ids, fed], dim=-1), output_attentions=True).attentions
+        peaks = {idx: a[:, :, 40:, :40].amax(dim=2).view(1, 2, -1, 40).amax(dim=2) for idx, a in enumerate(attentions)}
+        expected = peaks if expected is None else {i: torch.maximum(expected[i], p) for i, p in peaks.items()}
+    for idx, peak in scores.items():
+        torch.testing.assert_close(peak, expected[idx], atol=1e-5, rtol=1e-4)
+    for layer, kept in zip(cache.layers, before.layers, strict=True):  # put back exactly
+        assert torch.equal(layer.keys, kept.keys) and torch.equal(layer.values, kept.values)
+        assert layer.n == layer.seen == layer.keys.shape[2] == 40 and torch.equal(layer.pos, kept.pos)
+        assert torch.equal(layer.real_seen, kept.real_seen) and layer.pending == 0
+
+    def fail_in_second_pass(module, args, kwargs, out):
+        if cache.layers[module.layer_idx].n > 40 + 3 + 16:
+            raise RuntimeError("boom")
+
+    hook = model.model.layers[1].self_attn.register_forward_hook(fail_in_second_pass, with_kwargs=True)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            reconstruction_scores(model, cache, ids, REPEAT, chunk_size=16)
+    finally:
+        hook.remove()
+    for layer, kept in zip(cache.layers, before.layers, strict=True):  # put back when a forward raised too
+        assert torch.equal(layer.keys, kept.keys) and layer.n == layer.seen == 40 and layer.pending == 0
+    assert model(ids[:, -1:], cache=cache).logits.isfinite().all()  # and it can be continued
+    # what `make bench` reports: the cache's peak over the full cache's bytes, a whole 40-token pass on top
+    assert kvzip_scoring_peak(model, _Tokenizer(), ids) == pytest.approx((40 + 3 + 40) / 40, rel=0.01)  # not 3x
 
 
 def test_compressed_once_cached_keeping_the_top_scores():

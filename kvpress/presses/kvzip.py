@@ -11,13 +11,13 @@ smaller caches with negligible loss on SQuAD, NIAH, SCBench and GSM8K, Qwen2.5-7
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from torch import nn
 
+from kvpress.cache import scratch
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.prepared import PromptAttention, check_prepared
 
@@ -31,8 +31,9 @@ class KVzipPress(BasePress):
     Parameters:
         compression_ratio / max_tokens: the budget (see `BasePress`).
         prompt: the repeat request fed between the cached context and its copy.
-        reconstruction_chunk: reconstruction tokens per forward (default 512), which bounds the attention
-            matrix held at once.
+        reconstruction_chunk: context tokens rebuilt per pass (default 2048; the paper's ~2K): each pass
+            is dropped before the next, so scoring holds the cache plus one pass (forwards of 512 tokens
+            bound the attention matrix).
         n_sink: leading tokens always kept (default 0: the attention sink scores high anyway).
         window_size: last context tokens always kept (default 16; the paper keeps none).
         global_budget: the fraction g in [0, 1] of the budget spread across layers by ranking every
@@ -58,13 +59,14 @@ class KVzipPress(BasePress):
     The whole context must be cached before it is scored, so this press is applied right after the
     prefill (`kvpress.generate` and `kvpress sweep` do so, through `kvpress.recording`); inside a
     forward (`with press(model): model.generate(...)`, chat sessions, chunked feeding) it refuses.
-    Cost: one more forward of the prompt and the context over the cached context.
+    Cost: one more forward of the prompt and the context over the cached context, which holds at most one
+    pass more (the prompt and `reconstruction_chunk` tokens).
     """
 
     needs_whole_context: ClassVar[bool] = True
 
     prompt: str = REPEAT_PROMPT
-    reconstruction_chunk: int = 512
+    reconstruction_chunk: int = 2048
     n_sink: int = 0
     window_size: int = 16
     global_budget: float = 0.5
@@ -143,13 +145,24 @@ class KVzipPress(BasePress):
         return scores * obs.values.float().norm(dim=-1) if self.value_norm else scores
 
 
+LEAD_IN = 8  # context tokens before a pass's chunk fed again after the request, so the model knows where to resume
+
+
 @torch.no_grad()
 def reconstruction_scores(
-    model: nn.Module, cache, context_ids: torch.Tensor, prompt_ids: torch.Tensor, chunk_size: int = 512
+    model: nn.Module,
+    cache,
+    context_ids: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    chunk_size: int = 2048,
+    piece_size: int = 512,
 ) -> dict[int, torch.Tensor]:
     """KVzip's importance of each cached context token, per compressible layer `[B, Hkv, n]`: the peak
-    attention paid to it while `prompt_ids` then `context_ids` are fed after it. `cache` (holding exactly
-    the context, nothing evicted) is left unchanged: the pass runs on a copy."""
+    attention paid to it while the model rebuilds the context after the request `prompt_ids`. As in the
+    paper's scoring of long contexts, each pass rebuilds `chunk_size` context tokens (the request, the
+    `LEAD_IN` tokens before the chunk, the chunk), fed `piece_size` tokens a forward over the cached
+    context, and is dropped before the next: `cache` (holding exactly the context, nothing evicted) holds
+    at most the context plus one pass, no copy of it, and is left as it was."""
     n = context_ids.shape[1]
     for idx, layer in enumerate(cache.layers):
         if getattr(layer, "n", n) != n or getattr(layer, "seen", n) != n or getattr(layer, "padded", False):
@@ -157,10 +170,12 @@ def reconstruction_scores(
                 f"reconstruction scores need the whole context cached ({n} tokens, no padding, nothing evicted); "
                 f"layer {idx} holds {getattr(layer, 'n', '?')} of {getattr(layer, 'seen', '?')} tokens"
             )
-    work = copy.deepcopy(cache)
     observer = PromptAttention(compression_ratio=0.0, n_prompt=n)
-    ids = torch.cat([prompt_ids.expand(context_ids.shape[0], -1), context_ids], dim=-1)
+    prompt = prompt_ids.expand(context_ids.shape[0], -1)
     with observer(model):
-        for start in range(0, ids.shape[1], chunk_size):
-            model(ids[:, start : start + chunk_size], cache=work, use_cache=True, logits_to_keep=1)
+        for start in range(0, n, chunk_size):
+            ids = torch.cat([prompt, context_ids[:, max(0, start - LEAD_IN) : start + chunk_size]], dim=-1)
+            with scratch(cache):
+                for piece in range(0, ids.shape[1], piece_size):
+                    model(ids[:, piece : piece + piece_size], cache=cache, use_cache=True, logits_to_keep=1)
     return observer.peaks
