@@ -1,5 +1,7 @@
 """Lookahead: the observation window plus a greedy draft of the answer, drafted from the full cache."""
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -19,7 +21,11 @@ def test_scores_average_the_window_and_the_drafted_answer():
     head, last = ids[:, :40], ids[:, 40:]
     recording = record_prefill(model, head, next_ids=last)
     press = LookaheadPress(0.5, lookahead=3, window_size=4, kernel_size=1)
+    before = copy.deepcopy(recording.cache)
     cache = compress_recording(model, recording, press)
+    for layer, kept in zip(recording.cache.layers, before.layers, strict=True):  # drafted in it, then dropped
+        assert torch.equal(layer.keys, kept.keys) and torch.equal(layer.values, kept.values)
+        assert layer.n == layer.seen == 40 and torch.equal(layer.pos, kept.pos)
     full = model.generate(ids, max_new_tokens=3, do_sample=False)  # the prompt and the same greedy draft
     assert full.shape[1] == 44 and model.config.eos_token_id not in full[0, 41:]
     attentions = model(full, output_attentions=True).attentions  # [1, Hq, L, L] per layer

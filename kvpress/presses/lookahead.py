@@ -15,13 +15,13 @@ that question (`kvpress.generate(..., query_aware=True)`, the lm-eval bridge's `
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from torch import nn
 
+from kvpress.cache import scratch
 from kvpress.presses.base import Observation
 from kvpress.presses.prepared import PromptAttention, check_prepared
 from kvpress.presses.snapkv import SnapKVPress, pool_by_position
@@ -48,7 +48,8 @@ class LookaheadPress(SnapKVPress):
 
     The draft starts from the prompt's last token, which the caller feeds after compression
     (`Recording.next_ids`); without it (a query-agnostic prefill: no question yet) the press refuses.
-    Cost: `lookahead` decoding steps over a copy of the full cache before it is compressed.
+    Cost: `lookahead` decoding steps over the full cache before it is compressed (in the cache itself,
+    which drops them after: it holds `lookahead` + 1 tokens more, no copy).
 
     Defaults chosen on tuning seeds 1 and 2 (eval/results/README.md, "Fidelity"): on SmolLM2's needles
     Lookahead kept the full cache's score at r = 0.5 and 0.75 alone, in ChunkKV and in AdaKV, with
@@ -88,14 +89,14 @@ class LookaheadPress(SnapKVPress):
 
 @torch.no_grad()
 def draft_attention(model: nn.Module, recording, steps: int, tokenizer=None) -> dict[int, tuple[torch.Tensor, int]]:
-    """Feed `recording.next_ids`, then up to `steps` greedy tokens, over a copy of the recorded cache; per
-    compressible layer, the attention those queries paid the recorded tokens, summed (`PromptAttention.sums`)."""
-    work = copy.deepcopy(recording.cache)
+    """Feed `recording.next_ids`, then up to `steps` greedy tokens, over the recorded cache (which drops them
+    after: no copy); per compressible layer, the attention those queries paid the recorded tokens, summed
+    (`PromptAttention.sums`)."""
     observer = PromptAttention(compression_ratio=0.0, n_prompt=recording.tokens)
     eos = tokenizer.eos_token_id if tokenizer is not None else model.config.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
     fed = recording.next_ids
-    with observer(model):
+    with observer(model), scratch(recording.cache) as work:
         for step in range(steps + 1):
             logits = model(fed, cache=work, use_cache=True, logits_to_keep=1).logits[:, -1]
             fed = logits.argmax(dim=-1, keepdim=True)
