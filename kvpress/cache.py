@@ -125,19 +125,18 @@ class PressedLayer(DynamicLayer):
         if self.is_initialized and self.keys.device != self.device:
             self._map_all(lambda t: t.to(self.device, non_blocking=True))
 
-    def rewind_point(self) -> tuple[int, dict]:
-        """What `rewind` needs to drop every slot appended from now on: the number of slots held and a copy
-        of the small state (counters, flags, per-row totals); keys, values and per-slot tensors are not copied."""
-        small = {name: value for name, value in vars(self).items() if name not in ("keys", "values", "slots")}
-        return self.n, copy.deepcopy(small)
+    def rewind_point(self) -> dict:
+        """What `rewind` needs to drop every slot appended from now on: a copy of the small state (slots held,
+        counters, flags, per-row totals); keys, values and per-slot tensors are not copied."""
+        return copy.deepcopy({name: v for name, v in vars(self).items() if name not in ("keys", "values", "slots")})
 
-    def rewind(self, point: tuple[int, dict]) -> None:
+    def rewind(self, point: dict) -> None:
         """Drop the slots appended since `rewind_point` gave `point`. Appends go after the held slots, so the
         first `n` are exactly those held then; they move to tensors of their own (the rest is freed)."""
-        n, small = point
+        n = point["n"]
         self.keys, self.values = self.keys[:, :, :n].clone(), self.values[:, :, :n].clone()
         self.slots = {name: t[..., :n].clone() for name, t in self.slots.items()}
-        vars(self).update(small)
+        vars(self).update(point)
 
     # ----- what a press reads ---------------------------------------------------------------------
     @property

@@ -75,6 +75,14 @@ def _check_ratio(value: float | None) -> None:
         raise ValueError(f"compression_ratio must be in [0, 1) (the fraction of cached tokens removed), got {value}")
 
 
+def scaled_to_peak(scores: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """`scores` `[..., n]` (float) divided by each row's largest finite |score| (over `valid` slots only when
+    given): a positive number, so each row's order is unchanged and rows compare by shape, not scale."""
+    counted = scores.isfinite() if valid is None else scores.isfinite() & valid
+    peak = scores.abs().masked_fill(~counted, 0.0).amax(dim=-1, keepdim=True)
+    return scores / peak.clamp_min(torch.finfo(scores.dtype).tiny)
+
+
 def maybe_installed(press: BasePress | None, model: nn.Module):
     """`press(model)` as a context, or a context that does nothing when `press` is None."""
     return contextlib.nullcontext() if press is None else press(model)
@@ -194,9 +202,7 @@ class BasePress:
         scores = self.score(obs).float()
         valid = layer.valid
         if per_head_scale:
-            counted = scores.isfinite() if valid is None else scores.isfinite() & valid
-            peak = scores.abs().masked_fill(~counted, 0.0).amax(dim=-1, keepdim=True)
-            scores = scores / peak.clamp_min(torch.finfo(scores.dtype).tiny)
+            scores = scaled_to_peak(scores, valid)
         scores = scores.masked_fill(self._protected(layer, budgets.to(scores.device)), math.inf)
         return scores if valid is None else scores.masked_fill(~valid, -math.inf)
 

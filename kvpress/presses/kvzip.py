@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kvpress.cache import scratch
-from kvpress.presses.base import BasePress, Observation
+from kvpress.presses.base import BasePress, Observation, scaled_to_peak
 from kvpress.presses.prepared import PromptAttention, check_prepared
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
@@ -121,9 +121,7 @@ class KVzipPress(BasePress):
         """Each layer's budget relative to the average layer: (1 - g) plus g times its share of the global
         top-k of all layers' scores (each head's divided by its peak first with `normalize_layers`)."""
         if self.normalize_layers:
-            tiny = torch.finfo(torch.float32).tiny
-            scores = {idx: s.float() / s.float().abs().amax(-1, keepdim=True).clamp_min(tiny)
-                      for idx, s in scores.items()}
+            scores = {idx: scaled_to_peak(s.float()) for idx, s in scores.items()}
         flat = torch.cat([s.flatten().float() for s in scores.values()])
         per_layer = self._budget_of(n) * next(iter(scores.values())).shape[1]
         k = min(flat.numel(), per_layer * len(scores))
