@@ -11,7 +11,10 @@ Writes, under `--out`: `results.jsonl` (one line per example and configuration, 
 an interrupted sweep resumes where it stopped), `summary.json` / `summary.csv` (mean score, its
 retention against the full cache, and kept KV bytes per task, press, ratio), `table.md` and `plot.png`
 (score vs kept KV memory per press). A score is the task's: mostly the fraction of expected strings
-in the answer (see `eval/tasks/`).
+in the answer (see `eval/tasks/`). An answer row records its budget (`answer_tokens`, the task's
+`ANSWER_TOKENS`) and whether that budget cut it (`cut`); when a task's budget grows, a resumed sweep
+(or `--refresh`, which re-measures every such row in the directory and nothing else) answers again
+only where a longer answer could change the row.
 
 Perplexity tasks cannot share a prefill: each token is predicted from the cache compressed so far.
 They run one live chunked pass per (document, configuration) (`tasks/perplexity.py`); a row records
@@ -44,9 +47,9 @@ from transformers import DynamicCache
 
 import kvpress
 from kvpress.eval.memory import full_cache_bytes, peak_memory, reset_cuda_peak
-from kvpress.eval.tasks import ANSWER_TOKENS, TASKS, Document, task_examples
+from kvpress.eval.tasks import ANSWER_TOKENS, SCORE_GROWS_WITH_TEXT, TASKS, Document, task_examples
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
-from kvpress.pipeline import answer_from_cache, split_prompt
+from kvpress.pipeline import answer_ids_from_cache, split_prompt
 from kvpress.presses import parse_press_spec
 from kvpress.recording import compress_recording, record_prefill
 
@@ -82,9 +85,8 @@ def run_sweep(
     query_aware: bool = False,
     progress: bool = True,
 ) -> list[dict]:
-    """Run (or resume) a sweep and write its files; returns the summary rows."""
-    from tqdm.auto import tqdm
-
+    """Run (or resume) a sweep and write its files; returns the summary rows. Rows of these tasks and
+    configurations that a longer answer budget could change (see `refresh_sweep`) are measured again."""
     configs = configurations(presses, ratios)
     check_tasks(tasks)
     chunked = [task for task in tasks if task not in ANSWER_TOKENS]  # the perplexity tasks: no answer
@@ -99,31 +101,107 @@ def run_sweep(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rank, world, state = _shard()
-    results_path = out / ("results.jsonl" if world == 1 else f"results.rank{rank}.jsonl")
-    done = {(r["task"], r["example"], r["press"], r["ratio"]) for r in _read_results(out)}
     if rank == 0:
         settings = {"examples": examples, "length": length, "seed": seed, "query_aware": query_aware,
-                    "perplexity_chunk": CHUNK}  # fmt: skip
+                    "perplexity_chunk": CHUNK, "model": model_name(model)}  # fmt: skip
         (out / "settings.json").write_text(json.dumps({**settings, "presses": presses, "ratios": ratios,
                                                        "tasks": tasks, "processes": world}))  # fmt: skip
-    with results_path.open("a") as sink:
-        for task in tasks:
-            items = task_examples(task, tokenizer, examples, length, seed)
-            mine = [(i, example) for i, example in enumerate(items) if i % world == rank]
-            for i, example in tqdm(mine, desc=f"{task} [{rank}/{world}]", disable=not progress):
-                todo = [(name, r) for name, r in configs if (task, i, name, r) not in done]
-                if not todo:
-                    continue
-                if isinstance(example, Document):
-                    rows = _perplexity_rows(model, tokenizer, example, todo, progress)
-                else:
-                    rows = _answer_rows(model, tokenizer, example, todo, ANSWER_TOKENS[task], query_aware, progress)
-                for row in rows:
-                    sink.write(json.dumps({"task": task, "example": i, **row}) + "\n")
-                    sink.flush()
+    asked = set(configs)
+    done = _measured(out, rank, state, lambda r: r["task"] in tasks and (r["press"], r["ratio"]) in asked)
+
+    def todo(task: str, i: int) -> list[tuple[str, float]]:
+        return [(name, r) for name, r in configs if (task, i, name, r) not in done]
+
+    _measure(model, tokenizer, out, tasks, todo, (examples, length, seed), query_aware, progress, rank, world)
     if state is not None:
         state.wait_for_everyone()
     return write_summary(out) if rank == 0 else []
+
+
+def refresh_sweep(model: nn.Module, tokenizer, out: str | Path, progress: bool = True) -> list[dict]:
+    """Re-measure the rows of the sweep in `out` that a longer answer budget (`ANSWER_TOKENS`) could change:
+    answers cut by a smaller budget than their task's is now. Nothing else runs; returns the new summary.
+
+    Greedy decoding makes a longer answer begin with the shorter one, so an answer that ended on an end of
+    sequence stands, and so does a full score on a task whose score only grows with more text
+    (`SCORE_GROWS_WITH_TEXT`). The examples come from `out`'s settings.json, which also names the model."""
+    out = Path(out)
+    if _shard()[1] > 1:
+        raise ValueError("refresh_sweep runs in one process")
+    settings_path = out / "settings.json"
+    if not settings_path.exists():
+        raise FileNotFoundError(f"{out} holds no sweep (no settings.json)")
+    settings = json.loads(settings_path.read_text())
+    if settings.get("model", model_name(model)) != model_name(model):
+        raise ValueError(f"{out} was measured with {settings['model']!r}, not {model_name(model)!r}")
+    stale = [r for r in _read_results(out) if not is_final(r)]
+    _measured(out, 0, None, lambda r: True)  # drops the stale rows
+    wanted: dict = {}
+    for r in stale:
+        wanted.setdefault((r["task"], r["example"]), []).append((r["press"], r["ratio"]))
+    tasks = list(dict.fromkeys(r["task"] for r in stale))
+    examples = (settings["examples"], settings["length"], settings["seed"])
+
+    def todo(task: str, i: int) -> list[tuple[str, float]]:
+        return wanted.get((task, i), [])
+
+    _measure(model, tokenizer, out, tasks, todo, examples, settings["query_aware"], progress, 0, 1)
+    return write_summary(out)
+
+
+def model_name(model: nn.Module) -> str:
+    """The model's directory name (packaged models: their name, e.g. smollm2-135m)."""
+    return Path(getattr(model.config, "name_or_path", "") or "unnamed").name
+
+
+def is_final(row: dict) -> bool:
+    """Whether a longer answer budget could not change `row` (see `refresh_sweep`). A row that lacks
+    `answer_tokens` or `cut` (an older sweep's) counts as cut, with an unknown (zero) budget."""
+    if "answer" not in row or not row.get("cut", True):  # perplexity rows have no answer
+        return True
+    if row["score"] >= 1 and row["task"] in SCORE_GROWS_WITH_TEXT:
+        return True
+    return row.get("answer_tokens", 0) >= ANSWER_TOKENS[row["task"]]
+
+
+def _measured(out: Path, rank: int, state, redo) -> set[tuple]:
+    """Keys (task, example, press, ratio) of the rows in `out`, after process 0 has dropped from the result
+    files the rows that are not final (`is_final`) and that `redo(row)` selects to be measured again."""
+    if rank == 0:
+        for path in sorted(out.glob("results*.jsonl")):
+            lines = [line for line in path.read_text().splitlines() if line.strip()]
+            kept = [line for line in lines if is_final(row := json.loads(line)) or not redo(row)]
+            if len(kept) < len(lines):
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text("".join(line + "\n" for line in kept))
+                tmp.replace(path)
+    if state is not None:
+        state.wait_for_everyone()
+    return {(r["task"], r["example"], r["press"], r["ratio"]) for r in _read_results(out)}
+
+
+def _measure(model, tokenizer, out: Path, tasks, todo, examples: tuple, query_aware, progress, rank, world):
+    """Append a row for each (task, example i, configuration in `todo(task, i)`) of this process's examples;
+    `examples` is (count, context length, seed)."""
+    from tqdm.auto import tqdm
+
+    results_path = out / ("results.jsonl" if world == 1 else f"results.rank{rank}.jsonl")
+    with results_path.open("a") as sink:
+        for task in tasks:
+            items = task_examples(task, tokenizer, *examples)
+            mine = [(i, example) for i, example in enumerate(items) if i % world == rank]
+            for i, example in tqdm(mine, desc=f"{task} [{rank}/{world}]", disable=not progress):
+                configs = todo(task, i)
+                if not configs:
+                    continue
+                if isinstance(example, Document):
+                    rows = _perplexity_rows(model, tokenizer, example, configs, progress)
+                else:
+                    rows = _answer_rows(model, tokenizer, example, configs, ANSWER_TOKENS[task], query_aware,
+                                        progress)  # fmt: skip
+                for row in rows:
+                    sink.write(json.dumps({"task": task, "example": i, **row}) + "\n")
+                    sink.flush()
 
 
 def _answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_aware: bool, progress: bool):
@@ -143,9 +221,18 @@ def _answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_awar
         cache = recording.cache if press is None else compress_recording(model, recording, press, tokenizer)
         kept = kvpress.cache_bytes(cache)
         working = copy.deepcopy(cache) if press is None else cache
-        text = answer_from_cache(model, tokenizer, ids, working, press, answer_tokens)
+        new = answer_ids_from_cache(model, tokenizer, ids, working, press, answer_tokens)
+        text = tokenizer.decode(new, skip_special_tokens=True).strip()
         yield {"press": name, "ratio": ratio, "score": example.score(text), "kept_bytes": kept,
-               "full_bytes": full_bytes, "answer": text, **peak_memory()}  # fmt: skip
+               "full_bytes": full_bytes, "answer": text, "answer_tokens": answer_tokens,
+               "cut": _cut(new, answer_tokens, model), **peak_memory()}  # fmt: skip
+
+
+def _cut(new: torch.Tensor, budget: int, model) -> bool:
+    """Whether the answer budget, not an end of sequence, ended the answer `new`."""
+    eos = model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos or [])
+    return new.numel() >= budget and int(new[-1]) not in eos
 
 
 def _perplexity_rows(model, tokenizer, document: Document, todo, progress: bool):
@@ -276,7 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--query-aware", action="store_true", help="prefill the question with the context")
     parser.add_argument("--out", required=True, help="output directory (resumed if it holds results)")
+    parser.add_argument("--refresh", action="store_true",
+                        help="only re-measure the answers in --out that a longer answer budget could change, with "
+                             "its settings and model (the selection options are not used)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.refresh:
+        return _refresh(args)
     presses, tasks = args.presses.split(","), args.tasks.split(",")
     try:
         ratios = [float(r) for r in args.ratios.split(",")]
@@ -291,6 +383,21 @@ def main(argv: list[str] | None = None) -> int:
     if summary:  # process 0 (or the only one)
         print(_table(summary))
         print(f"wrote {args.out}/results*.jsonl, summary.json, summary.csv, table.md, plot.png")
+    return 0
+
+
+def _refresh(args) -> int:
+    settings_path = Path(args.out) / "settings.json"
+    if not settings_path.exists():
+        print(f"kvpress sweep: {args.out} holds no sweep (no settings.json)", file=sys.stderr)
+        return 2
+    name = args.model or json.loads(settings_path.read_text()).get("model")
+    if name is None:
+        print(f"kvpress sweep: {settings_path} does not name its model: pass --model", file=sys.stderr)
+        return 2
+    model, tokenizer = kvpress.load_model(name)
+    summary = refresh_sweep(model, tokenizer, args.out)
+    print(_table(summary))
     return 0
 
 

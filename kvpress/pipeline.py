@@ -99,6 +99,16 @@ def prefill_context(
 def answer_from_cache(model, tokenizer, ids: torch.Tensor, cache: DynamicCache, press=None, max_new_tokens=64) -> str:
     """Greedy continuation of `ids` `[1, n]`, whose first tokens `cache` already holds (compressed by
     `press` or not). The press is installed frozen: its layers are read, nothing more is evicted."""
+    new = answer_ids_from_cache(model, tokenizer, ids, cache, press, max_new_tokens)
+    return tokenizer.decode(new, skip_special_tokens=True).strip()
+
+
+@torch.no_grad()
+def answer_ids_from_cache(
+    model, tokenizer, ids: torch.Tensor, cache: DynamicCache, press=None, max_new_tokens: int = 64
+) -> torch.Tensor:
+    """`answer_from_cache`'s generated token ids `[k]` (k <= `max_new_tokens`; an end of sequence
+    included when the model stopped on one)."""
     with maybe_installed(press, model) as installed, installed.frozen() if installed else contextlib.nullcontext():
         out = model.generate(
             ids,
@@ -108,4 +118,4 @@ def answer_from_cache(model, tokenizer, ids: torch.Tensor, cache: DynamicCache, 
             do_sample=False,
             pad_token_id=pad_token_id(tokenizer),
         )
-    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+    return out[0, ids.shape[1] :]

@@ -165,3 +165,63 @@ def test_fidelity_ranking_orders_presses_measured_everywhere_by_worst_cell(tmp_p
     assert [(r["press"], r["worst"], r["mean"]) for r in ranked] == [("steady", 0.75, 0.75),
                                                                       (kvpress.DEFAULT_PRESS, 0.5, 0.75)]  # fmt: skip
     assert f"| {kvpress.DEFAULT_PRESS} (default) | 50% | 75.0% |" in ranking_markdown(ranked)
+
+
+def test_a_longer_answer_budget_re_measures_only_the_cut_answers(default_model, tmp_path, monkeypatch):
+    from kvpress.eval import tasks as task_module
+    from kvpress.eval.sweep import refresh_sweep
+
+    model, tokenizer = default_model
+    monkeypatch.setitem(task_module.ANSWER_TOKENS, "needle_noise", 2)  # too short for a five-digit key
+    kwargs = dict(ratios=[0, 0.5], tasks=["needle_noise"], out=tmp_path, examples=2, length=160, progress=False)
+    run_sweep(model, tokenizer, ["snapkv", "sink-window"], **kwargs)
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    old = {(r["example"], r["press"]): r for r in map(json.loads, lines)}
+    assert len(old) == 6 and all(r["answer_tokens"] == 2 and r["cut"] and r["score"] == 0 for r in old.values())
+    assert json.loads((tmp_path / "settings.json").read_text())["model"] == "smollm2-135m"
+    monkeypatch.setitem(task_module.ANSWER_TOKENS, "needle_noise", 12)
+    fed = []
+    hook = model.register_forward_pre_hook(lambda m, a, k: fed.append(1), with_kwargs=True)
+    try:
+        run_sweep(model, tokenizer, ["snapkv"], **kwargs)  # asks for snapkv: sink-window's rows stay as they were
+        rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+        assert len(rows) == 6 and len({(r["example"], r["press"]) for r in rows}) == 6
+        budget = {(r["example"], r["press"]): r["answer_tokens"] for r in rows}
+        assert sorted(budget.values()) == [2, 2, 12, 12, 12, 12]
+        assert all(budget[(i, "sink-window")] == 2 for i in (0, 1))
+        summary = refresh_sweep(model, tokenizer, tmp_path, progress=False)  # the rest, with the sweep's settings
+        rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+        assert len(rows) == 6 and all(r["answer_tokens"] == 12 for r in rows)
+        for r in rows:  # greedy: the longer answer goes on from the shorter one
+            assert r["answer"].startswith(old[(r["example"], r["press"])]["answer"])
+        assert {(s["press"], s["ratio"]) for s in summary} == {("none", 0.0), ("snapkv", 0.5), ("sink-window", 0.5)}
+        fed.clear()
+        assert refresh_sweep(model, tokenizer, tmp_path, progress=False) == summary and fed == []
+    finally:
+        hook.remove()
+
+
+def test_which_rows_a_longer_budget_leaves_alone(default_model):
+    from kvpress.eval.sweep import is_final
+    from kvpress.eval.tasks import SCORE_GROWS_WITH_TEXT, Example, task_examples
+
+    for task in SCORE_GROWS_WITH_TEXT:  # the claim behind keeping their full scores: RULER's string-match-all
+        assert type(task_examples(task, default_model[1], 1, 300, seed=0)[0]).score is Example.score
+    row = {"task": "needle_noise", "answer": "the pass", "score": 0.0, "answer_tokens": 2, "cut": True}
+    assert not is_final(row)
+    assert is_final({**row, "cut": False})  # it ended on an end of sequence
+    assert is_final({**row, "score": 1.0})
+    assert is_final({**row, "answer_tokens": 32})
+    assert not is_final({**row, "task": "arithmetic", "score": 1.0})  # first-number scoring: more text can change it
+    assert not is_final({k: v for k, v in row.items() if k not in ("cut", "answer_tokens")})  # measured before both
+    assert is_final({"task": "perplexity", "score": 0.1, "ppl": 10.0})
+
+
+def test_refresh_refuses_a_directory_without_a_sweep_or_of_another_model(default_model, tmp_path, capsys):
+    from kvpress.eval.sweep import refresh_sweep
+
+    assert main(["--out", str(tmp_path), "--refresh"]) == 2
+    assert "holds no sweep (no settings.json)" in capsys.readouterr().err
+    (tmp_path / "settings.json").write_text(json.dumps({"model": "qwen2.5-0.5b", "examples": 1}))
+    with pytest.raises(ValueError, match="measured with 'qwen2.5-0.5b', not 'smollm2-135m'"):
+        refresh_sweep(*default_model, tmp_path)

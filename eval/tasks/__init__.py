@@ -2,8 +2,9 @@
 
 `TASKS` maps a task name to a generator `(tokenizer, n, length, seed) -> list[Example]`; an example
 has `context`, `question`, `answers` and `score(text)` in [0, 1]. `ANSWER_TOKENS` is how many tokens
-an answer to the task may need. The perplexity tasks give `Document`s instead (a text scored token by
-token, see `perplexity.py`).
+an answer to the task may need: a single needle gets 32, room to restate the question before the value
+(a compressed cache often makes a model do so; RULER gives its needle tasks 128). The perplexity tasks
+give `Document`s instead (a text scored token by token, see `perplexity.py`).
 """
 
 from __future__ import annotations
@@ -34,9 +35,13 @@ TASKS = {
         for kind in ("multikey", "multivalue", "multiquery")
     },
 }
-ANSWER_TOKENS = {"needle_noise": 12, "needle_pydoc": 12, "needle_essay": 12, "variable_tracking": 32,
+ANSWER_TOKENS = {"needle_noise": 32, "needle_pydoc": 32, "needle_essay": 32, "variable_tracking": 32,
                  "needle_multikey": 16, "needle_multivalue": 48, "needle_multiquery": 32, "common_words": 48,
                  "arithmetic": 8, "chat_recall": 12}  # fmt: skip
+# Tasks scored by `Example.score` (every expected string found in the answer): more answer text can only
+# raise their score, so a full score stands under a longer answer budget (the sweep relies on it).
+SCORE_GROWS_WITH_TEXT = frozenset({"needle_noise", "needle_pydoc", "needle_essay", "variable_tracking",
+                                   "needle_multikey", "needle_multivalue", "needle_multiquery"})  # fmt: skip
 
 
 def task_examples(name: str, tokenizer, n: int, length: int, seed: int) -> list[Example] | list[Document]:
@@ -46,4 +51,4 @@ def task_examples(name: str, tokenizer, n: int, length: int, seed: int) -> list[
     return TASKS[name](tokenizer, n, length, seed)
 
 
-__all__ = ["ANSWER_TOKENS", "Document", "Example", "TASKS", "task_examples"]
+__all__ = ["ANSWER_TOKENS", "Document", "Example", "SCORE_GROWS_WITH_TEXT", "TASKS", "task_examples"]
