@@ -12,9 +12,10 @@ an interrupted sweep resumes where it stopped), `summary.json` / `summary.csv` (
 retention against the full cache, and kept KV bytes per task, press, ratio), `table.md` and `plot.png`
 (score vs kept KV memory per press). A score is the task's: mostly the fraction of expected strings
 in the answer (see `eval/tasks/`). An answer row records its budget (`answer_tokens`, the task's
-`ANSWER_TOKENS`) and whether that budget cut it (`cut`); when a task's budget grows, a resumed sweep
+`ANSWER_TOKENS`) and whether that budget cut it (`cut`); when a task's budget changes, a resumed sweep
 (or `--refresh`, which re-measures every such row in the directory and nothing else) answers again
-only where a longer answer could change the row.
+only where the new budget could change the row (`is_final`); the old row is dropped once its new one
+is written. A resumed sweep refuses a directory measured with another model, length, seed or mode.
 
 Perplexity tasks cannot share a prefill: each token is predicted from the cache compressed so far.
 They run one live chunked pass per (document, configuration) (`tasks/perplexity.py`); a row records
@@ -101,30 +102,32 @@ def run_sweep(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rank, world, state = _shard()
+    settings = {"examples": examples, "length": length, "seed": seed, "query_aware": query_aware,
+                "perplexity_chunk": CHUNK, "model": model_name(model)}  # fmt: skip
+    _check_resume(out, settings)
     if rank == 0:
-        settings = {"examples": examples, "length": length, "seed": seed, "query_aware": query_aware,
-                    "perplexity_chunk": CHUNK, "model": model_name(model)}  # fmt: skip
         (out / "settings.json").write_text(json.dumps({**settings, "presses": presses, "ratios": ratios,
                                                        "tasks": tasks, "processes": world}))  # fmt: skip
-    asked = set(configs)
-    done = _measured(out, rank, state, lambda r: r["task"] in tasks and (r["press"], r["ratio"]) in asked)
+    done = {key for key, row in _current_rows(out).items() if is_final(row)}
 
     def todo(task: str, i: int) -> list[tuple[str, float]]:
         return [(name, r) for name, r in configs if (task, i, name, r) not in done]
 
-    _measure(model, tokenizer, out, tasks, todo, (examples, length, seed), query_aware, progress, rank, world)
+    counts = dict.fromkeys(tasks, examples)
+    _measure(model, tokenizer, out, counts, todo, (length, seed), query_aware, progress, rank, world)
     if state is not None:
         state.wait_for_everyone()
-    return write_summary(out) if rank == 0 else []
+    if rank != 0:
+        return []
+    _compact(out)
+    return write_summary(out)
 
 
 def refresh_sweep(model: nn.Module, tokenizer, out: str | Path, progress: bool = True) -> list[dict]:
-    """Re-measure the rows of the sweep in `out` that a longer answer budget (`ANSWER_TOKENS`) could change:
-    answers cut by a smaller budget than their task's is now. Nothing else runs; returns the new summary.
-
-    Greedy decoding makes a longer answer begin with the shorter one, so an answer that ended on an end of
-    sequence stands, and so does a full score on a task whose score only grows with more text
-    (`SCORE_GROWS_WITH_TEXT`). The examples come from `out`'s settings.json, which also names the model."""
+    """Re-measure the rows of the sweep in `out` that a changed answer budget (`ANSWER_TOKENS`) could change
+    (`is_final`), with `out`'s settings (settings.json, which names the model); nothing else runs.
+    Returns the new summary. A row is replaced once its new one is written, so an interrupted refresh
+    resumes where it stopped. A task's examples are rebuilt with the largest count its rows were drawn from."""
     out = Path(out)
     if _shard()[1] > 1:
         raise ValueError("refresh_sweep runs in one process")
@@ -134,61 +137,102 @@ def refresh_sweep(model: nn.Module, tokenizer, out: str | Path, progress: bool =
     settings = json.loads(settings_path.read_text())
     if settings.get("model", model_name(model)) != model_name(model):
         raise ValueError(f"{out} was measured with {settings['model']!r}, not {model_name(model)!r}")
-    stale = [r for r in _read_results(out) if not is_final(r)]
-    _measured(out, 0, None, lambda r: True)  # drops the stale rows
+    current = _current_rows(out)
     wanted: dict = {}
-    for r in stale:
-        wanted.setdefault((r["task"], r["example"]), []).append((r["press"], r["ratio"]))
-    tasks = list(dict.fromkeys(r["task"] for r in stale))
-    examples = (settings["examples"], settings["length"], settings["seed"])
+    for (task, i, press, ratio), row in current.items():
+        if not is_final(row):
+            wanted.setdefault((task, i), []).append((press, ratio))
+    refreshed = {task for task, _ in wanted}
+    counts: dict = {}
+    for (task, i, _, _), row in current.items():
+        if task in refreshed:
+            counts[task] = max(counts.get(task, 0), row.get("examples", 0), i + 1)
 
     def todo(task: str, i: int) -> list[tuple[str, float]]:
         return wanted.get((task, i), [])
 
-    _measure(model, tokenizer, out, tasks, todo, examples, settings["query_aware"], progress, 0, 1)
+    _measure(model, tokenizer, out, counts, todo, (settings["length"], settings["seed"]), settings["query_aware"],
+             progress, 0, 1)  # fmt: skip
+    _compact(out)
     return write_summary(out)
 
 
 def model_name(model: nn.Module) -> str:
-    """The model's directory name (packaged models: their name, e.g. smollm2-135m)."""
-    return Path(getattr(model.config, "name_or_path", "") or "unnamed").name
+    """How `kvpress.load_model` names the model: a packaged model's name (e.g. smollm2-135m), else its path."""
+    from kvpress.models import PACKAGED_MODELS, cache_dir
+
+    path = Path(getattr(model.config, "name_or_path", "") or "unnamed")
+    return path.name if path.name in PACKAGED_MODELS and path.parent == cache_dir() else str(path)
 
 
 def is_final(row: dict) -> bool:
-    """Whether a longer answer budget could not change `row` (see `refresh_sweep`). A row that lacks
+    """Whether the task's current answer budget could not change `row`: greedy decoding makes a longer
+    answer begin with the shorter one, so an answer that ended on an end of sequence stands, and so does a
+    full score on a task whose score only grows with more text (`SCORE_GROWS_WITH_TEXT`). A row that lacks
     `answer_tokens` or `cut` (an older sweep's) counts as cut, with an unknown (zero) budget."""
-    if "answer" not in row or not row.get("cut", True):  # perplexity rows have no answer
+    if "answer" not in row:  # perplexity rows
         return True
-    if row["score"] >= 1 and row["task"] in SCORE_GROWS_WITH_TEXT:
+    budget = ANSWER_TOKENS[row["task"]]
+    if row.get("answer_tokens", 0) > budget:  # the budget shrank: the answer may be longer than it allows
+        return False
+    if not row.get("cut", True) or (row["score"] >= 1 and row["task"] in SCORE_GROWS_WITH_TEXT):
         return True
-    return row.get("answer_tokens", 0) >= ANSWER_TOKENS[row["task"]]
+    return row.get("answer_tokens", 0) == budget
 
 
-def _measured(out: Path, rank: int, state, redo) -> set[tuple]:
-    """Keys (task, example, press, ratio) of the rows in `out`, after process 0 has dropped from the result
-    files the rows that are not final (`is_final`) and that `redo(row)` selects to be measured again."""
-    if rank == 0:
-        for path in sorted(out.glob("results*.jsonl")):
-            lines = [line for line in path.read_text().splitlines() if line.strip()]
-            kept = [line for line in lines if is_final(row := json.loads(line)) or not redo(row)]
-            if len(kept) < len(lines):
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text("".join(line + "\n" for line in kept))
-                tmp.replace(path)
-    if state is not None:
-        state.wait_for_everyone()
-    return {(r["task"], r["example"], r["press"], r["ratio"]) for r in _read_results(out)}
+def _check_resume(out: Path, settings: dict) -> None:
+    """Refuse to add rows to a directory measured with another model, context length, seed or mode."""
+    path = out / "settings.json"
+    if not path.exists():
+        return
+    before = json.loads(path.read_text())
+    for key in ("model", "length", "seed", "query_aware"):
+        if key in before and before[key] != settings[key]:
+            raise ValueError(f"{out} holds a sweep with {key}={before[key]!r}, not {settings[key]!r}: "
+                             "use another --out")  # fmt: skip
 
 
-def _measure(model, tokenizer, out: Path, tasks, todo, examples: tuple, query_aware, progress, rank, world):
+def _current_rows(out: Path) -> dict[tuple, dict]:
+    """The row that stands for each (task, example, press, ratio) in `out`: a final one over one that is
+    not (its re-measurement), else the last written."""
+    return {key: row for key, (_, row) in _standing(out).items()}
+
+
+def _standing(out: Path) -> dict[tuple, tuple[tuple[Path, int], dict]]:
+    """For each key, ((file, line number), row) of the row that stands (`_current_rows`)."""
+    chosen: dict = {}
+    for path in sorted(out.glob("results*.jsonl")):
+        for n, line in enumerate(path.read_text().splitlines()):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            key = (row["task"], row["example"], row["press"], row["ratio"])
+            if key not in chosen or is_final(row) or not is_final(chosen[key][1]):
+                chosen[key] = ((path, n), row)
+    return chosen
+
+
+def _compact(out: Path) -> None:
+    """Rewrite the result files without the rows that another row of the same key replaced."""
+    keep = {where for where, _ in _standing(out).values()}
+    for path in sorted(out.glob("results*.jsonl")):
+        lines = path.read_text().splitlines()
+        kept = [line for n, line in enumerate(lines) if (path, n) in keep]
+        if len(kept) < len(lines):
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(path)
+
+
+def _measure(model, tokenizer, out: Path, counts: dict, todo, drawn: tuple, query_aware, progress, rank, world):
     """Append a row for each (task, example i, configuration in `todo(task, i)`) of this process's examples;
-    `examples` is (count, context length, seed)."""
+    `counts` maps each task to how many examples to draw, `drawn` is (context length, seed)."""
     from tqdm.auto import tqdm
 
     results_path = out / ("results.jsonl" if world == 1 else f"results.rank{rank}.jsonl")
     with results_path.open("a") as sink:
-        for task in tasks:
-            items = task_examples(task, tokenizer, *examples)
+        for task, count in counts.items():
+            items = task_examples(task, tokenizer, count, *drawn)
             mine = [(i, example) for i, example in enumerate(items) if i % world == rank]
             for i, example in tqdm(mine, desc=f"{task} [{rank}/{world}]", disable=not progress):
                 configs = todo(task, i)
@@ -200,7 +244,7 @@ def _measure(model, tokenizer, out: Path, tasks, todo, examples: tuple, query_aw
                     rows = _answer_rows(model, tokenizer, example, configs, ANSWER_TOKENS[task], query_aware,
                                         progress)  # fmt: skip
                 for row in rows:
-                    sink.write(json.dumps({"task": task, "example": i, **row}) + "\n")
+                    sink.write(json.dumps({"task": task, "example": i, "examples": count, **row}) + "\n")
                     sink.flush()
 
 
@@ -260,17 +304,9 @@ def _shard():
     return state.process_index, state.num_processes, state
 
 
-def _read_results(out: Path) -> list[dict]:
-    """Every result line under `out` (`results.jsonl` and the per-process `results.rank*.jsonl`)."""
-    rows = []
-    for path in sorted(out.glob("results*.jsonl")):
-        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return rows
-
-
 def write_summary(out: Path) -> list[dict]:
     """Aggregate `results.jsonl` into summary.json / summary.csv / table.md / plot.png."""
-    rows = _read_results(out)
+    rows = list(_current_rows(out).values())
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["task"], r["press"], r["ratio"]), []).append(r)
@@ -355,20 +391,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvpress sweep", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--model", default=None, help="packaged model name or local directory (default SmolLM2-135M)")
-    parser.add_argument("--presses", default="snapkv,adakv,sink-window,duo-attention,knorm,random,h2o")
-    parser.add_argument("--ratios", default="0,0.5,0.75,0.9")
-    parser.add_argument("--tasks", default=",".join(TASKS))
-    parser.add_argument("--examples", type=int, default=16)
-    parser.add_argument("--length", type=int, default=1024, help="context tokens per example")
-    parser.add_argument("--seed", type=int, default=0)
+    defaults = {"presses": "snapkv,adakv,sink-window,duo-attention,knorm,random,h2o", "ratios": "0,0.5,0.75,0.9",
+                "tasks": ",".join(TASKS), "examples": 16, "length": 1024, "seed": 0}  # fmt: skip
+    parser.add_argument("--presses", help=f"(default: {defaults['presses']})")
+    parser.add_argument("--ratios", help=f"(default: {defaults['ratios']})")
+    parser.add_argument("--tasks", help="(default: all)")
+    parser.add_argument("--examples", type=int, help="(default: 16)")
+    parser.add_argument("--length", type=int, help="context tokens per example (default: 1024)")
+    parser.add_argument("--seed", type=int, help="(default: 0)")
     parser.add_argument("--query-aware", action="store_true", help="prefill the question with the context")
     parser.add_argument("--out", required=True, help="output directory (resumed if it holds results)")
     parser.add_argument("--refresh", action="store_true",
-                        help="only re-measure the answers in --out that a longer answer budget could change, with "
-                             "its settings and model (the selection options are not used)")  # fmt: skip
+                        help="only re-measure the answers in --out that a changed answer budget could change, "
+                             "with its settings and model")  # fmt: skip
     args = parser.parse_args(argv)
+    chosen = [f"--{name.replace('_', '-')}" for name in (*defaults, "query_aware")
+              if getattr(args, name) is not None and getattr(args, name) is not False]  # fmt: skip
     if args.refresh:
+        if chosen:
+            print(f"kvpress sweep: --refresh takes --out and --model only, not {', '.join(chosen)}", file=sys.stderr)
+            return 2
         return _refresh(args)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     presses, tasks = args.presses.split(","), args.tasks.split(",")
     try:
         ratios = [float(r) for r in args.ratios.split(",")]

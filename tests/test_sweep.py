@@ -168,6 +168,7 @@ def test_fidelity_ranking_orders_presses_measured_everywhere_by_worst_cell(tmp_p
 
 
 def test_a_longer_answer_budget_re_measures_only_the_cut_answers(default_model, tmp_path, monkeypatch):
+    from kvpress.eval import sweep as sweep_module
     from kvpress.eval import tasks as task_module
     from kvpress.eval.sweep import refresh_sweep
 
@@ -175,7 +176,8 @@ def test_a_longer_answer_budget_re_measures_only_the_cut_answers(default_model, 
     monkeypatch.setitem(task_module.ANSWER_TOKENS, "needle_noise", 2)  # too short for a five-digit key
     kwargs = dict(ratios=[0, 0.5], tasks=["needle_noise"], out=tmp_path, examples=2, length=160, progress=False)
     run_sweep(model, tokenizer, ["snapkv", "sink-window"], **kwargs)
-    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    results = tmp_path / "results.jsonl"
+    lines = results.read_text().splitlines()
     old = {(r["example"], r["press"]): r for r in map(json.loads, lines)}
     assert len(old) == 6 and all(r["answer_tokens"] == 2 and r["cut"] and r["score"] == 0 for r in old.values())
     assert json.loads((tmp_path / "settings.json").read_text())["model"] == "smollm2-135m"
@@ -184,25 +186,45 @@ def test_a_longer_answer_budget_re_measures_only_the_cut_answers(default_model, 
     hook = model.register_forward_pre_hook(lambda m, a, k: fed.append(1), with_kwargs=True)
     try:
         run_sweep(model, tokenizer, ["snapkv"], **kwargs)  # asks for snapkv: sink-window's rows stay as they were
-        rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in results.read_text().splitlines()]
         assert len(rows) == 6 and len({(r["example"], r["press"]) for r in rows}) == 6
         budget = {(r["example"], r["press"]): r["answer_tokens"] for r in rows}
         assert sorted(budget.values()) == [2, 2, 12, 12, 12, 12]
-        assert all(budget[(i, "sink-window")] == 2 for i in (0, 1))
+        assert [line for line in results.read_text().splitlines() if '"sink-window"' in line] == [
+            line for line in lines if '"sink-window"' in line]  # fmt: skip
+        real = sweep_module.answer_ids_from_cache
+        calls = []
+
+        def interrupted(*args, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return real(*args, **kw)
+
+        monkeypatch.setattr(sweep_module, "answer_ids_from_cache", interrupted)
+        with pytest.raises(KeyboardInterrupt):  # one of the two stale rows re-measured, then stopped
+            refresh_sweep(model, tokenizer, tmp_path, progress=False)
+        keys = [(r["example"], r["press"]) for r in map(json.loads, results.read_text().splitlines())]
+        assert len(keys) == 7 and len(set(keys)) == 6  # nothing lost: the stale row stays until replaced
+        monkeypatch.setattr(sweep_module, "answer_ids_from_cache", real)
         summary = refresh_sweep(model, tokenizer, tmp_path, progress=False)  # the rest, with the sweep's settings
-        rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-        assert len(rows) == 6 and all(r["answer_tokens"] == 12 for r in rows)
+        rows = [json.loads(line) for line in results.read_text().splitlines()]
+        assert len(rows) == 6 and all(r["answer_tokens"] == 12 and r["examples"] == 2 for r in rows)
         for r in rows:  # greedy: the longer answer goes on from the shorter one
             assert r["answer"].startswith(old[(r["example"], r["press"])]["answer"])
         assert {(s["press"], s["ratio"]) for s in summary} == {("none", 0.0), ("snapkv", 0.5), ("sink-window", 0.5)}
         fed.clear()
         assert refresh_sweep(model, tokenizer, tmp_path, progress=False) == summary and fed == []
+        with pytest.raises(ValueError, match="holds a sweep with length=160, not 200: use another --out"):
+            run_sweep(model, tokenizer, ["snapkv"], **{**kwargs, "length": 200})
     finally:
         hook.remove()
 
 
-def test_which_rows_a_longer_budget_leaves_alone(default_model):
-    from kvpress.eval.sweep import is_final
+def test_which_rows_a_changed_budget_leaves_alone(default_model):
+    from types import SimpleNamespace
+
+    from kvpress.eval.sweep import _cut, is_final
     from kvpress.eval.tasks import SCORE_GROWS_WITH_TEXT, Example, task_examples
 
     for task in SCORE_GROWS_WITH_TEXT:  # the claim behind keeping their full scores: RULER's string-match-all
@@ -212,9 +234,16 @@ def test_which_rows_a_longer_budget_leaves_alone(default_model):
     assert is_final({**row, "cut": False})  # it ended on an end of sequence
     assert is_final({**row, "score": 1.0})
     assert is_final({**row, "answer_tokens": 32})
+    assert not is_final({**row, "answer_tokens": 64, "cut": False})  # the budget shrank below the answer's
     assert not is_final({**row, "task": "arithmetic", "score": 1.0})  # first-number scoring: more text can change it
     assert not is_final({k: v for k, v in row.items() if k not in ("cut", "answer_tokens")})  # measured before both
     assert is_final({"task": "perplexity", "score": 0.1, "ppl": 10.0})
+    for eos in (2, [2, 7]):
+        model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=eos))
+        assert _cut(torch.tensor([5, 6, 8]), 3, model)
+        assert not _cut(torch.tensor([5, 6, 2]), 3, model)  # the end of sequence came last
+        assert not _cut(torch.tensor([5, 2]), 3, model)
+    assert _cut(torch.tensor([5, 2]), 2, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None)))
 
 
 def test_refresh_refuses_a_directory_without_a_sweep_or_of_another_model(default_model, tmp_path, capsys):
@@ -222,6 +251,8 @@ def test_refresh_refuses_a_directory_without_a_sweep_or_of_another_model(default
 
     assert main(["--out", str(tmp_path), "--refresh"]) == 2
     assert "holds no sweep (no settings.json)" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path), "--refresh", "--seed", "0", "--tasks", "needle_noise"]) == 2
+    assert "--refresh takes --out and --model only, not --tasks, --seed" in capsys.readouterr().err
     (tmp_path / "settings.json").write_text(json.dumps({"model": "qwen2.5-0.5b", "examples": 1}))
     with pytest.raises(ValueError, match="measured with 'qwen2.5-0.5b', not 'smollm2-135m'"):
         refresh_sweep(*default_model, tmp_path)
