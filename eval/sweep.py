@@ -87,7 +87,7 @@ def run_sweep(
     progress: bool = True,
 ) -> list[dict]:
     """Run (or resume) a sweep and write its files; returns the summary rows. Rows of these tasks and
-    configurations that a longer answer budget could change (see `refresh_sweep`) are measured again."""
+    configurations that a changed answer budget could change (`is_final`) are measured again."""
     configs = configurations(presses, ratios)
     check_tasks(tasks)
     chunked = [task for task in tasks if task not in ANSWER_TOKENS]  # the perplexity tasks: no answer
