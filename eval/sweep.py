@@ -396,9 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--presses", help=f"(default: {defaults['presses']})")
     parser.add_argument("--ratios", help=f"(default: {defaults['ratios']})")
     parser.add_argument("--tasks", help="(default: all)")
-    parser.add_argument("--examples", type=int, help="(default: 16)")
-    parser.add_argument("--length", type=int, help="context tokens per example (default: 1024)")
-    parser.add_argument("--seed", type=int, help="(default: 0)")
+    parser.add_argument("--examples", type=int, help=f"(default: {defaults['examples']})")
+    parser.add_argument("--length", type=int, help=f"context tokens per example (default: {defaults['length']})")
+    parser.add_argument("--seed", type=int, help=f"(default: {defaults['seed']})")
     parser.add_argument("--query-aware", action="store_true", help="prefill the question with the context")
     parser.add_argument("--out", required=True, help="output directory (resumed if it holds results)")
     parser.add_argument("--refresh", action="store_true",
