@@ -27,8 +27,12 @@ from pathlib import Path
 import torch
 
 import kvpress
+from kvpress.engine import observe
 from kvpress.eval.tasks.chat_recall import ChatExample, chat_recall_examples
-from kvpress.presses.round import choose_watershed
+from kvpress.observation import Observation
+from kvpress.patches import model_access
+from kvpress.presses.round import choose_watershed, round_relevance
+from kvpress.recording import QueryRecorder
 
 OUT = Path(__file__).parent / "results"
 
@@ -118,9 +122,6 @@ def bench(model, tokenizer, examples: list[ChatExample], top_k: int) -> dict:
 def watershed(model, tokenizer, examples: list[ChatExample]) -> list[float]:
     """Per layer: the fraction of examples where the question's round-level attention ranks the asked
     fact's round first among the past rounds (full cache, every round present)."""
-    from kvpress.patches import model_access
-    from kvpress.presses.base import Observation
-    from kvpress.recording import _Recorder
 
     n_layers = model_access.text_config(model).num_hidden_layers
     hits = [0] * n_layers
@@ -130,16 +131,16 @@ def watershed(model, tokenizer, examples: list[ChatExample]) -> list[float]:
             session.send(user, reply=reply)
         spans = session.round_spans()[:-1]
         messages = session.messages + [{"role": "user", "content": example.question}]
-        new = session._new_tokens(messages)
+        new = session.new_tokens(messages)
         queries = session.user_text_span(messages, new)
         ids = torch.tensor([new])
-        recorder = _Recorder(compression_ratio=0.0)
-        with recorder(model):
+        recorder = QueryRecorder()
+        with observe(model, recorder):
             model(input_ids=ids, cache=session.cache, use_cache=True, logits_to_keep=1)
         for idx, (module, query) in recorder.queries.items():
             layer = session.cache.layers[idx]
             obs = Observation(module, query, layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n], layer)
-            relevance = kvpress.RoundPress._relevance(obs, spans, queries)
+            relevance = round_relevance(obs, spans, queries)
             hits[idx] += int(max(range(len(spans)), key=relevance.__getitem__) == example.fact_round)
     return [h / len(examples) for h in hits]
 

@@ -25,8 +25,8 @@ import torch
 from transformers import DynamicCache
 
 import kvpress
+from kvpress.engine import maybe_installed
 from kvpress.patches.model_access import attention_modules
-from kvpress.presses.base import maybe_installed
 from kvpress.recording import record_prefill
 
 PRESSES = ("snapkv", "h2o", "sink-window", "knorm", "random", "adakv", "duo-attention")

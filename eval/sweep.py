@@ -50,6 +50,7 @@ import kvpress
 from kvpress.eval.memory import full_cache_bytes, peak_memory, reset_cuda_peak
 from kvpress.eval.tasks import ANSWER_TOKENS, SCORE_GROWS_WITH_TEXT, TASKS, Document, task_examples
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
+from kvpress.models import PACKAGED_MODELS, cache_dir
 from kvpress.pipeline import answer_ids_from_cache, split_prompt
 from kvpress.presses import parse_press_spec
 from kvpress.recording import compress_recording, record_prefill
@@ -159,8 +160,6 @@ def refresh_sweep(model: nn.Module, tokenizer, out: str | Path, progress: bool =
 
 def model_name(model: nn.Module) -> str:
     """How `kvpress.load_model` names the model: a packaged model's name (e.g. smollm2-135m), else its path."""
-    from kvpress.models import PACKAGED_MODELS, cache_dir
-
     path = Path(getattr(model.config, "name_or_path", "") or "unnamed")
     return path.name if path.name in PACKAGED_MODELS and path.parent == cache_dir() else str(path)
 

@@ -7,10 +7,10 @@
 Importing kvpress patches nothing; entering a press does, and leaving it restores the model.
 """
 
-from kvpress.cache import PressedLayer, cache_bytes
 from kvpress.chat import ChatSession, Round
-from kvpress.head_cache import HeadwiseLayer
 from kvpress.models import load_model
+from kvpress.patches.cache import PressedLayer, cache_bytes
+from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.pipeline import generate
 from kvpress.presses import (
     DEFAULT_PRESS,

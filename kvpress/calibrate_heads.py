@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kvpress.engine import observe
+from kvpress.observation import Observation
 from kvpress.patterns import config_hash
-from kvpress.presses.base import BasePress, Observation
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 METHOD = "attention mass on the needle's digits from the queries that copy them (passkey prompts)"
@@ -46,14 +47,14 @@ def passkey_prompt(tokenizer, rng: random.Random, length: int) -> tuple[torch.Te
 
 
 @dataclass
-class _Probe(BasePress):
-    """Evicts nothing (ratio 0); records each KV head's attention mass on a span of the context."""
+class _Probe:
+    """An observer (`kvpress.engine.observe`): each KV head's attention mass on a span of the context."""
 
     span: tuple[int, int] = (0, 0)
     answer: int = 1
     mass: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def observe(self, obs: Observation) -> None:
+    def __call__(self, obs: Observation) -> None:
         stop = obs.q_len - 1  # queries from the last prompt token to the one before the last answer token
         probs = obs.attention_probs(stop - self.answer, stop)  # [B, Hkv, g, w, m]
         mass = probs[..., self.span[0] : self.span[1]].sum(-1).mean(dim=(0, 2, 3)).cpu()
@@ -70,12 +71,12 @@ def calibrate_heads(
     from tqdm.auto import tqdm
 
     rng = random.Random(seed)
-    probe = _Probe(compression_ratio=0.0)
+    probe = _Probe()
     correct = 0
     for _ in tqdm(range(examples), desc="calibrate-heads", disable=not progress):
         ids, probe.span, probe.answer = passkey_prompt(tokenizer, rng, length)
         ids = ids.to(model.device)
-        with probe(model):
+        with observe(model, probe):
             logits = model(ids, use_cache=True).logits
         predicted = logits[0, -probe.answer - 1 : -1].argmax(-1)
         correct += bool((predicted == ids[0, -probe.answer :]).all())

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from kvpress.engine import maybe_installed
 from kvpress.pipeline import pad_token_id
-from kvpress.presses.base import BasePress, maybe_installed
+from kvpress.presses.base import BasePress
 from kvpress.presses.round import RoundPress
 from kvpress.round_store import RoundStore
 
@@ -53,7 +54,7 @@ class ChatSession:
     def _render(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def _new_tokens(self, messages: list[dict]) -> list[int]:
+    def new_tokens(self, messages: list[dict]) -> list[int]:
         """Ids of what the template adds after the cached history (append-only templates only)."""
         text = self._render(messages)
         if not text.startswith(self._rendered):
@@ -74,7 +75,7 @@ class ChatSession:
     def user_text_span(self, messages: list[dict], new: list[int]) -> tuple[int, int]:
         """Where, among the `new` tokens of a turn, the last user message's own text lies (the template's
         headers around it excluded): the tokens two renderings with different texts do not share."""
-        a, b = (self._new_tokens(messages[:-1] + [{"role": "user", "content": t}]) for t in ("1", "2"))
+        a, b = (self.new_tokens(messages[:-1] + [{"role": "user", "content": t}]) for t in ("1", "2"))
         head, tail = _first_difference(a, b), _first_difference(a[::-1], b[::-1])
         return head, max(head + 1, len(new) - tail)
 
@@ -116,7 +117,7 @@ class ChatSession:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         messages = self.messages + [{"role": "user", "content": text}]
-        new = self._new_tokens(messages)
+        new = self.new_tokens(messages)
         reply_ids, with_reply = self._reply_tokens(messages, reply) if reply is not None else ([], "")
         total = len(self._ids) + len(new) + (len(reply_ids) if reply is not None else max_new_tokens)
         limit = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)

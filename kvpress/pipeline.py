@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers import DynamicCache
 
-from kvpress.presses.base import BasePress, maybe_installed
+from kvpress.engine import maybe_installed
+from kvpress.presses.base import BasePress
 from kvpress.recording import compress_recording, record_prefill
 
 

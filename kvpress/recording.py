@@ -16,16 +16,19 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from kvpress.presses.base import BasePress, Observation
+from kvpress.engine import evict, observe
+from kvpress.observation import Observation
+from kvpress.presses.base import BasePress
 
 
-@dataclass
-class _Recorder(BasePress):
-    """Evicts nothing (ratio 0); keeps each layer's attention module and queries of the prefill."""
+class QueryRecorder:
+    """An observer (`kvpress.engine.observe`) that keeps each layer's attention module and the queries of the
+    forwards it sees (the latest forward's per layer)."""
 
-    queries: dict[int, tuple[nn.Module, torch.Tensor]] = field(default_factory=dict)
+    def __init__(self) -> None:
+        self.queries: dict[int, tuple[nn.Module, torch.Tensor]] = {}
 
-    def observe(self, obs: Observation) -> None:
+    def __call__(self, obs: Observation) -> None:
         self.queries[obs.layer_idx] = (obs.module, obs.query)
 
 
@@ -54,9 +57,9 @@ def record_prefill(
 ) -> Recording:
     """Prefill `ids` into `cache` (a new one by default) with nothing evicted, recording the queries
     (`next_ids`: the prompt tokens that follow, see `Recording`)."""
-    recorder = _Recorder(compression_ratio=0.0)
+    recorder = QueryRecorder()
     cache = DynamicCache(config=model.config) if cache is None else cache
-    with recorder(model):
+    with observe(model, recorder):
         model(ids, cache=cache, use_cache=True)
     return Recording(cache, recorder.queries, ids, next_ids)
 
@@ -76,7 +79,7 @@ def compress_recording(
     for idx, (module, query) in recording.queries.items():
         layer = cache.layers[idx]
         obs = Observation(module, query, layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n], layer)
-        replacement = press.after_attention(obs, None)
+        replacement = evict(press, obs)  # what the live intercept calls after this layer's attention
         if replacement is not None:  # a head-wise press moved the layer to per-head storage
             cache.layers[idx] = replacement
     return cache

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpress.cache import tensor_bytes
+from kvpress.patches.cache import tensor_bytes
 
 
 class RoundStore:

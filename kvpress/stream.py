@@ -7,13 +7,14 @@ can be followed over millions of tokens with the memory of a few thousand.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from kvpress.presses.base import BasePress, maybe_installed
+from kvpress.presses.base import BasePress
 
 
 def stream_ids(tokenizer, text_or_ids) -> torch.Tensor:
@@ -76,11 +77,19 @@ def stream(
 
         bar = tqdm(total=ids.numel(), unit="tok", desc=f"stream {type(press).__name__ if press else 'full'}")
 
+    installation = press(model) if press is not None else None
+
+    def forward(piece: torch.Tensor) -> torch.Tensor:
+        # the press is active only during this generator's own forwards: while it is suspended at a `yield`,
+        # the caller's code (and its forwards on the same model) runs without the press
+        with installation.activated() if installation is not None else contextlib.nullcontext():
+            return model(piece[None], cache=cache, use_cache=True).logits[0].float()
+
     def chunks() -> Iterator[torch.Tensor]:
         previous = None  # logits of the last token of the previous chunk
         for start in range(0, ids.numel(), chunk):
             piece = ids[start : start + chunk]
-            logits = model(piece[None], cache=cache, use_cache=True).logits[0].float()
+            logits = forward(piece)
             if previous is not None:
                 logits_for = torch.cat([previous[None], logits[:-1]])
                 targets = piece
@@ -92,7 +101,7 @@ def stream(
             yield F.cross_entropy(logits_for, targets, reduction="none")
 
     try:
-        with maybe_installed(press, model):
+        with installation.installed() if installation is not None else contextlib.nullcontext():
             yield from chunks()
     finally:
         if bar is not None:

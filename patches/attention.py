@@ -15,7 +15,7 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from kvpress.cache import PressedLayer
+from kvpress.patches.cache import PressedLayer
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpress.head_cache import HeadwiseLayer
+from kvpress.patches.head_cache import HeadwiseLayer
 
 
 def headwise_attention(module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> torch.Tensor:

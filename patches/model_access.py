@@ -92,3 +92,23 @@ def layer_types(model: nn.Module) -> list[str]:
 
 def has_sliding_layers(model: nn.Module) -> bool:
     return any(t != "full_attention" for t in layer_types(model))
+
+
+def attention_scaling(module: nn.Module) -> float:
+    """The factor an attention module multiplies its query-key products by."""
+    return float(module.scaling)
+
+
+def logit_softcap(module: nn.Module) -> float | None:
+    """The tanh cap an attention module applies to its logits (Gemma's `attn_logit_softcapping`), or None."""
+    return getattr(module, "attn_logit_softcapping", None) or None
+
+
+def layer_index(module: nn.Module) -> int:
+    """The decoder layer an attention module belongs to."""
+    return module.layer_idx
+
+
+def layer_count(module: nn.Module) -> int:
+    """Decoder layers of the model an attention module belongs to."""
+    return module.config.num_hidden_layers

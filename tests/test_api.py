@@ -80,7 +80,7 @@ def test_unknown_press_name():
 
 
 def test_press_requires_a_press():
-    from kvpress.patches.install import PressInstallation
+    from kvpress.engine import PressInstallation
     from tiny import tiny_model
 
     with pytest.raises(TypeError, match="press must be a kvpress press"):

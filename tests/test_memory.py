@@ -13,7 +13,7 @@ from kvpress import (
     SnapKVPress,
     cache_bytes,
 )
-from kvpress.cache import tensor_bytes
+from kvpress.patches.cache import tensor_bytes
 from tiny import prompt, tiny_model
 
 WINDOW = 16

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvpress
-from kvpress.cache import PressedLayer
+from kvpress.patches.cache import PressedLayer
 
 TURNS = [
     ("My locker code is 48213. Please remember it.", "Sure, I will remember your locker code."),
@@ -170,7 +170,7 @@ def test_the_user_text_span_excludes_the_template(default_model):
     session = kvpress.ChatSession(model, tokenizer, system="Be brief.")
     for text in ("What is my locker code?", "Hello you"):
         messages = session.messages + [{"role": "user", "content": text}]
-        new = session._new_tokens(messages)
+        new = session.new_tokens(messages)
         start, stop = session.user_text_span(messages, new)
         assert tokenizer.decode(new[start:stop]) == text
         session.send(text, reply="Noted.")

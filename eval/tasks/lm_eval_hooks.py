@@ -6,19 +6,18 @@ lm-eval loads this file by path, so it imports the generators through the instal
 
 from __future__ import annotations
 
+from transformers import AutoTokenizer
+
 from kvpress.eval.tasks import Document, Example, task_examples
 from kvpress.eval.tasks.arithmetic import first_number_score
 from kvpress.eval.tasks.chat_recall import whole_number_score
 from kvpress.eval.tasks.common_words import top_words_score
+from kvpress.models import resolve_model_path
 
 
 def _tokenizer(kwargs: dict):
     """The tokenizer named by the task metadata (lm-eval merges `model_args` into it): `tokenizer` or
     `pretrained`, where "default" or a packaged name resolves offline through kvpress."""
-    from transformers import AutoTokenizer
-
-    from kvpress.models import resolve_model_path
-
     name = kwargs.get("tokenizer") or kwargs.get("pretrained") or "default"
     if not isinstance(name, str):
         return name  # a tokenizer object passed in the metadata

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvpress.head_cache import HeadwiseLayer
+from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.head_budget import HeadwisePress, allocate, head_observation
 from kvpress.presses.wrapping import WrapsPress

@@ -1,14 +1,14 @@
 """The press API: a press decides, per layer and KV head, which cached tokens stay.
 
 A press is a dataclass with a budget (`compression_ratio` or `max_tokens`) and a `score()`:
-higher scores stay. `with press(model):` installs it; after each attention call the installed
-intercept hands the press an `Observation`, and when a row holds more real tokens than its
-budget the press scores the held slots and the layer evicts the lowest (freeing their storage).
+higher scores stay. `with press(model):` installs it; after each attention call the engine
+(`kvpress.engine.evict`) hands the press an `Observation`, and when a row holds more real tokens than
+its budget it ranks the held slots by the press's scores and the layer evicts the lowest (freeing
+their storage).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -16,54 +16,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from kvpress.cache import PressedLayer
-
-
-@dataclass
-class Observation:
-    """What a press sees after one attention call of one layer."""
-
-    module: nn.Module
-    query: torch.Tensor  # [B, Hq, q, D] post-RoPE queries of this forward
-    keys: torch.Tensor  # [B, Hkv, n, D] every held key, the q new ones last
-    values: torch.Tensor  # [B, Hkv, n, Dv]
-    layer: PressedLayer
-
-    @property
-    def q_len(self) -> int:
-        return self.query.shape[2]
-
-    @property
-    def layer_idx(self) -> int:
-        return self.module.layer_idx
-
-    def attention_probs(self, start: int, stop: int) -> torch.Tensor:
-        """Softmax attention of the new queries `start:stop` over the slots they can see, fp32.
-
-        Returns `[B, Hkv, g, w, m]`: the query heads grouped by the KV head they share (GQA), and the
-        first `m = n_old + stop` slots (later new tokens are in these queries' future). Masked like the
-        real attention: padding and holes excluded, causal among the new tokens.
-        """
-        b, hq, _, d = self.query.shape
-        hkv = self.keys.shape[1]
-        g, w = hq // hkv, stop - start
-        n_old = self.keys.shape[2] - self.q_len
-        m = n_old + stop
-        q = self.query[:, :, start:stop].reshape(b, hkv, g * w, d).float() * float(self.module.scaling)
-        logits = q @ self.keys[:, :, :m].float().transpose(-1, -2)
-        softcap = getattr(self.module, "attn_logit_softcapping", None)
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        logits = logits.view(b, hkv, g, w, m)
-        valid = self.layer.valid
-        if w > 1 or valid is not None:
-            slot = torch.arange(m, device=logits.device)
-            query_slot = n_old + torch.arange(start, stop, device=logits.device)[:, None]
-            visible = slot <= query_slot  # [w, m], causal
-            if valid is not None:
-                visible = visible & valid[:, :, None, None, :m] | (slot == query_slot)
-            logits.masked_fill_(~visible, float("-inf"))
-        return logits.softmax(dim=-1)
+from kvpress.engine import Installable
+from kvpress.observation import Observation
+from kvpress.patches.cache import PressedLayer
 
 
 def _check_ratio(value: float | None) -> None:
@@ -83,13 +38,8 @@ def scaled_to_peak(scores: torch.Tensor, valid: torch.Tensor | None = None) -> t
     return scores / peak.clamp_min(torch.finfo(scores.dtype).tiny)
 
 
-def maybe_installed(press: BasePress | None, model: nn.Module):
-    """`press(model)` as a context, or a context that does nothing when `press` is None."""
-    return contextlib.nullcontext() if press is None else press(model)
-
-
 @dataclass
-class BasePress:
+class BasePress(Installable):
     """Base of every press.
 
     Parameters:
@@ -211,39 +161,3 @@ class BasePress:
         pos = layer.pos
         recent_start = layer.real_seen - torch.as_tensor(self.recent_count(budgets), device=pos.device)
         return (pos < self.sink_count()) | (pos >= recent_start[:, None, None])
-
-    # ----- eviction ---------------------------------------------------------------------------------
-    def after_attention(self, obs: Observation, rerank=None) -> None:
-        """Observe, then evict what exceeds each row's budget. `rerank` re-rotates keys (rerotate=True)."""
-        self.observe(obs)
-        layer = obs.layer
-        scale = self.layer_scale(obs.layer_idx, obs.module.config.num_hidden_layers)
-        if not layer.padded:  # every row holds n of `seen` tokens: decide on one row, cheaply
-            if layer.n <= self._budget_of(layer.seen, scale):
-                return
-            budget = self.budget(torch.tensor([layer.seen]), scale)
-            held = torch.full_like(budget, layer.n)
-        else:
-            held, budget = layer.held(), self.budget(layer.real_seen, scale)
-            if not bool((held > budget).any()):
-                return
-        keep = torch.where(held > budget, self.target(budget, obs.q_len), held)
-        scores = self.ranked_scores(obs, budget)
-        k = int(keep.max())
-        if layer.valid is None and not layer.padded and k == layer.n - 1:
-            layer.remove_one(scores.argmin(dim=-1))  # one slot per head, overwritten in place
-        else:
-            index, order = scores.topk(k, dim=-1).indices.sort(dim=-1)
-            ranked = None
-            if layer.padded:
-                ranked = torch.arange(k, device=index.device) < keep.to(index.device)[:, None, None]
-                ranked = ranked.expand_as(index).gather(-1, order)
-            layer.keep(index, ranked, capacity=int(budget.max()))
-        if rerank is not None:
-            rerank(layer)
-
-    def __call__(self, model: nn.Module):
-        """`with press(model):` installs the press; the model is restored on exit, even on error."""
-        from kvpress.patches.install import PressInstallation
-
-        return PressInstallation(model, self)

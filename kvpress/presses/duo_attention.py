@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvpress.head_cache import HeadwiseLayer
 from kvpress.patches import model_access
+from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.patterns import check_pattern, find_pattern, load_pattern
 from kvpress.presses.base import Observation, _check_ratio
 from kvpress.presses.head_budget import HeadwisePress
@@ -111,12 +111,10 @@ class DuoAttentionPress(HeadwisePress):
             return None
         return keep
 
-    def after_attention(self, obs: Observation, rerank=None) -> HeadwiseLayer | None:
-        new = super().after_attention(obs, rerank)
-        if new is not None:  # streaming heads stay bounded from now on; -1: a retrieval head
-            retrieval = self._retrieval(obs.layer_idx, obs.layer.real_seen)
-            new.head_budget = torch.where(retrieval, -1, self.n_sink + self.window)
-        return new
+    def head_budgets(self, obs: Observation) -> torch.Tensor:
+        """Streaming heads stay bounded from now on; -1: a retrieval head."""
+        retrieval = self._retrieval(obs.layer_idx, obs.layer.real_seen)
+        return torch.where(retrieval, -1, self.n_sink + self.window)
 
     def _retrieval(self, layer_idx: int, real_seen: torch.Tensor) -> torch.Tensor:
         """`[B, H]` True for the retrieval heads of layer `layer_idx`."""

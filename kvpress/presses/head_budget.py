@@ -1,23 +1,27 @@
 """Head-wise presses: each KV head keeps its own number of tokens, in storage of its own size.
 
 A `HeadwisePress` decides, for a dense layer over budget, a keep mask per (row, KV head)
-(`select`); the layer is then replaced by a `HeadwiseLayer` holding exactly the kept slots of each
-head. Afterwards every forward appends to every head and `evict_heads` trims heads over budget.
+(`select`); the engine then replaces the layer by a `HeadwiseLayer` holding exactly the kept slots of
+each head. Afterwards every forward appends to every head and `evict_heads` trims heads over budget.
 """
 
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from kvpress.head_cache import HeadwiseLayer
-from kvpress.presses.base import BasePress, Observation
+from kvpress.observation import Observation
+from kvpress.patches.head_cache import HeadwiseLayer
+from kvpress.presses.base import BasePress
 
 
 class HeadwisePress(BasePress):
     """Base of presses whose budgets differ per KV head (subclasses define `select` and `evict_heads`)."""
+
+    per_head: ClassVar[bool] = True
 
     def select(self, obs: Observation) -> torch.Tensor | None:
         """`[B, H, n]` bool: the slots each (row, KV head) keeps; None when nothing is evicted."""
@@ -27,20 +31,9 @@ class HeadwisePress(BasePress):
         """Trim the heads of `layer` that exceed their budget after a forward appended `query`'s tokens."""
         raise NotImplementedError
 
-    def after_attention(self, obs: Observation, rerank=None) -> HeadwiseLayer | None:
-        """Observe; when some row is over budget, return the head-wise layer that replaces `obs.layer`."""
-        if rerank is not None:
-            raise ValueError(f"{type(self).__name__} gives heads different budgets: rerotate is not supported")
-        self.observe(obs)
-        keep = self.select(obs)
-        if keep is None:
-            return None
-        layer = obs.layer
-        if layer.valid is not None:
-            keep = keep & layer.valid
-        new = HeadwiseLayer.from_dense(layer, keep)
-        new.made_by = type(self).__name__  # only this press can continue the layer
-        return new
+    def head_budgets(self, obs: Observation) -> torch.Tensor | None:
+        """`[B, H]` a budget each head of the new head-wise layer keeps to afterwards (-1: none), or None."""
+        return None
 
     def observe_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
         """Per-head `observe` for presses that accumulate state over a head-wise layer (default: none)."""

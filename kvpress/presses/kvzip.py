@@ -17,7 +17,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from kvpress.cache import scratch
+from kvpress.engine import observe
+from kvpress.patches.cache import scratch
 from kvpress.presses.base import BasePress, Observation, scaled_to_peak
 from kvpress.presses.prepared import PromptAttention, check_prepared
 
@@ -168,9 +169,9 @@ def reconstruction_scores(
                 f"reconstruction scores need the whole context cached ({n} tokens, no padding, nothing evicted); "
                 f"layer {idx} holds {getattr(layer, 'n', '?')} of {getattr(layer, 'seen', '?')} tokens"
             )
-    observer = PromptAttention(compression_ratio=0.0, n_prompt=n)
+    observer = PromptAttention(n_prompt=n)
     prompt = prompt_ids.expand(context_ids.shape[0], -1)
-    with observer(model):
+    with observe(model, observer):
         for start in range(0, n, chunk_size):
             ids = torch.cat([prompt, context_ids[:, max(0, start - LEAD_IN) : start + chunk_size]], dim=-1)
             with scratch(cache):

@@ -21,7 +21,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from kvpress.cache import scratch
+from kvpress.engine import observe
+from kvpress.patches.cache import scratch
 from kvpress.presses.base import Observation
 from kvpress.presses.prepared import PromptAttention, check_prepared
 from kvpress.presses.snapkv import SnapKVPress, pool_by_position
@@ -92,11 +93,11 @@ def draft_attention(model: nn.Module, recording, steps: int, tokenizer=None) -> 
     """Feed `recording.next_ids`, then up to `steps` greedy tokens, over the recorded cache (which drops them
     after: no copy); per compressible layer, the attention those queries paid the recorded tokens, summed
     (`PromptAttention.sums`)."""
-    observer = PromptAttention(compression_ratio=0.0, n_prompt=recording.tokens)
+    observer = PromptAttention(n_prompt=recording.tokens)
     eos = tokenizer.eos_token_id if tokenizer is not None else model.config.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
     fed = recording.next_ids
-    with observer(model), scratch(recording.cache) as work:
+    with observe(model, observer), scratch(recording.cache) as work:
         for step in range(steps + 1):
             logits = model(fed, cache=work, use_cache=True, logits_to_keep=1).logits[:, -1]
             fed = logits.argmax(dim=-1, keepdim=True)

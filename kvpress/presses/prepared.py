@@ -7,20 +7,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpress.presses.base import BasePress, Observation
+from kvpress.observation import Observation
+from kvpress.presses.base import BasePress
 
 
 @dataclass
-class PromptAttention(BasePress):
-    """Evicts nothing; per compressible layer, the attention the queries fed while it is installed pay each
-    of the first `n_prompt` slots, over the query heads of each KV group: the largest (`peaks`,
-    `[B, Hkv, n_prompt]`) and the sum with the number of (query, head) pairs that paid it (`sums`)."""
+class PromptAttention:
+    """An observer (`kvpress.engine.observe`): per compressible layer, the attention the queries fed while it
+    observes pay each of the first `n_prompt` slots, over the query heads of each KV group: the largest
+    (`peaks`, `[B, Hkv, n_prompt]`) and the sum with the number of (query, head) pairs that paid it (`sums`)."""
 
-    n_prompt: int = 0
+    n_prompt: int
     peaks: dict[int, torch.Tensor] = field(default_factory=dict)
     sums: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
-    def observe(self, obs: Observation) -> None:
+    def __call__(self, obs: Observation) -> None:
         probs = obs.attention_probs(0, obs.q_len)[..., : self.n_prompt]  # [B, Hkv, g, q, n_prompt]
         peak, total, count = probs.amax(dim=(2, 3)), probs.sum(dim=(2, 3)), probs.shape[2] * probs.shape[3]
         if obs.layer_idx in self.peaks:

@@ -37,7 +37,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kvpress.cache import PressedLayer
+from kvpress.engine import evict
+from kvpress.patches import model_access
+from kvpress.patches.cache import PressedLayer
+from kvpress.patterns import config_hash
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.head_budget import HeadwisePress
 from kvpress.round_store import RoundStore
@@ -62,9 +65,6 @@ def choose_watershed(rates: list[float], tolerance: float = 0.9) -> int:
 
 def auto_watershed(model: nn.Module) -> int:
     """The measured watershed of `model` (`MEASURED_WATERSHEDS`), else a quarter of its depth."""
-    from kvpress.patches import model_access
-    from kvpress.patterns import config_hash
-
     n_layers = model_access.text_config(model).num_hidden_layers
     return MEASURED_WATERSHEDS.get(config_hash(model), n_layers // 4)
 
@@ -123,8 +123,6 @@ class RoundPress(BasePress):
 
     # ----- set-up ------------------------------------------------------------------------------------
     def check_model(self, model: nn.Module) -> None:
-        from kvpress.patches import model_access
-
         types = model_access.layer_types(model)
         n_layers = len(types)
         full = [i for i, kind in enumerate(types) if kind == "full_attention"]
@@ -170,7 +168,7 @@ class RoundPress(BasePress):
         self._queries = {}
 
     # ----- during the turn's forwards -------------------------------------------------------------------
-    def after_attention(self, obs: Observation, rerank=None) -> None:
+    def observe(self, obs: Observation) -> None:
         turn = self._turn
         if turn is None:
             raise RuntimeError("RoundPress needs round boundaries: use it through kvpress.ChatSession(press=...)")
@@ -192,7 +190,7 @@ class RoundPress(BasePress):
                  if i > self.watershed and isinstance(layer, PressedLayer) and layer.n}  # fmt: skip
         if not candidates or not upper:
             return
-        self.relevance = self._relevance(obs, [turn.rounds[r] for r in candidates], turn.queries)
+        self.relevance = round_relevance(obs, [turn.rounds[r] for r in candidates], turn.queries)
         available = [r for r in candidates if all(_holds(layer, turn.rounds[r]) or (
             turn.store is not None and (i, r) in turn.store) for i, layer in upper.items())]  # fmt: skip
         self.selected = sorted(sorted(available, key=lambda r: -self.relevance[r])[: self.top_k_rounds])
@@ -207,18 +205,6 @@ class RoundPress(BasePress):
                 if not _holds(layer, turn.rounds[r]):
                     layer.insert(turn.store.get(i, r))
 
-    @staticmethod
-    def _relevance(obs: Observation, spans: list[tuple[int, int]], queries: tuple[int, int]) -> list[float]:
-        """Round-level attention of the user's text: for each query head, the attention of the new tokens
-        `queries` (start, stop), averaged over them, summed over each span's slots; the max over heads.
-        (Measured on chats: the user's text and the max over heads find the asked round; the template's
-        headers and the mean over heads lean to recent rounds.)"""
-        n_old = obs.keys.shape[2] - obs.q_len
-        start, stop = max(0, min(queries[0], obs.q_len - 1)), max(1, min(queries[1], obs.q_len))
-        probs = obs.attention_probs(start, stop)[0, ..., :n_old].mean(dim=2).flatten(0, 1)  # [heads, n_old]
-        pos = obs.layer.pos[0, 0, :n_old]
-        return [float(probs[:, (pos >= first) & (pos < end)].sum(-1).max()) for first, end in spans]
-
     def _compress_round(self, layer_idx: int, layer: PressedLayer, span: tuple[int, int]) -> None:
         """Apply `inner` to the round's slots alone, as a prefill of that round, with its last queries."""
         chosen = _in_span(layer, span)
@@ -227,7 +213,7 @@ class RoundPress(BasePress):
         alone.update(part["keys"], part["values"])  # positions 0..n-1 within the round
         module, query = self._queries[layer_idx]
         query = query[:, :, -alone.n :]
-        self.inner.after_attention(Observation(module, query, alone.keys, alone.values, alone))
+        evict(self.inner, Observation(module, query, alone.keys, alone.values, alone))
         if alone.n == part["keys"].shape[2]:
             return
         kept = {"keys": alone.keys[:, :, : alone.n], "values": alone.values[:, :, : alone.n],
@@ -243,3 +229,15 @@ def _in_span(layer: PressedLayer, span: tuple[int, int]) -> torch.Tensor:
 
 def _holds(layer: PressedLayer, span: tuple[int, int]) -> bool:
     return bool(_in_span(layer, span).any())
+
+
+def round_relevance(obs: Observation, spans: list[tuple[int, int]], queries: tuple[int, int]) -> list[float]:
+    """Round-level attention of the user's text: for each query head, the attention of the new tokens
+    `queries` (start, stop), averaged over them, summed over each span's slots; the max over heads.
+    (Measured on chats: the user's text and the max over heads find the asked round; the template's
+    headers and the mean over heads lean to recent rounds.)"""
+    n_old = obs.keys.shape[2] - obs.q_len
+    start, stop = max(0, min(queries[0], obs.q_len - 1)), max(1, min(queries[1], obs.q_len))
+    probs = obs.attention_probs(start, stop)[0, ..., :n_old].mean(dim=2).flatten(0, 1)  # [heads, n_old]
+    pos = obs.layer.pos[0, 0, :n_old]
+    return [float(probs[:, (pos >= first) & (pos < end)].sum(-1).max()) for first, end in spans]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpress.cache import PressedLayer
+from kvpress.patches.cache import PressedLayer
 from kvpress.presses.base import BasePress, Observation
 
 

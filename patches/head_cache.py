@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvpress.cache import PressedLayer
+from kvpress.patches.cache import PressedLayer
 
 
 class HeadwiseLayer(DynamicLayer):

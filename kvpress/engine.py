@@ -1,0 +1,238 @@
+"""The engine: the one place that applies a press to a cache layer, live or recorded.
+
+    with press(model):            # PressInstallation: checks the press for the model, installs the intercept
+        model.generate(...)       # after each layer's attention: evict(press, observation)
+
+`evict` is the only code that decides which slots a layer loses: the live path (the intercept calls
+`PressInstallation.after_attention`) and the recorded path (`kvpress.recording.compress_recording`) both
+call it. Observers (recordings, calibration probes, KVzip's reconstruction pass) see every observation
+through `observe(model, *observers)` and evict nothing. The transformers side (hooks, masks, cache layer
+classes) is `kvpress.patches`; this module decides, the intercept executes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from kvpress.observation import Observation
+from kvpress.patches import model_access, rope
+from kvpress.patches.cache import PressedLayer
+from kvpress.patches.head_cache import HeadwiseLayer
+from kvpress.patches.intercept import Intercept, cache_positions, new_tokens
+
+Observer = Callable[[Observation], None]
+
+
+class Installable:
+    """What makes a press usable as `with press(model):` (the base of `BasePress`).
+
+    `per_head`: the press gives each KV head its own budget, so a layer it compresses moves to per-head
+    storage (`HeadwiseLayer`); its `select(obs)` returns the `[B, H, n]` slots each head keeps.
+    """
+
+    per_head: ClassVar[bool] = False
+
+    def __call__(self, model: nn.Module) -> PressInstallation:
+        """`with press(model):` installs the press for the caller; the model is restored on exit, even on error."""
+        return PressInstallation(model, self)
+
+
+class PressInstallation:
+    """The context `with press(model):` returns: the press (and any observers) applied to the forwards of
+    the caller inside the block. `frozen()` pauses eviction; `installed()` + `activated()` split entering in
+    two, for generators that must not leave the press active while they are suspended."""
+
+    def __init__(self, model: nn.Module, press: Installable | None, observers: tuple[Observer, ...] = ()) -> None:
+        if press is not None and not isinstance(press, Installable):
+            raise TypeError(f"press must be a kvpress press, got {type(press).__name__}")
+        if press is None and not observers:
+            raise ValueError("nothing to install: give a press or at least one observer")
+        self.intercept = Intercept(model, self)  # refuses models kvpress cannot intercept
+        self.model, self.press, self.observers = model, press, tuple(observers)
+        self._inv_freq = None
+        if press is not None:
+            _check_press(model, press)
+            self._inv_freq = model_access.inv_freq(model) if press.rerotate else None
+        self._activation = None
+
+    # ----- entering -----------------------------------------------------------------------------------
+    def __enter__(self) -> PressInstallation:
+        self.intercept.install()
+        activation = self.intercept.activated()
+        try:
+            activation.__enter__()
+        except BaseException:
+            self.intercept.uninstall()
+            raise
+        self._activation = activation
+        return self
+
+    def __exit__(self, *exc) -> None:
+        activation, self._activation = self._activation, None
+        try:
+            if activation is not None:
+                activation.__exit__(None, None, None)
+        finally:
+            self.intercept.uninstall()
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[PressInstallation]:
+        """Install without activating: forwards go through the press only inside `activated()`."""
+        self.intercept.install()
+        try:
+            yield self
+        finally:
+            self.intercept.uninstall()
+
+    def activated(self):
+        """Forwards run by this caller inside this block go through the press (needs `installed()`)."""
+        return self.intercept.activated()
+
+    def frozen(self):
+        """Inside this block the caller's cache grows without eviction (for example while a question is read)."""
+        return self.intercept.frozen()
+
+    @property
+    def cache(self) -> DynamicCache | None:
+        """The cache of the caller's last forward under this press."""
+        return self.intercept.cache
+
+    # ----- what the intercept calls -------------------------------------------------------------------
+    def before_forward(self, cache: DynamicCache, args: tuple, kwargs: dict) -> None:
+        if any(isinstance(layer, HeadwiseLayer) for layer in cache.layers):
+            self._check_headwise(cache, args, kwargs)
+        if self.press is not None and self.press.rerotate:
+            kwargs["position_ids"] = cache_positions(cache, args, kwargs)
+
+    def after_attention(self, module: nn.Module, query, key, value, layer: PressedLayer) -> HeadwiseLayer | None:
+        obs = Observation(module, query, key, value, layer)
+        for observer in self.observers:
+            observer(obs)
+        if self.press is None:
+            return None
+        return evict(self.press, obs, self._rerank if self.press.rerotate else None)
+
+    def after_headwise(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
+        if self.observers:
+            raise ValueError("observers see dense layers only; this cache holds head-wise compressed layers")
+        self.press.observe_heads(module, query, layer)
+        self.press.evict_heads(module, query, layer)
+
+    def _check_headwise(self, cache: DynamicCache, args: tuple, kwargs: dict) -> None:
+        """Refuse, before any layer runs, a forward that a cache with head-wise layers cannot take."""
+        makers = {layer.made_by for layer in cache.layers if isinstance(layer, HeadwiseLayer)}
+        name = type(self.press).__name__ if self.press is not None else "an observer"
+        if self.press is None or not self.press.per_head or makers != {name}:
+            raise ValueError(
+                f"this cache holds head-wise compressed layers made by {', '.join(sorted(makers))}; "
+                f"{name} cannot continue it (use the press that made it)"
+            )
+        q = new_tokens(args, kwargs).shape[1]
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 2 and not bool(mask[:, -q:].all()):
+            raise ValueError(
+                "a head-wise compressed cache takes padding only in its first forward (left padding of the prompt); "
+                "this forward has padding tokens among its new tokens"
+            )
+
+    def _rerank(self, layer: PressedLayer) -> None:
+        """Re-rotate held keys to their rank among the row's held real tokens (StreamingLLM positions)."""
+        pos, valid = layer.pos.long(), layer.valid
+        order = layer.position_order()
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(layer.n, device=pos.device).expand_as(order))
+        current = layer.slots["rot"][..., : layer.n].long() if layer.rotated else pos
+        delta = rank - current
+        if valid is not None:
+            delta = delta.masked_fill(~valid, 0)
+        if bool(delta.any()):
+            layer.keys[:, :, : layer.n] = rope.rerotate(layer.keys[:, :, : layer.n], delta, self._inv_freq)
+        layer.set_rotation(rank)
+
+
+def observe(model: nn.Module, *observers: Observer) -> PressInstallation:
+    """`with observe(model, fn):` calls `fn(observation)` after every compressible layer's attention of the
+    caller's forwards inside the block; nothing is evicted."""
+    return PressInstallation(model, None, observers)
+
+
+def maybe_installed(press: Installable | None, model: nn.Module):
+    """`press(model)` as a context, or a context that does nothing when `press` is None."""
+    return contextlib.nullcontext() if press is None else press(model)
+
+
+# ----- eviction: the one decision ------------------------------------------------------------------------
+def evict(press, obs: Observation, rerank: Callable[[PressedLayer], None] | None = None) -> HeadwiseLayer | None:
+    """Let `press` observe `obs`, then evict what exceeds each row's budget in `obs.layer`. A per-head press
+    returns the `HeadwiseLayer` that replaces the layer (or None while nothing is evicted). `rerank`
+    re-rotates the kept keys (rerotate=True)."""
+    press.observe(obs)
+    if press.per_head:
+        return _to_headwise(press, obs)
+    _evict_rows(press, obs)
+    if rerank is not None:
+        rerank(obs.layer)
+    return None
+
+
+def _evict_rows(press, obs: Observation) -> None:
+    """Every head of a row keeps the row's budget: the best-ranked slots stay, the rest is freed."""
+    layer = obs.layer
+    scale = press.layer_scale(obs.layer_idx, obs.n_layers)
+    if not layer.padded:  # every row holds n of `seen` tokens: decide on one row, cheaply
+        if layer.n <= press._budget_of(layer.seen, scale):
+            return
+        budget = press.budget(torch.tensor([layer.seen]), scale)
+        held = torch.full_like(budget, layer.n)
+    else:
+        held, budget = layer.held(), press.budget(layer.real_seen, scale)
+        if not bool((held > budget).any()):
+            return
+    keep = torch.where(held > budget, press.target(budget, obs.q_len), held)
+    scores = press.ranked_scores(obs, budget)
+    k = int(keep.max())
+    if layer.valid is None and not layer.padded and k == layer.n - 1:
+        layer.remove_one(scores.argmin(dim=-1))  # one slot per head, overwritten in place
+    else:
+        index, order = scores.topk(k, dim=-1).indices.sort(dim=-1)
+        ranked = None
+        if layer.padded:
+            ranked = torch.arange(k, device=index.device) < keep.to(index.device)[:, None, None]
+            ranked = ranked.expand_as(index).gather(-1, order)
+        layer.keep(index, ranked, capacity=int(budget.max()))
+
+
+def _to_headwise(press, obs: Observation) -> HeadwiseLayer | None:
+    """The per-head storage holding the slots `press.select(obs)` keeps (None: nothing evicted yet)."""
+    keep = press.select(obs)
+    if keep is None:
+        return None
+    layer = obs.layer
+    if layer.valid is not None:
+        keep = keep & layer.valid
+    new = HeadwiseLayer.from_dense(layer, keep)
+    new.made_by = type(press).__name__  # only this press can continue the layer
+    new.head_budget = press.head_budgets(obs)
+    return new
+
+
+def _check_press(model: nn.Module, press: Installable) -> None:
+    """Raise when `press` cannot run on `model` (called when the press is installed or applied)."""
+    press.check_model(model)
+    if press.rerotate and model_access.has_sliding_layers(model):
+        raise ValueError(
+            f"rerotate=True is not supported on {type(model).__name__}: its sliding-window layers "
+            "keep their own positions, so in-cache positions cannot be shared by all layers"
+        )
+    n_layers = model_access.text_config(model).num_hidden_layers
+    scales = [press.layer_scale(i, n_layers) for i in range(n_layers)]  # raises on a length mismatch
+    if press.rerotate and (press.per_head or any(abs(scale - 1.0) > 1e-9 for scale in scales)):
+        raise ValueError(
+            f"rerotate=True needs the same budget in every layer and head ({type(press).__name__} gives them "
+            "different budgets, so in-cache positions would differ between them)"
+        )

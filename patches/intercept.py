@@ -1,0 +1,254 @@
+"""`Intercept`: the transformers side of an installed press, for the caller that entered it.
+
+Installing registers an attention function and its mask partner under a name of their own, switches the
+model's attention implementation to that name and adds one forward pre-hook to the model; uninstalling
+undoes all three, error or not. Importing kvpress patches nothing.
+
+Activation is scoped to the caller: the hook and the attention function act only for forwards run in a
+context (thread, `contextvars` context) where `activated()` is entered. Another thread's forwards on the
+same model, or code that runs while a generator that activated the press is suspended, get the model's
+own attention and masks, exactly as with nothing installed.
+
+For an active caller, the pre-hook finds or makes the cache and turns its full-attention layers into
+`PressedLayer`s; the attention function builds each compressed layer's mask from its slots and, after
+the attention ran, hands the layer to the `handler` (the engine, `kvpress.engine`), which decides what
+the layer keeps. The handler is any object with:
+
+- `before_forward(cache, args, kwargs)`: before the forward runs (it may refuse it, or set `position_ids`);
+- `after_attention(module, query, key, value, layer)`: after a dense layer's attention; returns a layer
+  that replaces it (per-head storage), or None;
+- `after_headwise(module, query, layer)`: after a head-wise layer's attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache
+
+from kvpress.patches import attention, model_access
+from kvpress.patches.cache import PressedLayer
+from kvpress.patches.head_cache import HeadwiseLayer
+from kvpress.patches.headwise_attention import headwise_attention
+
+_PREFIX = "kvpress_"
+_counter = itertools.count()
+_DRIVEN = (PressedLayer, HeadwiseLayer)  # the cache layers an installed press drives
+
+
+class _Call:
+    """The state of one activation (one caller): the cache of its current forward, and whether it evicts."""
+
+    def __init__(self) -> None:
+        self.cache: DynamicCache | None = None
+        self.compressing = True
+
+
+# the intercepts active in this context, each with its caller's state (a new dict on every change)
+_ACTIVE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("kvpress_active", default=None)
+
+
+class Intercept:
+    """Installs the attention intercept on `model` and routes active callers' layers to `handler`."""
+
+    def __init__(self, model: nn.Module, handler) -> None:
+        model_access.check_supported(model)
+        self.model, self.handler = model, handler
+        self.name = f"{_PREFIX}{next(_counter)}"
+        self.installed = False
+        self._caches: weakref.WeakSet = weakref.WeakSet()
+        self._hook = None
+        self._original: str | None = None
+        self._inner: dict[int, object] = {}
+
+    # ----- install / uninstall ----------------------------------------------------------------------
+    def install(self) -> None:
+        current = self.model.config._attn_implementation
+        if current is not None and current.startswith(_PREFIX):
+            raise RuntimeError(
+                f"a press is already active on this {type(self.model).__name__}; leave its `with` block first"
+            )
+        if current not in ("sdpa", "eager") and not (current or "").startswith("flash_attention"):
+            raise ValueError(
+                f"attention implementation {current!r} is not supported; use 'sdpa', 'eager' or 'flash_attention_2'"
+            )
+        self._original = current
+        modules = model_access.attention_modules(self.model)
+        self._inner = {i: model_access.inner_attention(self.model, current, m) for i, m in modules.items()}
+        self.cache_key = model_access.cache_keyword(self.model)
+        attention.register(self.name, self._attention, attention.original_mask_function(current))
+        try:
+            self.model.set_attn_implementation(self.name)
+            self._hook = self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        except BaseException:
+            self.uninstall()
+            raise
+        self.installed = True
+
+    def uninstall(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.model.config._attn_implementation == self.name:
+            self.model.set_attn_implementation(self._original)
+        attention.unregister(self.name)
+        for cache in list(self._caches):
+            for layer in cache.layers:
+                if isinstance(layer, _DRIVEN):
+                    layer.driven = False
+        self.installed = False
+
+    # ----- who it acts for ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def activated(self) -> Iterator[None]:
+        """Inside this block, forwards run by this caller (this thread and context) go through the press."""
+        if not self.installed:
+            raise RuntimeError("the press is not installed on the model: enter `with press(model):` first")
+        current = _ACTIVE.get() or {}
+        if self in current:  # already active for this caller
+            yield
+            return
+        token = _ACTIVE.set({**current, self: _Call()})
+        try:
+            yield
+        finally:
+            try:
+                _ACTIVE.reset(token)
+            except ValueError:  # left from another context (a generator closed elsewhere): drop this one only
+                _ACTIVE.set({k: v for k, v in (_ACTIVE.get() or {}).items() if k is not self})
+
+    def _call(self) -> _Call | None:
+        """This caller's state, or None when the press is not active for it."""
+        active = _ACTIVE.get()
+        return None if active is None else active.get(self)
+
+    @property
+    def cache(self) -> DynamicCache | None:
+        """The cache of this caller's last forward (None outside an activation)."""
+        call = self._call()
+        return None if call is None else call.cache
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """Inside this block this caller's cache grows without eviction (for example while a question is read)."""
+        call = self._call()
+        if call is None:
+            raise RuntimeError("frozen() pauses an active press: use it inside `with press(model) as installed:`")
+        previous, call.compressing = call.compressing, False
+        try:
+            yield
+        finally:
+            call.compressing = previous
+
+    # ----- per forward --------------------------------------------------------------------------------
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        call = self._call()
+        if call is None:
+            return None  # a caller the press is not active for: the forward runs as without kvpress
+        cache = kwargs.get(self.cache_key, kwargs.get("past_key_values"))
+        if cache is None:
+            if kwargs.get("use_cache") is False:
+                raise ValueError("a press compresses the KV cache: call the model with use_cache=True")
+            cache = model_access.new_cache(self.model)
+            kwargs[self.cache_key] = cache
+        if not isinstance(cache, DynamicCache):
+            raise TypeError(
+                f"kvpress compresses a DynamicCache in place; got {type(cache).__name__}. "
+                "Pass DynamicCache() or let generate make one."
+            )
+        model_access.complete_layers(cache, self.model)
+        for i, layer in enumerate(cache.layers):
+            if model_access.is_plain_full_layer(layer):
+                cache.layers[i] = layer = PressedLayer.from_layer(layer)
+            if isinstance(layer, _DRIVEN):
+                layer.driven = True
+        ours = [layer for layer in cache.layers if isinstance(layer, _DRIVEN)]
+        if len({layer.seen for layer in ours}) > 1 or any(layer.pending for layer in ours):
+            raise ValueError(
+                "this cache was left inconsistent by a forward that raised half-way (its layers hold different "
+                "numbers of tokens); it cannot be continued: start a new cache"
+            )
+        self.handler.before_forward(cache, args, kwargs)
+        call.cache = cache
+        self._caches.add(cache)
+        return args, kwargs
+
+    def _attention(self, module: nn.Module, query, key, value, attention_mask, **kwargs):
+        info = attention_mask if isinstance(attention_mask, attention.MaskInfo) else None
+        inner = self._inner[module.layer_idx]
+        call = self._call()
+        layer = call.cache.layers[module.layer_idx] if call is not None and call.cache is not None else None
+        if not isinstance(layer, _DRIVEN):  # another caller's forward, or a layer the press leaves alone
+            return inner(module, query, key, value, info.standard() if info else attention_mask, **kwargs)
+        if info is None and attention_mask is not None:
+            raise ValueError("kvpress builds its own masks: pass a 2D attention_mask, not a 4D one")
+        q_len = query.shape[2]
+        if layer.pending != q_len:
+            raise RuntimeError(
+                "the cache seen by the attention is not the one the press prepared; pass it by keyword "
+                f"({self.cache_key}=...)"
+            )
+        if isinstance(layer, HeadwiseLayer):
+            if kwargs.get("s_aux") is not None:
+                raise ValueError("attention sinks (s_aux) are not supported by head-wise compressed layers")
+            layer.commit()
+            out = headwise_attention(module, query, layer)
+            if call.compressing:
+                self.handler.after_headwise(module, query, layer)
+            return out, None
+        if layer.adopted and info is not None and info.padding is not None:
+            layer.adopt_padding(info.padding[:, : layer.seen - q_len])
+        layer.commit(info.new_valid(q_len) if info is not None else None)
+        standard = info.standard() if info is not None and not layer.compressed else None  # built only if used
+        if not layer.compressed and not _sized_for_another_layer(standard, key):
+            mask = standard  # slots still line up with tokens: transformers' own mask is right
+        elif self._original.startswith("flash_attention") and "valid" not in layer.slots:
+            mask = None  # flash aligns causal masks bottom-right: new tokens after every held slot
+        else:  # flash cannot express holes in a padded batch: that call runs on sdpa
+            fn = "sdpa" if self._original.startswith("flash_attention") else self._original
+            inner = model_access.inner_attention(self.model, fn, module) if fn != self._original else inner
+            n_rep = query.shape[1] // key.shape[1]
+            mask = attention.layer_mask(layer, q_len, n_rep, query.dtype, additive=fn == "eager")
+        out = inner(module, query, key, value, mask, **kwargs)
+        if call.compressing:
+            replacement = self.handler.after_attention(module, query, key, value, layer)
+            if replacement is not None:  # the layer moved to per-head storage
+                replacement.driven = True
+                call.cache.layers[module.layer_idx] = replacement
+        return out
+
+
+def new_tokens(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The new tokens of a forward: `input_ids`, or `inputs_embeds` when no ids are given."""
+    inputs = kwargs.get("input_ids", args[0] if args else None)
+    return inputs if inputs is not None else kwargs["inputs_embeds"]
+
+
+def cache_positions(cache: DynamicCache, args: tuple, kwargs: dict) -> torch.Tensor:
+    """Positions inside the cache for a forward's new tokens: their true positions minus the tokens each row
+    evicted before (the positions StreamingLLM re-rotates keys to)."""
+    inputs = new_tokens(args, kwargs)
+    q = inputs.shape[1]
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 2:
+            positions = (mask.long().cumsum(-1) - 1).clamp_min(0)[:, -q:]
+        else:
+            positions = torch.arange(q, device=inputs.device)[None] + cache.get_seq_length()
+    layer = next(layer for layer in cache.layers if isinstance(layer, PressedLayer))
+    if layer.shift is None:
+        return positions
+    return positions - layer.shift.to(positions.device)[:, None]
+
+
+def _sized_for_another_layer(mask, key: torch.Tensor) -> bool:
+    """transformers sizes one mask per layer type from the first such layer; a full layer after a compressed
+    one (per-layer budgets that leave a layer whole) holds more keys than that mask covers."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] != key.shape[-2]
