@@ -30,7 +30,6 @@ means, the peak resident memory of the process and, on a GPU, the peak allocated
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -48,16 +47,7 @@ from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import resolve_model_path
 from kvpress.patches.model_access import cache_keyword
 from kvpress.pipeline import prefill_context
-from kvpress.presses import PRESSES, BasePress, press_from_name
-
-
-def _press_parameters() -> set[str]:
-    """Every keyword some press takes (the model_args that belong to the press, not to HFLM)."""
-    names = {"inner", "alpha_safeguard", "chunk_size"}
-    for factory in PRESSES.values():
-        if dataclasses.is_dataclass(factory):
-            names |= {f.name for f in dataclasses.fields(factory)}
-    return names - {"press"}
+from kvpress.presses import BasePress, all_press_parameters, press_from_name
 
 
 @register_model("kvpress")
@@ -95,7 +85,7 @@ class KVPressLM(HFLM):
         if rolling_chunk < 1:
             raise ValueError(f"rolling_chunk must be a positive number of tokens, got {rolling_chunk}")
         self.rolling_chunk = rolling_chunk
-        params = _press_parameters()
+        params = all_press_parameters()  # derived from the press classes: a new parameter reaches its press
         press_kwargs = {key: kwargs.pop(key) for key in list(kwargs) if key in params}
         if isinstance(press, BasePress):
             if compression_ratio is not None or max_tokens is not None or press_kwargs:

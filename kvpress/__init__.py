@@ -7,62 +7,27 @@
 Importing kvpress patches nothing; entering a press does, and leaving it restores the model.
 """
 
+from kvpress import presses
 from kvpress.chat import ChatSession, Round
+from kvpress.engine import PressInstallation, observe
 from kvpress.models import load_model
 from kvpress.patches.cache import PressedLayer, cache_bytes
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.pipeline import generate
-from kvpress.presses import (
-    DEFAULT_PRESS,
-    PRESSES,
-    AdaKVPress,
-    BasePress,
-    ChunkPress,
-    DuoAttentionPress,
-    H2OPress,
-    HeavyHitterPress,
-    KnormPress,
-    KVzipPress,
-    LookaheadPress,
-    Observation,
-    PyramidKVPress,
-    RandomPress,
-    RoundPress,
-    SinkWindowPress,
-    SnapKVPress,
-    StreamingLLMPress,
-    press_from_name,
-)
+from kvpress.presses import *  # noqa: F403  (every press class of the registry, and the registry's API)
 from kvpress.round_store import RoundStore
 from kvpress.stream import stream
 
-__all__ = [
-    "DEFAULT_PRESS",
-    "AdaKVPress",
-    "BasePress",
-    "ChunkPress",
-    "DuoAttentionPress",
-    "HeadwiseLayer",
+__all__ = presses.__all__ + [
     "ChatSession",
-    "H2OPress",
-    "HeavyHitterPress",
-    "KnormPress",
-    "KVzipPress",
-    "LookaheadPress",
-    "Observation",
-    "PRESSES",
+    "HeadwiseLayer",
+    "PressInstallation",
     "PressedLayer",
-    "PyramidKVPress",
-    "RandomPress",
-    "RoundPress",
     "Round",
     "RoundStore",
-    "SinkWindowPress",
-    "SnapKVPress",
-    "StreamingLLMPress",
     "cache_bytes",
     "generate",
     "load_model",
-    "press_from_name",
+    "observe",
     "stream",
 ]

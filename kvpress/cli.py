@@ -1,4 +1,4 @@
-"""The `kvpress` command: `demo` (the main job), `generate`, `calibrate-heads`, `lm-eval`, `sweep`."""
+"""The `kvpress` command: `demo` (the main job), `generate`, `presses`, `calibrate-heads`, `lm-eval`, `sweep`."""
 
 from __future__ import annotations
 
@@ -99,6 +99,13 @@ def cmd_calibrate_heads(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_presses(args: argparse.Namespace) -> int:
+    from kvpress.presses import press_table
+
+    print(press_table())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     import kvpress
     from kvpress.presses import DEFAULT_PRESS
@@ -137,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--model", default=None)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.set_defaults(fn=cmd_generate)
+
+    presses = sub.add_parser("presses", help="the presses, their parameters and defaults (the README's table)")
+    presses.set_defaults(fn=cmd_presses)
 
     sub.add_parser("lm-eval", help="run lm-eval with --model kvpress (all lm-eval flags; kvpress tasks included)")
     sub.add_parser("sweep", help="score vs kept KV memory for presses x ratios, one prefill per example")

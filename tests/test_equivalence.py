@@ -3,16 +3,13 @@
 import pytest
 import torch
 
-from kvpress import HeavyHitterPress, KnormPress, RandomPress, SinkWindowPress, SnapKVPress
-from tiny import prompt, tiny_model
+from kvpress import SinkWindowPress, SnapKVPress
+from tiny import live_presses, prompt, tiny_model
 
+# every press of the registry that evicts inside a forward, with windows that fit tiny prompts
 PRESSES = {
-    "snapkv": lambda **b: SnapKVPress(window_size=4, **b),
-    "h2o": lambda **b: HeavyHitterPress(**b),
-    "sink-window": lambda **b: SinkWindowPress(n_sink=2, **b),
+    **live_presses(window_size=4, n_sink=2),
     "sink-window-rerotate": lambda **b: SinkWindowPress(n_sink=2, rerotate=True, **b),
-    "knorm": lambda **b: KnormPress(**b),
-    "random": lambda **b: RandomPress(**b),
 }
 FAMILIES = ["llama", "qwen2", "mistral", "phi3", "gemma3"]
 

@@ -236,3 +236,35 @@ def test_needle_task_end_to_end_as_lm_eval_runs_it(default_model):
         out = lm_eval.simple_evaluate(model=lm, tasks=["kvpress_needle_noise"], task_manager=manager, bootstrap_iters=0)
     assert 0 <= out["results"]["kvpress_needle_noise"]["score,none"] <= 1
     assert len(lm.kv_records) == 2 and all(r["kept_bytes"] < 0.7 * r["full_bytes"] for r in lm.kv_records)
+
+
+def test_every_press_parameter_reaches_the_press(monkeypatch):
+    """Each parameter of each press (the registry's, derived from the classes) goes to the press, not to HFLM."""
+    from kvpress.eval import lm_eval_bridge
+    from kvpress.presses import press_names, press_parameters
+
+    class Built(Exception):
+        pass
+
+    def capture(name, **kwargs):
+        raise Built(name, kwargs)
+
+    monkeypatch.setattr(lm_eval_bridge, "press_from_name", capture)
+    for name in press_names():
+        for param in press_parameters(name):
+            if param in ("compression_ratio", "max_tokens"):
+                continue
+            with pytest.raises(Built) as built:
+                KVPressLM(pretrained="unused", press=name, compression_ratio=0.5, **{param: "value"})
+            assert built.value.args[0] == name and built.value.args[1].get(param) == "value", (name, param)
+
+
+def test_adakv_normalize_from_model_args(default_model):
+    """`--model_args press=adakv,normalize=true` as lm-eval parses it builds AdaKV with normalize=True."""
+    from lm_eval.utils import simple_parse_args_string
+
+    model, tokenizer = default_model
+    args = simple_parse_args_string("press=adakv,normalize=true,compression_ratio=0.5,inner=kvzip,value_norm=true")
+    lm = KVPressLM(pretrained=model, tokenizer=tokenizer, **args)
+    assert lm.press.normalize is True and lm.press.press.value_norm is True
+    assert type(lm.press.press).__name__ == "KVzipPress"

@@ -60,3 +60,20 @@ def tiny_model(family: str = "llama", attn: str = "sdpa", **overrides) -> torch.
 def prompt(batch: int = 1, length: int = 48, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 128, (batch, length), generator=g)
+
+
+def live_presses(**settings) -> dict:
+    """Every press in the registry that evicts per token inside a forward (not per head, not by a pass over
+    the whole context), by CLI name, as `budget -> press`; `settings` (for example `window_size=4`) apply to
+    the presses that take that parameter (those whose default is not None)."""
+    from kvpress.presses import press_from_name, press_names, press_parameters
+
+    out = {}
+    for name in press_names():
+        probe = press_from_name(name, compression_ratio=0.5)
+        if probe.per_head or probe.needs_whole_context:
+            continue
+        params = press_parameters(name)
+        own = {k: v for k, v in settings.items() if params.get(k, None) is not None}
+        out[name] = lambda name=name, own=own, **budget: press_from_name(name, **own, **budget)
+    return out

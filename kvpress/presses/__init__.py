@@ -1,4 +1,8 @@
-"""The presses: one policy a file."""
+"""The presses: one policy a file, and the one registry every list of press names and parameters comes from
+(the CLI names and spec grammar, the lm-eval bridge's `model_args`, the README's table, the tests)."""
+
+import inspect
+import re
 
 from kvpress.presses.adakv import AdaKVPress
 from kvpress.presses.base import BasePress, Observation
@@ -6,6 +10,7 @@ from kvpress.presses.chunk import ChunkPress
 from kvpress.presses.duo_attention import DuoAttentionPress
 from kvpress.presses.head_budget import HeadwisePress
 from kvpress.presses.heavy_hitter import H2OPress, HeavyHitterPress
+from kvpress.presses.keydiff import KeyDiffPress
 from kvpress.presses.knorm import KnormPress
 from kvpress.presses.kvzip import KVzipPress
 from kvpress.presses.lookahead import LookaheadPress
@@ -36,6 +41,7 @@ PRESSES = {
     "sink-window": SinkWindowPress,
     "streaming-llm": SinkWindowPress,
     "knorm": KnormPress,
+    "keydiff": KeyDiffPress,
     "kvzip": KVzipPress,
     "lookahead": LookaheadPress,
     "pyramidkv": PyramidKVPress,
@@ -48,6 +54,70 @@ PRESSES = {
 # seed 0 in eval/results/README.md ("Fidelity"). Per-head budgets over head-normalized KVzip scores kept both
 # needle haystacks of SmolLM2 where ChunkKV(KVzip) lost the prose needle and AdaKV(KVzip) the noise one.
 DEFAULT_PRESS = "adakv:normalize=true:inner=kvzip:value_norm=true"
+
+
+def press_parameters(name: str, inner: str | None = None) -> dict[str, object]:
+    """The keyword parameters the press named `name` takes, with their defaults, read from its class's fields
+    or its factory's signature; a wrapper (`adakv`, `chunkkv`) also takes those of its `inner` press (by
+    default the one its signature names)."""
+    factory = PRESSES[name]
+    params = {}
+    for param in inspect.signature(factory).parameters.values():
+        if param.kind is param.VAR_KEYWORD:  # a wrapper passes the rest to its inner press
+            params.update(press_parameters(parse_press_spec(inner or params["inner"])[0]))
+        elif param.name != "press":  # a wrapper class's inner press object (the factories build it from `inner`)
+            params[param.name] = param.default
+    return params
+
+
+def all_press_parameters() -> set[str]:
+    """Every keyword some press takes (a wrapper takes those of any press as its `inner`)."""
+    return {param for name in PRESSES for param in press_parameters(name)}
+
+
+def press_names() -> list[str]:
+    """The press names without their aliases (`heavy-hitter` for `h2o`, `streaming-llm` for `sink-window`)."""
+    seen, names = set(), []
+    for name, factory in PRESSES.items():
+        if factory not in seen:
+            seen.add(factory)
+            names.append(name)
+    return names
+
+
+def aliases(name: str) -> list[str]:
+    """The other names of the press named `name`."""
+    return [other for other, factory in PRESSES.items() if factory is PRESSES[name] and other != name]
+
+
+BUDGET_PARAMETERS = ("compression_ratio", "max_tokens", "rerotate", "decode_slack", "layer_scales")  # BasePress's
+
+
+def press_class(name: str) -> type:
+    """The class of the press named `name` (a factory's return annotation)."""
+    factory = PRESSES[name]
+    return factory if isinstance(factory, type) else inspect.signature(factory).return_annotation
+
+
+def press_table() -> str:
+    """The README's table of presses, in Markdown, from the registry: names, classes, own parameters with
+    their defaults, what each keeps (its class docstring) and its paper (its module docstring)."""
+    rows = ["| name | class | parameters (defaults) | keeps | paper |", "|---|---|---|---|---|"]
+    for name in press_names():
+        cls = press_class(name)
+        own = [p for p in inspect.signature(PRESSES[name]).parameters.values()
+               if p.name not in (*BUDGET_PARAMETERS, "press") and p.kind is not p.VAR_KEYWORD]  # fmt: skip
+        params = ", ".join(f"`{p.name}={p.default!r}`" for p in own)
+        if any(p.kind is p.VAR_KEYWORD for p in inspect.signature(PRESSES[name]).parameters.values()):
+            params += " + the inner press's"
+        keeps = inspect.getdoc(cls).split("\n\n")[0].replace("\n", " ").split(". ")[0].rstrip(".")
+        doc = inspect.getmodule(cls).__doc__
+        arxiv = re.search(r"arXiv:(\d{4}\.\d{4,5})", doc)
+        who = re.search(r"([A-Z][A-Za-z-]+ et al\. \d{4})", doc)
+        paper = f"{who.group(1)}, arXiv:{arxiv.group(1)}" if arxiv and who else "baseline"
+        names = ", ".join(f"`{n}`" for n in [name, *aliases(name)])
+        rows.append(f"| {names} | `{cls.__name__}` | {params or '-'} | {keeps} | {paper} |")
+    return "\n".join(rows)
 
 
 def parse_press_spec(spec: str) -> tuple[str, dict]:
@@ -83,29 +153,33 @@ def press_from_name(name: str, **kwargs) -> BasePress:
     both = sorted(set(params) & set(kwargs))
     if both:
         raise ValueError(f"press parameters {both} are given both in {name!r}'s name and as arguments")
-    return PRESSES[name](**params, **kwargs)
+    given = {**params, **kwargs}
+    inner = given.get("inner")
+    allowed = press_parameters(name, inner if isinstance(inner, str) else None)
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        raise ValueError(f"press {name!r} takes no parameter {', '.join(unknown)}; its parameters: "
+                         f"{', '.join(allowed)}")  # fmt: skip
+    return PRESSES[name](**given)
 
 
-__all__ = [
+# the press classes of the registry, plus the API around them
+__all__ = sorted({press_class(name).__name__ for name in PRESSES}) + [
+    "BUDGET_PARAMETERS",
     "DEFAULT_PRESS",
-    "AdaKVPress",
-    "ChunkPress",
-    "DuoAttentionPress",
-    "HeadwisePress",
-    "BasePress",
-    "Observation",
-    "HeavyHitterPress",
-    "H2OPress",
-    "KnormPress",
-    "KVzipPress",
-    "LookaheadPress",
-    "PyramidKVPress",
-    "RandomPress",
-    "RoundPress",
-    "SinkWindowPress",
-    "StreamingLLMPress",
-    "SnapKVPress",
     "PRESSES",
+    "BasePress",
+    "H2OPress",
+    "HeadwisePress",
+    "Observation",
+    "RoundPress",
+    "StreamingLLMPress",
+    "aliases",
+    "all_press_parameters",
     "parse_press_spec",
+    "press_class",
     "press_from_name",
+    "press_names",
+    "press_parameters",
+    "press_table",
 ]

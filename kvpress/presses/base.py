@@ -133,7 +133,7 @@ class BasePress(Installable):
             keep = min(seen, math.floor(self.max_tokens * scale))
         else:
             keep = seen - math.floor(seen * self.compression_ratio)
-            if scale != 1.0:
+            if scale != 1.0 and self.compression_ratio:  # r = 0 keeps everything, in every layer
                 keep = min(seen, math.floor(keep * scale))
         return max(keep, min(seen, self.sink_count() + self.recent_count(keep)))
 
@@ -149,7 +149,8 @@ class BasePress(Installable):
         `per_head_scale` first divides each head's scores by its largest finite |score| over the tokens it
         holds (a positive number: each head's own order is unchanged, only comparisons across heads)."""
         layer = obs.layer
-        scores = self.score(obs).float()
+        scores = self.score(obs)
+        scores = scores if scores.dtype == torch.float64 else scores.float()  # float64 when a press needs it
         valid = layer.valid
         if per_head_scale:
             scores = scaled_to_peak(scores, valid)

@@ -46,10 +46,12 @@ class ChunkPress(WrapsPress, BasePress):
         self.press.observe(obs)
 
     def score(self, obs: Observation) -> torch.Tensor:
-        scores = self.press.score(obs).float()  # [B, H, n]
+        # float64: the tokens' own order within a chunk (1e-6 of their scores) must survive the chunk's mean,
+        # which float32 rounds away (ties then fall to slot order, and a padded batch would differ from a row alone)
+        scores = self.press.score(obs).double()  # [B, H, n]
         chunk = obs.layer.pos.long() // self.chunk_size
         valid = obs.layer.valid
-        weight = torch.ones_like(scores) if valid is None else valid.float()
+        weight = torch.ones_like(scores) if valid is None else valid.double()
         scores = scores.masked_fill(weight == 0, 0.0)
         n_chunks = int(chunk.max()) + 1
         total = scores.new_zeros(*scores.shape[:2], n_chunks).scatter_add_(-1, chunk, scores)

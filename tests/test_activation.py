@@ -1,0 +1,139 @@
+"""A press acts for the caller that entered it: other threads, and code that runs while a stream that holds
+a press is suspended, get what they would get with no press at all."""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+import kvpress
+from kvpress import SinkWindowPress, SnapKVPress
+from tiny import prompt, tiny_model
+
+
+def _generate(model, ids, cache=None):
+    return model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False, pad_token_id=0)
+
+
+def _plain(cache: DynamicCache) -> bool:
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def test_two_threads_one_model():
+    model = tiny_model("llama")
+    ids = prompt(1, 40)
+    press = SnapKVPress(compression_ratio=0.75, window_size=4)
+    alone_plain = _generate(model, ids)
+    with press(model):
+        alone_pressed = _generate(model, ids)
+    entered, plain_done = threading.Event(), threading.Event()
+    results: dict[str, object] = {}
+
+    def pressed() -> None:
+        with press(model):
+            entered.set()
+            plain_done.wait(timeout=60)  # the other thread's whole generate runs while the press is installed
+            cache = DynamicCache(config=model.config)
+            results["pressed"] = _generate(model, ids, cache)
+            results["pressed_bytes"] = kvpress.cache_bytes(cache)
+
+    def plain() -> None:
+        entered.wait(timeout=60)
+        cache = DynamicCache(config=model.config)
+        results["plain"] = _generate(model, ids, cache)
+        results["plain_untouched"] = _plain(cache)
+        plain_done.set()
+
+    threads = [threading.Thread(target=pressed), threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert torch.equal(results["plain"], alone_plain)
+    assert results["plain_untouched"]  # its cache was never turned into pressed layers
+    assert torch.equal(results["pressed"], alone_pressed)
+    assert not torch.equal(alone_plain, alone_pressed)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_two_threads_generating_at_once():
+    model = tiny_model("llama")
+    ids = prompt(1, 40)
+    press = SnapKVPress(compression_ratio=0.75, window_size=4)
+    alone_plain = _generate(model, ids)
+    with press(model):
+        alone_pressed = _generate(model, ids)
+    assert not torch.equal(alone_plain, alone_pressed)  # so the comparisons below tell the two apart
+    outputs: dict[str, list] = {"plain": [], "pressed": [], "untouched": []}
+    barrier = threading.Barrier(2)
+
+    def pressed() -> None:
+        with press(model):
+            barrier.wait(timeout=60)
+            for _ in range(3):
+                outputs["pressed"].append(_generate(model, ids))
+
+    def plain() -> None:
+        barrier.wait(timeout=60)
+        for _ in range(3):
+            cache = DynamicCache(config=model.config)
+            outputs["plain"].append(_generate(model, ids, cache))
+            outputs["untouched"].append(_plain(cache))
+
+    threads = [threading.Thread(target=pressed), threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(out, alone_plain) for out in outputs["plain"]) and all(outputs["untouched"])
+    assert all(torch.equal(out, alone_pressed) for out in outputs["pressed"])
+
+
+def test_a_thread_started_inside_runs_without_the_press_unless_given_the_context():
+    """Activation follows `contextvars`: a new thread starts with none; `copy_context().run` carries it."""
+    model = tiny_model("llama")
+    ids = prompt(1, 40)
+    caches = [DynamicCache(config=model.config), DynamicCache(config=model.config)]
+    with SnapKVPress(compression_ratio=0.5, window_size=4)(model):
+        fresh = threading.Thread(target=lambda: _generate(model, ids, caches[0]))
+        fresh.start()
+        fresh.join()
+        carried = threading.Thread(target=contextvars.copy_context().run, args=(_generate, model, ids, caches[1]))
+        carried.start()
+        carried.join()
+    assert _plain(caches[0])
+    assert not _plain(caches[1]) and caches[1].layers[0].n < caches[1].layers[0].seen
+
+
+def test_suspended_stream_leaves_the_caller_alone():
+    model = tiny_model("llama")
+    text = prompt(1, 200, seed=5)[0]
+    other = prompt(1, 30, seed=6)
+    press = SinkWindowPress(n_sink=4, window=28, rerotate=True)
+    expected_plain, expected_generate = model(other).logits, _generate(model, other)
+    expected_stream = torch.cat(list(kvpress.stream(model, None, text, press=press, chunk=32, progress=False)))
+    nlls = []
+    it = kvpress.stream(model, None, text, press=press, chunk=32, progress=False)
+    for step, nll in enumerate(it):
+        nlls.append(nll)
+        if step in (0, 3):  # suspended mid-stream, the press installed: plain calls by the caller
+            cache = DynamicCache(config=model.config)
+            assert torch.equal(model(other, cache=cache, use_cache=True).logits, expected_plain)
+            assert _plain(cache)
+            assert torch.equal(_generate(model, other), expected_generate)
+    assert torch.equal(torch.cat(nlls), expected_stream)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_frozen_needs_the_caller_that_entered():
+    model = tiny_model("llama")
+    installation = SnapKVPress(compression_ratio=0.5)(model)
+    with installation.installed(), pytest.raises(RuntimeError, match="frozen"):
+        with installation.frozen():
+            pass
+    assert model.config._attn_implementation == "sdpa"

@@ -1,0 +1,85 @@
+"""One registry: press names, parameters, the spec grammar and the README's table all come from the classes."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import kvpress
+from kvpress.presses import (
+    BUDGET_PARAMETERS,
+    PRESSES,
+    aliases,
+    parse_press_spec,
+    press_class,
+    press_from_name,
+    press_names,
+    press_parameters,
+    press_table,
+)
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _other_value(default):
+    """A valid value other than `default` for the parameters every press checks the same way."""
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default + 2  # keeps odd kernels odd
+    if isinstance(default, float):
+        return default + 0.1 if default < 0.8 else default + 2.0
+    return None
+
+
+def _find(press, param):
+    """The value of `param` on `press` or on the press it wraps."""
+    for candidate in (press, getattr(press, "press", None)):
+        if candidate is not None and param in vars(candidate) and param not in ("compression_ratio", "max_tokens"):
+            return getattr(candidate, param)
+    raise AssertionError(f"{param} is on neither {press!r} nor its inner press")
+
+
+@pytest.mark.parametrize("name", press_names())
+def test_every_parameter_reaches_the_press(name):
+    checked = 0
+    for param, default in press_parameters(name).items():
+        value = _other_value(default)
+        if param in BUDGET_PARAMETERS or value is None:
+            continue
+        if name == "kvzip" and param in ("global_budget",):
+            value = 0.25
+        press = press_from_name(f"{name}:{param}={value}", compression_ratio=0.5)
+        assert _find(press, param) == value, (name, param)
+        checked += 1
+    own = [p for p in press_parameters(name) if p not in BUDGET_PARAMETERS]
+    assert checked or not own or name == "duo-attention"
+
+
+def test_unknown_parameter_names_the_allowed_ones():
+    with pytest.raises(ValueError, match="press 'knorm' takes no parameter window_size; its parameters: compression"):
+        press_from_name("knorm:window_size=4", compression_ratio=0.5)
+    with pytest.raises(ValueError, match="takes no parameter lookahead"):
+        press_from_name("adakv:inner=kvzip:lookahead=3", compression_ratio=0.5)
+    assert press_from_name("adakv:inner=lookahead:lookahead=3", compression_ratio=0.5).press.lookahead == 3
+
+
+def test_names_aliases_and_classes():
+    assert set(press_names()) | {a for n in press_names() for a in aliases(n)} == set(PRESSES)
+    assert aliases("h2o") == ["heavy-hitter"] and aliases("sink-window") == ["streaming-llm"]
+    for name in press_names():
+        assert isinstance(press_from_name(name, compression_ratio=0.5), press_class(name))
+        assert getattr(kvpress, press_class(name).__name__) is press_class(name)  # exported
+
+
+def test_readme_table_is_the_registry():
+    text = README.read_text()
+    table = re.search(r"<!-- presses -->\n(.*?)\n<!-- /presses -->", text, re.S)
+    assert table, "README.md needs the press table between <!-- presses --> and <!-- /presses -->"
+    assert table.group(1) == press_table(), "regenerate it: kvpress presses"
+
+
+def test_spec_grammar():
+    assert parse_press_spec("snapkv:window_size=16:kernel_size=3") == ("snapkv", {"window_size": 16, "kernel_size": 3})
