@@ -4,12 +4,12 @@ Each example is a Chit Chat Challenge conversation (`eval/tasks/chat_recall.py`)
 to a `kvpress.ChatSession` (scripted replies, so every configuration sees the same history); two
 facts are planted in early rounds and the last turn asks for one of them. Configurations:
 - full cache;
-- `RoundPress` (top-k relevant past rounds + the most recent one, the rest offloaded to a host store);
-- `RoundPress(inner=SnapKV)`: each finished round also compressed once (FlowKV);
+- `RoundPolicy` (top-k relevant past rounds + the most recent one, the rest offloaded to a host store);
+- `RoundPolicy(inner=SnapKV)`: each finished round also compressed once (FlowKV);
 - SinkWindow and "recompress everything every turn" (SnapKV over the whole cache at each turn), both
-  with a token budget equal, per example, to what RoundPress holds per layer at the last turn.
+  with a token budget equal, per example, to what RoundPolicy holds per layer at the last turn.
 Reported per configuration: accuracy (and its ratio to the full cache), working-cache bytes at the
-last turn and averaged over turns (ratio to the full cache of the same chat; RoundPress's host store
+last turn and averaged over turns (ratio to the full cache of the same chat; RoundPolicy's host store
 reported separately), tokens fed per turn. Writes `eval/results/chat.json`.
 
 `--watershed` instead measures, per layer, how often the round-level attention of the question's
@@ -31,15 +31,17 @@ from kvpress.engine import observe
 from kvpress.eval.tasks.chat_recall import ChatExample, chat_recall_examples
 from kvpress.observation import Observation
 from kvpress.patches import model_access
-from kvpress.presses.round import choose_watershed, round_relevance
 from kvpress.recording import QueryRecorder
+from kvpress.rounds import choose_watershed, round_relevance
 
 OUT = Path(__file__).parent / "results"
 
 
 def run_chat(model, tokenizer, example: ChatExample, press, max_new_tokens: int = 24) -> dict:
     """Play `example` through a session with `press`; score the answer, count bytes and tokens fed."""
-    session = kvpress.ChatSession(model, tokenizer, press=press, max_new_tokens=max_new_tokens)
+    policy = press if isinstance(press, kvpress.RoundPolicy) else None  # a round policy, or a press
+    session = kvpress.ChatSession(model, tokenizer, press=None if policy else press, round_policy=policy,
+                                  max_new_tokens=max_new_tokens)  # fmt: skip
     fed: list[int] = []
     hook = model.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"].shape[1]), with_kwargs=True)
     per_turn, tokens = [], []
@@ -72,8 +74,8 @@ def run_chat(model, tokenizer, example: ChatExample, press, max_new_tokens: int 
 
 def configurations(top_k: int) -> dict:
     return {
-        "round": lambda budget: kvpress.RoundPress(top_k_rounds=top_k, keep_recent_rounds=1),
-        "round+snapkv": lambda budget: kvpress.RoundPress(
+        "round": lambda budget: kvpress.RoundPolicy(top_k_rounds=top_k, keep_recent_rounds=1),
+        "round+snapkv": lambda budget: kvpress.RoundPolicy(
             top_k_rounds=top_k, keep_recent_rounds=1, inner=kvpress.SnapKVPress(compression_ratio=0.5, window_size=16)
         ),
         "sink-window": lambda budget: kvpress.SinkWindowPress(max_tokens=budget),

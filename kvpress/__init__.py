@@ -16,6 +16,7 @@ from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.pipeline import generate
 from kvpress.presses import *  # noqa: F403  (every press class of the registry, and the registry's API)
 from kvpress.round_store import RoundStore
+from kvpress.rounds import RoundPolicy, RoundPress
 from kvpress.stream import stream
 
 __all__ = presses.__all__ + [
@@ -24,6 +25,8 @@ __all__ = presses.__all__ + [
     "PressInstallation",
     "PressedLayer",
     "Round",
+    "RoundPolicy",
+    "RoundPress",
     "RoundStore",
     "cache_bytes",
     "generate",

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from kvpress.engine import maybe_installed
+from kvpress.engine import maybe_installed, observe
 from kvpress.pipeline import pad_token_id
 from kvpress.presses.base import BasePress
-from kvpress.presses.round import RoundPress
 from kvpress.round_store import RoundStore
+from kvpress.rounds import RoundPolicy
 
 
 @dataclass(frozen=True)
@@ -27,19 +27,27 @@ class ChatSession:
 
     Parameters:
         model, tokenizer: a chat model and its tokenizer (with a chat template).
-        press: applied during every turn (None: full cache). A token-level press recompresses the whole
-            cache each turn; a `RoundPress` keeps whole rounds (the system prompt, the recent ones and
-            the relevant past ones) and parks the others in `store`.
+        press: applied during every turn (None: full cache); a token-level press recompresses the whole
+            cache each turn.
+        round_policy: a `RoundPolicy` instead: whole rounds kept (the system prompt, the recent ones and
+            the relevant past ones), the others parked in `store`. The session owns it: it tells the policy
+            where rounds begin and end, and the policy sees every layer's attention during a turn.
         max_new_tokens: the default answer length.
         system: an optional system prompt.
     """
 
-    def __init__(self, model, tokenizer, press: BasePress | None = None, max_new_tokens: int = 256, system=None):
+    def __init__(self, model, tokenizer, press: BasePress | None = None, max_new_tokens: int = 256, system=None,
+                 round_policy: RoundPolicy | None = None):  # fmt: skip
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"{type(tokenizer).__name__} has no chat template; ChatSession needs one")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        self.model, self.tokenizer, self.press = model, tokenizer, press
+        if isinstance(press, RoundPolicy):
+            raise TypeError("a RoundPolicy is a chat policy, not a press: pass it as round_policy=")
+        if round_policy is not None and not isinstance(round_policy, RoundPolicy):
+            raise TypeError(f"round_policy must be a kvpress.RoundPolicy, got {type(round_policy).__name__}")
+        _check_one_of(press, round_policy)
+        self.model, self.tokenizer, self.press, self.round_policy = model, tokenizer, press, round_policy
         self.max_new_tokens = max_new_tokens
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
         self.cache = DynamicCache(config=model.config)
@@ -48,7 +56,7 @@ class ChatSession:
         self._pending: list[int] = []  # generated but not fed yet (the last token of the last answer)
         self._rendered = ""  # the template text that `_ids` plus `_pending` stand for
         self.prefix_tokens = 0  # tokens of the template before the first user message (system prompt)
-        self.store: RoundStore | None = None  # finished rounds out of the working cache (made by a RoundPress turn)
+        self.store: RoundStore | None = None  # finished rounds out of the working cache (made by a round policy)
         self._broken = ""  # set when a turn failed after the cache had changed in a way that cannot be undone
 
     def _render(self, messages: list[dict]) -> str:
@@ -107,6 +115,7 @@ class ChatSession:
         """
         if self._broken:
             raise RuntimeError(f"this session was interrupted mid-turn ({self._broken}); start a new one")
+        _check_one_of(self.press, self.round_policy)  # both are attributes a caller may set between turns
         if not isinstance(text, str) or not text.strip():
             raise ValueError("the message is empty")
         if reply is not None and (not isinstance(reply, str) or not reply.strip()):
@@ -128,11 +137,13 @@ class ChatSession:
             )
         prefix = self.prefix_tokens if self.rounds else self._prefix_length()
         start = len(self._ids)
-        if isinstance(self.press, RoundPress):
+        policy = self.round_policy
+        if policy is not None:
+            policy.check_model(self.model)
             self.store = self.store if self.store is not None else RoundStore(device="cpu")
-            self.press.begin_turn(self.cache, self.round_spans(prefix), self.store, self.user_text_span(messages, new))
+            policy.begin_turn(self.cache, self.round_spans(prefix), self.store, self.user_text_span(messages, new))
         try:
-            with maybe_installed(self.press, self.model):
+            with observe(self.model, policy.observe) if policy is not None else maybe_installed(self.press, self.model):
                 if reply is None:
                     answer_ids = self._generate(torch.tensor([self._ids + new], device=self.model.device),
                                                 max_new_tokens, streamer)  # fmt: skip
@@ -143,19 +154,20 @@ class ChatSession:
                             self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
                     answer_ids = reply_ids
             end = start + len(new) + len(answer_ids) - 1
-            if isinstance(self.press, RoundPress):
-                self.press.end_turn((max(start, prefix), end))
+            if policy is not None:
+                policy.end_turn((max(start, prefix), end))
         except BaseException as err:
             advanced = [layer for layer in self.cache.layers if layer.get_seq_length() > start]
-            if advanced and self.press is None and all(getattr(layer, "is_croppable", False) for layer in advanced):
+            unchanged = self.press is None and policy is None  # nothing but appends: the turn can be undone
+            if advanced and unchanged and all(getattr(layer, "is_croppable", False) for layer in advanced):
                 for layer in advanced:  # a full cache goes back to the history before this turn
                     layer.crop(start - layer.get_seq_length())
             elif advanced:  # compressed: the evicted tokens are gone, the turn cannot be undone
                 self._broken = f"{type(err).__name__}: {err}"
             raise
         finally:
-            if isinstance(self.press, RoundPress):
-                self.press.end_turn(None)  # no-op once ended; forgets an unfinished turn
+            if policy is not None:
+                policy.end_turn(None)  # no-op once ended; forgets an unfinished turn
         self._ids += new + answer_ids[:-1]
         self.prefix_tokens = prefix
         self._pending = answer_ids[-1:]
@@ -184,3 +196,9 @@ class ChatSession:
 def _first_difference(a: list[int], b: list[int]) -> int:
     """Index of the first position where `a` and `b` differ (the shorter length if one extends the other)."""
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def _check_one_of(press, round_policy) -> None:
+    if press is not None and round_policy is not None:
+        raise ValueError("give press= or round_policy=, not both (a round policy compresses each round with "
+                         "its inner= press)")  # fmt: skip

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
+import threading
 import weakref
 from collections.abc import Iterator
 
@@ -63,9 +64,11 @@ class Intercept:
         self.name = f"{_PREFIX}{next(_counter)}"
         self.installed = False
         self._caches: weakref.WeakSet = weakref.WeakSet()
-        self._hook = None
+        self._hooks: list = []
         self._original: str | None = None
         self._inner: dict[int, object] = {}
+        self._flight = threading.Condition()
+        self._forwards: dict[int, int] = {}  # thread id -> forwards of the model it is inside
 
     # ----- install / uninstall ----------------------------------------------------------------------
     def install(self) -> None:
@@ -83,21 +86,29 @@ class Intercept:
         self._inner = {i: model_access.inner_attention(self.model, current, m) for i, m in modules.items()}
         self.cache_key = model_access.cache_keyword(self.model)
         attention.register(self.name, self._attention, attention.original_mask_function(current))
+        self._forwards = {}
         try:
+            self._hooks = [self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+                           self.model.register_forward_hook(self._after_forward, always_call=True)]  # fmt: skip
             self.model.set_attn_implementation(self.name)
-            self._hook = self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         except BaseException:
             self.uninstall()
             raise
         self.installed = True
 
-    def uninstall(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        if self.model.config._attn_implementation == self.name:
-            self.model.set_attn_implementation(self._original)
-        attention.unregister(self.name)
+    def uninstall(self, wait_s: float = 60.0) -> None:
+        """Restore the model. Another thread's forward already running on it finishes with the intercept
+        first (waited for up to `wait_s` seconds): switching back mid-forward would hand transformers'
+        own attention a mask it does not know."""
+        with self._flight:
+            self._forwards.pop(threading.get_ident(), None)  # this thread's own forwards are over
+            self._flight.wait_for(lambda: not any(self._forwards.values()), timeout=wait_s)
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
+            if self.model.config._attn_implementation == self.name:
+                self.model.set_attn_implementation(self._original)
+            attention.unregister(self.name)
         for cache in list(self._caches):
             for layer in cache.layers:
                 if isinstance(layer, _DRIVEN):
@@ -147,7 +158,16 @@ class Intercept:
             call.compressing = previous
 
     # ----- per forward --------------------------------------------------------------------------------
+    def _after_forward(self, module: nn.Module, args: tuple, output) -> None:
+        with self._flight:
+            me = threading.get_ident()
+            self._forwards[me] = max(0, self._forwards.get(me, 0) - 1)
+            self._flight.notify_all()
+
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        with self._flight:
+            me = threading.get_ident()
+            self._forwards[me] = self._forwards.get(me, 0) + 1
         call = self._call()
         if call is None:
             return None  # a caller the press is not active for: the forward runs as without kvpress

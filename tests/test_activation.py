@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import time
 
 import pytest
 import torch
@@ -24,13 +25,28 @@ def _plain(cache: DynamicCache) -> bool:
     return all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
+def _alone(model, ids, press):
+    """What one caller gets with no press and with `press`, nobody else running (and they differ)."""
+    plain = _generate(model, ids)
+    with press(model):
+        pressed = _generate(model, ids)
+    assert not torch.equal(plain, pressed)  # so the comparisons of the tests tell the two apart
+    return plain, pressed
+
+
+def _run(*targets) -> None:
+    threads = [threading.Thread(target=target) for target in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def test_two_threads_one_model():
     model = tiny_model("llama")
     ids = prompt(1, 40)
     press = SnapKVPress(compression_ratio=0.75, window_size=4)
-    alone_plain = _generate(model, ids)
-    with press(model):
-        alone_pressed = _generate(model, ids)
+    alone_plain, alone_pressed = _alone(model, ids, press)
     entered, plain_done = threading.Event(), threading.Event()
     results: dict[str, object] = {}
 
@@ -40,7 +56,6 @@ def test_two_threads_one_model():
             plain_done.wait(timeout=60)  # the other thread's whole generate runs while the press is installed
             cache = DynamicCache(config=model.config)
             results["pressed"] = _generate(model, ids, cache)
-            results["pressed_bytes"] = kvpress.cache_bytes(cache)
 
     def plain() -> None:
         entered.wait(timeout=60)
@@ -49,15 +64,10 @@ def test_two_threads_one_model():
         results["plain_untouched"] = _plain(cache)
         plain_done.set()
 
-    threads = [threading.Thread(target=pressed), threading.Thread(target=plain)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run(pressed, plain)
     assert torch.equal(results["plain"], alone_plain)
     assert results["plain_untouched"]  # its cache was never turned into pressed layers
     assert torch.equal(results["pressed"], alone_pressed)
-    assert not torch.equal(alone_plain, alone_pressed)
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -65,10 +75,7 @@ def test_two_threads_generating_at_once():
     model = tiny_model("llama")
     ids = prompt(1, 40)
     press = SnapKVPress(compression_ratio=0.75, window_size=4)
-    alone_plain = _generate(model, ids)
-    with press(model):
-        alone_pressed = _generate(model, ids)
-    assert not torch.equal(alone_plain, alone_pressed)  # so the comparisons below tell the two apart
+    alone_plain, alone_pressed = _alone(model, ids, press)
     outputs: dict[str, list] = {"plain": [], "pressed": [], "untouched": []}
     barrier = threading.Barrier(2)
 
@@ -85,13 +92,77 @@ def test_two_threads_generating_at_once():
             outputs["plain"].append(_generate(model, ids, cache))
             outputs["untouched"].append(_plain(cache))
 
-    threads = [threading.Thread(target=pressed), threading.Thread(target=plain)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run(pressed, plain)
     assert all(torch.equal(out, alone_plain) for out in outputs["plain"]) and all(outputs["untouched"])
     assert all(torch.equal(out, alone_pressed) for out in outputs["pressed"])
+
+
+def test_entering_and_leaving_while_another_thread_generates():
+    """Installing and uninstalling never lands in the middle of another thread's forward."""
+    model = tiny_model("llama")
+    ids = prompt(1, 40, seed=4)
+    press = SnapKVPress(compression_ratio=0.75, window_size=4)
+    alone_plain, alone_pressed = _alone(model, ids, press)
+    outputs: dict[str, list] = {"plain": [], "pressed": [], "errors": []}
+    started = threading.Event()
+
+    def plain() -> None:
+        try:
+            started.set()
+            for _ in range(6):
+                outputs["plain"].append(_generate(model, ids))
+        except Exception as err:  # reported below, with the others
+            outputs["errors"].append(err)
+
+    def pressed() -> None:
+        started.wait(timeout=60)
+        try:
+            for _ in range(6):
+                with press(model):
+                    outputs["pressed"].append(_generate(model, ids))
+        except Exception as err:
+            outputs["errors"].append(err)
+
+    _run(plain, pressed)
+    assert not outputs["errors"]
+    assert all(torch.equal(out, alone_plain) for out in outputs["plain"]) and len(outputs["plain"]) == 6
+    assert all(torch.equal(out, alone_pressed) for out in outputs["pressed"]) and len(outputs["pressed"]) == 6
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_leaving_waits_for_another_threads_forward():
+    """A press left while another thread is between two layers of a forward: that forward finishes as it began."""
+    model = tiny_model("llama")
+    ids = prompt(1, 40, seed=4)
+    expected = model(ids).logits
+    mid, errors, logits = threading.Event(), [], []
+
+    def slow(module, args, output):  # after the first decoder layer, give the other thread time to leave
+        if threading.current_thread().name == "plain":
+            mid.set()
+            time.sleep(0.5)
+
+    hook = model.model.layers[0].register_forward_hook(slow)
+    try:
+        def plain() -> None:
+            try:
+                with torch.inference_mode():  # thread-local: the new thread starts without it
+                    logits.append(model(ids).logits)
+            except Exception as err:
+                errors.append(err)
+
+        def pressed() -> None:
+            with SnapKVPress(compression_ratio=0.5)(model):
+                thread = threading.Thread(target=plain, name="plain")
+                thread.start()
+                mid.wait(timeout=60)
+            thread.join()
+
+        _run(pressed)
+    finally:
+        hook.remove()
+    assert not errors and torch.equal(logits[0], expected)
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_a_thread_started_inside_runs_without_the_press_unless_given_the_context():

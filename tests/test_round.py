@@ -1,4 +1,4 @@
-"""RoundPress in a ChatSession: whole rounds selected, offloaded to a store, recalled, compressed once."""
+"""A RoundPolicy in a ChatSession: whole rounds selected, offloaded to a store, recalled, compressed once."""
 
 import copy
 
@@ -37,7 +37,7 @@ def _expected(session, press, span_of_turn) -> set[int]:
 def test_working_cache_holds_only_the_selected_rounds(default_model):
     model, tokenizer = default_model
     press = kvpress.RoundPress(top_k_rounds=1, keep_recent_rounds=1, watershed_layer=15)
-    session = kvpress.ChatSession(model, tokenizer, press=press, max_new_tokens=6)
+    session = kvpress.ChatSession(model, tokenizer, round_policy=press, max_new_tokens=6)
     for user, reply in TURNS:
         assert session.send(user, reply=reply) == reply
     fed = []
@@ -64,7 +64,7 @@ def test_working_cache_holds_only_the_selected_rounds(default_model):
 def test_a_recalled_round_is_exactly_what_left(default_model):
     model, tokenizer = default_model
     press = kvpress.RoundPress(top_k_rounds=0, keep_recent_rounds=1, watershed_layer=15)
-    session = kvpress.ChatSession(model, tokenizer, press=press, max_new_tokens=4)
+    session = kvpress.ChatSession(model, tokenizer, round_policy=press, max_new_tokens=4)
     session.send(*TURNS[0][:1], reply=TURNS[0][1])
     before = copy.deepcopy(session.cache)  # round 0 is held everywhere
     span = (session.prefix_tokens, session.rounds[0].end)
@@ -90,7 +90,7 @@ def test_a_recalled_round_is_exactly_what_left(default_model):
 def test_recall_brings_a_round_back_into_the_working_cache(default_model):
     model, tokenizer = default_model
     press = kvpress.RoundPress(top_k_rounds=1, keep_recent_rounds=1, watershed_layer=15)
-    session = kvpress.ChatSession(model, tokenizer, press=press, max_new_tokens=4)
+    session = kvpress.ChatSession(model, tokenizer, round_policy=press, max_new_tokens=4)
     for user, reply in TURNS:
         session.send(user, reply=reply)
     chosen_before = press.selected
@@ -106,7 +106,7 @@ def test_inner_compresses_each_round_once(default_model):
     model, tokenizer = default_model
     inner = kvpress.SnapKVPress(compression_ratio=0.5, window_size=4)
     press = kvpress.RoundPress(top_k_rounds=8, keep_recent_rounds=1, inner=inner, watershed_layer=15)
-    session = kvpress.ChatSession(model, tokenizer, press=press, max_new_tokens=4)
+    session = kvpress.ChatSession(model, tokenizer, round_policy=press, max_new_tokens=4)
     session.send(TURNS[0][0], reply=TURNS[0][1])
     span = (session.prefix_tokens, session.rounds[0].end)
     first = [sorted(p for p in _positions(layer) if span[0] <= p < span[1]) for layer in session.cache.layers]
@@ -120,7 +120,7 @@ def test_inner_compresses_each_round_once(default_model):
 def test_offload_none_keeps_no_store(default_model):
     model, tokenizer = default_model
     press = kvpress.RoundPress(top_k_rounds=0, keep_recent_rounds=1, offload="none", watershed_layer=15)
-    session = kvpress.ChatSession(model, tokenizer, press=press, max_new_tokens=4)
+    session = kvpress.ChatSession(model, tokenizer, round_policy=press, max_new_tokens=4)
     for user, reply in TURNS[:3]:
         session.send(user, reply=reply)
     assert session.store is not None and len(session.store) == 0
@@ -141,11 +141,12 @@ def test_round_press_errors(default_model):
     with pytest.raises(RuntimeError, match="use it through kvpress.ChatSession"):
         with kvpress.RoundPress()(model):
             model(torch.tensor([[1, 2, 3]]))
-    session = kvpress.ChatSession(model, tokenizer, press=kvpress.RoundPress(watershed_layer=99), max_new_tokens=4)
+    session = kvpress.ChatSession(model, tokenizer, round_policy=kvpress.RoundPress(watershed_layer=99),
+                                  max_new_tokens=4)
     with pytest.raises(ValueError, match="watershed_layer=99 is not a full-attention layer .* with layers after it"):
         session.send("Hello.")
     assert session.messages == [] and session.rounds == [] and session.cache.get_seq_length() == 0
-    session.press = kvpress.RoundPress(watershed_layer=15)
+    session.round_policy = kvpress.RoundPress(watershed_layer=15)
     session.send("Hello.", reply="Hi!")
     with pytest.raises(ValueError, match="the reply is empty"):
         session.send("Hello again.", reply=" ")
@@ -186,3 +187,13 @@ def test_chat_recall_as_one_prompt_task(default_model):
         assert example.answers[0] in example.context and example.question.startswith("User: What is my")
         assert len(tokenizer(example.context).input_ids) <= 1024
         assert example.score(f"It is {example.answers[0]}.") == 1.0 and example.score(f"9{example.answers[0]}") == 0.0
+
+
+def test_round_policy_is_the_sessions_not_a_press(default_model):
+    model, tokenizer = default_model
+    with pytest.raises(TypeError, match="pass it as round_policy="):
+        kvpress.ChatSession(model, tokenizer, press=kvpress.RoundPolicy())
+    with pytest.raises(ValueError, match="not both"):
+        kvpress.ChatSession(model, tokenizer, press=kvpress.SnapKVPress(compression_ratio=0.5),
+                            round_policy=kvpress.RoundPolicy())  # fmt: skip
+    assert kvpress.RoundPress is kvpress.RoundPolicy

@@ -138,3 +138,11 @@ def test_chunked_perplexity_matches_one_forward_and_compresses():
         full = 200 * 2 * 2 * 16 * 4 * 2  # tokens x (K, V) x KV heads x head dim x fp32 x layers
         assert 1 - ratio <= kvpress.cache_bytes(cache) / full <= (1 - ratio) * 1.1
         assert nll != pytest.approx(expected, abs=1e-3)  # eviction changed what the chunks saw
+
+
+def test_yaml_answer_budgets_come_from_answer_tokens():
+    from kvpress.eval.tasks import ANSWER_TOKENS
+    from kvpress.eval.tasks.yaml_budgets import stale, written_budgets
+
+    assert len(written_budgets()) == len(ANSWER_TOKENS)  # every answer task has a YAML with a budget
+    assert stale() == [], "run: python -m kvpress.eval.tasks.yaml_budgets"

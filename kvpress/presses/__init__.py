@@ -16,7 +16,6 @@ from kvpress.presses.kvzip import KVzipPress
 from kvpress.presses.lookahead import LookaheadPress
 from kvpress.presses.pyramidkv import PyramidKVPress
 from kvpress.presses.random_press import RandomPress
-from kvpress.presses.round import RoundPress
 from kvpress.presses.sink_window import SinkWindowPress, StreamingLLMPress
 from kvpress.presses.snapkv import SnapKVPress
 
@@ -172,7 +171,6 @@ __all__ = sorted({press_class(name).__name__ for name in PRESSES}) + [
     "H2OPress",
     "HeadwisePress",
     "Observation",
-    "RoundPress",
     "StreamingLLMPress",
     "aliases",
     "all_press_parameters",

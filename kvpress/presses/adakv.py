@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvpress.patches import model_access
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.head_budget import HeadwisePress, allocate, head_observation
@@ -68,7 +69,7 @@ class AdaKVPress(WrapsPress, HeadwisePress):
     # ----- prefill: a dense layer becomes head-wise ---------------------------------------------------
     def select(self, obs: Observation) -> torch.Tensor | None:
         layer = obs.layer
-        scale = self.layer_scale(obs.layer_idx, obs.module.config.num_hidden_layers)
+        scale = self.layer_scale(obs.layer_idx, obs.n_layers)
         budget = self.budget(layer.real_seen, scale)
         held = layer.held()
         if not bool((held > budget).any()):
@@ -89,7 +90,7 @@ class AdaKVPress(WrapsPress, HeadwisePress):
                 layer.absorb(row, head, view)
 
     def evict_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
-        scale = self.layer_scale(module.layer_idx, module.config.num_hidden_layers)
+        scale = self.layer_scale(model_access.layer_index(module), model_access.layer_count(module))
         if layer.batch == 1 and sum(layer.lengths) <= layer.heads * self._budget_of(int(layer.real_seen[0]), scale):
             return  # the common decoding step: under budget, decided on plain integers
         budget = self.budget(layer.real_seen, scale)

@@ -52,7 +52,7 @@ class KVzipPress(BasePress):
             sink keeps little more than its window (DuoAttention's streaming heads), whatever its scale.
             Needs global_budget > 0.
 
-    Defaults chosen on tuning seed 1 (never on the reported seed 0; eval/results/README.md, "Fidelity"):
+    Defaults chosen on tuning seed 1 (never on the reported seed 0; eval/results/notes/tuning.md):
     with g = 1 SmolLM2 kept every prose needle at r = 0.75 but lost the noise-haystack ones that g = 0
     kept, g = 0.5 kept most of both; a 16-token window kept the last problem of the arithmetic task
     (Qwen2.5-0.5B at r = 0.75: 0.29 -> 0.86 of the examples).

@@ -52,7 +52,7 @@ class LookaheadPress(SnapKVPress):
     Cost: `lookahead` decoding steps over the full cache before it is compressed (in the cache itself,
     which drops them after: it holds `lookahead` + 1 tokens more, no copy).
 
-    Defaults chosen on tuning seeds 1 and 2 (eval/results/README.md, "Fidelity"): on SmolLM2's needles
+    Defaults chosen on tuning seeds 1 and 2 (eval/results/notes/tuning.md): on SmolLM2's needles
     Lookahead kept the full cache's score at r = 0.5 and 0.75 alone, in ChunkKV and in AdaKV, with
     kernel 5 or 1.
     """

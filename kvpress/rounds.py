@@ -15,8 +15,9 @@ FlowKV, 2025 ("FlowKV: Enhancing Multi-Turn Conversational Coherence in LLMs via
 Cache Management", arXiv:2505.15347): compress each finished round once and never again (re-compressing
 old turns destroys early information). `inner` does that.
 
-Used through `kvpress.ChatSession(model, tokenizer, press=RoundPress(...))`, which tells the press
-where each round begins and ends.
+A chat policy, not a press: `kvpress.ChatSession(model, tokenizer, rounds=RoundPolicy(...))` owns it,
+tells it where each round begins and ends, and lets it see every layer's attention as an observer
+(`kvpress.engine.observe`) during the turn's forwards. (`RoundPress` is its former name.)
 
 Parameters:
     top_k_rounds: past rounds kept by relevance (besides the recent ones), >= 0.
@@ -42,7 +43,6 @@ from kvpress.patches import model_access
 from kvpress.patches.cache import PressedLayer
 from kvpress.patterns import config_hash
 from kvpress.presses.base import BasePress, Observation
-from kvpress.presses.head_budget import HeadwisePress
 from kvpress.round_store import RoundStore
 
 OFFLOAD = ("cpu", "none")
@@ -81,15 +81,19 @@ class _Turn:
 
 
 @dataclass
-class RoundPress(BasePress):
-    """Keep the system prompt, the recent rounds and the top-k relevant past rounds (see module docstring)."""
+class RoundPolicy:
+    """Keep the system prompt, the recent rounds and the top-k relevant past rounds (see module docstring).
+
+    `compression_ratio` and `max_tokens` are refused: rounds are bounded by `top_k_rounds` and
+    `keep_recent_rounds`, and compressed by `inner`."""
 
     top_k_rounds: int = 2
     keep_recent_rounds: int = 1
     watershed_layer: int | str = "auto"
     inner: BasePress | None = None
     offload: str = "cpu"
-    compression_ratio: float | None = 0.0
+    compression_ratio: float | None = None
+    max_tokens: int | None = None
     selected: list[int] = field(default_factory=list, init=False)  # rounds chosen at the last turn's selection
     relevance: list[float] = field(default_factory=list, init=False)  # their candidates' scores, oldest first
 
@@ -103,23 +107,24 @@ class RoundPress(BasePress):
             raise ValueError(f"watershed_layer must be a layer index (int >= 0) or 'auto', got {layer!r}")
         if self.offload not in OFFLOAD:
             raise ValueError(f"offload must be one of {OFFLOAD}, got {self.offload!r}")
-        if self.compression_ratio != 0.0 or self.max_tokens is not None:
+        if self.compression_ratio is not None or self.max_tokens is not None:
             raise ValueError(
-                "RoundPress keeps whole rounds: bound it with top_k_rounds / keep_recent_rounds, and compress "
+                "RoundPolicy keeps whole rounds: bound it with top_k_rounds / keep_recent_rounds, and compress "
                 "each round with inner=<a press> (compression_ratio and max_tokens are not its parameters)"
             )
         if self.inner is not None:
-            if not isinstance(self.inner, BasePress) or isinstance(self.inner, (HeadwisePress, RoundPress)):
+            if not isinstance(self.inner, BasePress) or self.inner.per_head:
                 kind = type(self.inner).__name__
                 raise TypeError(f"inner must be a token-level press (SnapKV, H2O, ...), got {kind}")
             if self.inner.rerotate:
                 raise ValueError("inner presses compress a round in place: rerotate=True is not supported there")
-        if self.rerotate:
-            raise ValueError("RoundPress keeps rounds at their true positions: rerotate=True is not supported")
-        super().__post_init__()
         self._turn: _Turn | None = None
         self._queries: dict[int, tuple[nn.Module, torch.Tensor]] = {}
         self.watershed: int | None = None
+
+    def __call__(self, model: nn.Module):
+        raise RuntimeError("RoundPolicy is a chat policy, not a press: use it through "
+                           "kvpress.ChatSession(model, tokenizer, rounds=RoundPolicy(...))")  # fmt: skip
 
     # ----- set-up ------------------------------------------------------------------------------------
     def check_model(self, model: nn.Module) -> None:
@@ -167,11 +172,11 @@ class RoundPress(BasePress):
                 turn.store.put(layer_idx, index, layer.copy_slots(_in_span(layer, span)))
         self._queries = {}
 
-    # ----- during the turn's forwards -------------------------------------------------------------------
+    # ----- during the turn's forwards: an observer of every layer's attention --------------------------------
     def observe(self, obs: Observation) -> None:
         turn = self._turn
         if turn is None:
-            raise RuntimeError("RoundPress needs round boundaries: use it through kvpress.ChatSession(press=...)")
+            raise RuntimeError("RoundPolicy needs round boundaries: use it through kvpress.ChatSession(rounds=...)")
         if self.inner is not None:  # the last queries of the round, for inner's scores at the end
             window = getattr(self.inner, "window_size", None) or 64
             previous = self._queries.get(obs.layer_idx)
@@ -241,3 +246,6 @@ def round_relevance(obs: Observation, spans: list[tuple[int, int]], queries: tup
     probs = obs.attention_probs(start, stop)[0, ..., :n_old].mean(dim=2).flatten(0, 1)  # [heads, n_old]
     pos = obs.layer.pos[0, 0, :n_old]
     return [float(probs[:, (pos >= first) & (pos < end)].sum(-1).max()) for first, end in spans]
+
+
+RoundPress = RoundPolicy  # its former name

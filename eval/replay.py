@@ -1,0 +1,98 @@
+"""Re-measure a sample of a committed sweep's rows and compare them with what was written: a change that
+must not change behaviour (a refactor) keeps every answer and every kept byte.
+
+    python -m kvpress.eval.replay --sweep eval/results/sweep-tasks --rows 12 --out eval/results/replay/sweep-tasks.jsonl
+
+The sample takes rows of every press of the sweep in turn (a seeded shuffle within each press), answer
+tasks only (perplexity rows are not replayed). Each row is measured as the sweep measured it: the same
+example drawn with the sweep's settings, one recorded prefill, the press applied, the same answer budget.
+Results are written as they come, and a second run resumes where the first stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import kvpress
+from kvpress.eval.sweep import _answer_rows, _current_rows
+from kvpress.eval.tasks import ANSWER_TOKENS, Document, task_examples
+
+FIELDS = ("answer", "kept_bytes", "score")
+
+
+def sample_rows(rows: list[dict], n: int, seed: int = 0) -> list[dict]:
+    """`n` rows taken from each press in turn, the presses in a seeded order (each press's rows shuffled)."""
+    by_press: dict[str, list[dict]] = {}
+    for row in sorted(rows, key=lambda r: (r["press"], r["ratio"], r["task"], r["example"])):
+        by_press.setdefault(row["press"], []).append(row)
+    rng = random.Random(seed)
+    for members in by_press.values():
+        rng.shuffle(members)
+    order = sorted(by_press)
+    rng.shuffle(order)
+    by_press = {press: by_press[press] for press in order}
+    picked: list[dict] = []
+    while len(picked) < n and any(by_press.values()):
+        for members in by_press.values():
+            if members and len(picked) < n:
+                picked.append(members.pop())
+    return picked
+
+
+def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, progress: bool = True) -> list[dict]:
+    """Re-measure `n` sampled rows of `sweep` into `out` (JSON lines, resumed); returns every replayed row."""
+    settings = json.loads((sweep / "settings.json").read_text())
+    rows = [row for row in _current_rows(sweep).values() if row["task"] in ANSWER_TOKENS]
+    done = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    seen = {(r["task"], r["example"], r["press"], r["ratio"]) for r in done}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as sink:
+        for row in sample_rows(rows, n, seed):
+            key = (row["task"], row["example"], row["press"], row["ratio"])
+            if key in seen:
+                continue
+            count = max(row.get("examples", 0), settings["examples"], row["example"] + 1)
+            example = task_examples(row["task"], tokenizer, count, settings["length"], settings["seed"])[row["example"]]
+            if isinstance(example, Document):
+                continue
+            budget = row.get("answer_tokens", ANSWER_TOKENS[row["task"]])
+            new = next(_answer_rows(model, tokenizer, example, [(row["press"], row["ratio"])], budget,
+                                    settings["query_aware"], False))  # fmt: skip
+            result = {"task": row["task"], "example": row["example"], "press": row["press"], "ratio": row["ratio"],
+                      **{f"was_{f}": row[f] for f in FIELDS}, **{f"now_{f}": new[f] for f in FIELDS},
+                      "same": all(row[f] == new[f] for f in FIELDS)}  # fmt: skip
+            sink.write(json.dumps(result) + "\n")
+            sink.flush()
+            done.append(result)
+            if progress:
+                mark = "same" if result["same"] else "DIFFERENT"
+                print(f"{mark:9s} {row['press']}@{row['ratio']} {row['task']} #{row['example']}: {new['answer']!r}")
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", required=True, help="a sweep directory (its settings.json names the model)")
+    parser.add_argument("--rows", type=int, default=12, help="rows to replay (default 12)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sample (default 0)")
+    parser.add_argument("--out", required=True, help="JSON lines to write (resumed if it exists)")
+    args = parser.parse_args(argv)
+    if args.rows < 1:
+        parser.error(f"--rows must be a positive number, got {args.rows}")
+    sweep = Path(args.sweep)
+    if not (sweep / "settings.json").exists():
+        parser.error(f"{sweep} holds no sweep (no settings.json)")
+    name = json.loads((sweep / "settings.json").read_text()).get("model")
+    model, tokenizer = kvpress.load_model(None if name in (None, "smollm2-135m") else name)
+    rows = replay(model, tokenizer, sweep, args.rows, Path(args.out), args.seed)
+    same = sum(r["same"] for r in rows)
+    print(f"{same} of {len(rows)} replayed rows give the same answer, kept bytes and score")
+    return 0 if same == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
