@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import kvpress
-from kvpress.eval.sweep import _answer_rows, _current_rows
+from kvpress.eval.sweep import answer_rows, current_rows
 from kvpress.eval.tasks import ANSWER_TOKENS, Document, task_examples
 
 FIELDS = ("answer", "kept_bytes", "score")
@@ -46,7 +46,7 @@ def sample_rows(rows: list[dict], n: int, seed: int = 0) -> list[dict]:
 def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, progress: bool = True) -> list[dict]:
     """Re-measure `n` sampled rows of `sweep` into `out` (JSON lines, resumed); returns every replayed row."""
     settings = json.loads((sweep / "settings.json").read_text())
-    rows = [row for row in _current_rows(sweep).values() if row["task"] in ANSWER_TOKENS]
+    rows = [row for row in current_rows(sweep).values() if row["task"] in ANSWER_TOKENS]
     done = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     seen = {(r["task"], r["example"], r["press"], r["ratio"]) for r in done}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -60,7 +60,7 @@ def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, prog
             if isinstance(example, Document):
                 continue
             budget = row.get("answer_tokens", ANSWER_TOKENS[row["task"]])
-            new = next(_answer_rows(model, tokenizer, example, [(row["press"], row["ratio"])], budget,
+            new = next(answer_rows(model, tokenizer, example, [(row["press"], row["ratio"])], budget,
                                     settings["query_aware"], False))  # fmt: skip
             result = {"task": row["task"], "example": row["example"], "press": row["press"], "ratio": row["ratio"],
                       **{f"was_{f}": row[f] for f in FIELDS}, **{f"now_{f}": new[f] for f in FIELDS},

@@ -109,7 +109,7 @@ def run_sweep(
     if rank == 0:
         (out / "settings.json").write_text(json.dumps({**settings, "presses": presses, "ratios": ratios,
                                                        "tasks": tasks, "processes": world}))  # fmt: skip
-    done = {key for key, row in _current_rows(out).items() if is_final(row)}
+    done = {key for key, row in current_rows(out).items() if is_final(row)}
 
     def todo(task: str, i: int) -> list[tuple[str, float]]:
         return [(name, r) for name, r in configs if (task, i, name, r) not in done]
@@ -138,7 +138,7 @@ def refresh_sweep(model: nn.Module, tokenizer, out: str | Path, progress: bool =
     settings = json.loads(settings_path.read_text())
     if settings.get("model", model_name(model)) != model_name(model):
         raise ValueError(f"{out} was measured with {settings['model']!r}, not {model_name(model)!r}")
-    current = _current_rows(out)
+    current = current_rows(out)
     wanted: dict = {}
     for (task, i, press, ratio), row in current.items():
         if not is_final(row):
@@ -191,14 +191,14 @@ def _check_resume(out: Path, settings: dict) -> None:
                              "use another --out")  # fmt: skip
 
 
-def _current_rows(out: Path) -> dict[tuple, dict]:
+def current_rows(out: Path) -> dict[tuple, dict]:
     """The row that stands for each (task, example, press, ratio) in `out`: a final one over one that is
     not (its re-measurement), else the last written."""
     return {key: row for key, (_, row) in _standing(out).items()}
 
 
 def _standing(out: Path) -> dict[tuple, tuple[tuple[Path, int], dict]]:
-    """For each key, ((file, line number), row) of the row that stands (`_current_rows`)."""
+    """For each key, ((file, line number), row) of the row that stands (`current_rows`)."""
     chosen: dict = {}
     for path in sorted(out.glob("results*.jsonl")):
         for n, line in enumerate(path.read_text().splitlines()):
@@ -240,14 +240,14 @@ def _measure(model, tokenizer, out: Path, counts: dict, todo, drawn: tuple, quer
                 if isinstance(example, Document):
                     rows = _perplexity_rows(model, tokenizer, example, configs, progress)
                 else:
-                    rows = _answer_rows(model, tokenizer, example, configs, ANSWER_TOKENS[task], query_aware,
+                    rows = answer_rows(model, tokenizer, example, configs, ANSWER_TOKENS[task], query_aware,
                                         progress)  # fmt: skip
                 for row in rows:
                     sink.write(json.dumps({"task": task, "example": i, "examples": count, **row}) + "\n")
                     sink.flush()
 
 
-def _answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_aware: bool, progress: bool):
+def answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_aware: bool, progress: bool):
     """One recorded prefill of the example's context, then one row per configuration in `todo`."""
     from tqdm.auto import tqdm
 
@@ -305,7 +305,7 @@ def _shard():
 
 def write_summary(out: Path) -> list[dict]:
     """Aggregate `results.jsonl` into summary.json / summary.csv / table.md / plot.png."""
-    rows = list(_current_rows(out).values())
+    rows = list(current_rows(out).values())
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["task"], r["press"], r["ratio"]), []).append(r)

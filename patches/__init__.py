@@ -1,7 +1,11 @@
 """Everything that touches transformers internals lives here, so one place changes when transformers does.
+It imports nothing from the rest of kvpress (`tests/test_layout.py`).
 
+- `intercept`: `Intercept`, which installs the attention intercept on a model for the caller that entered a
+  press (registry, implementation switch, forward hooks) and restores it.
+- `attention`: the `AttentionMaskInterface` partner and the masks of compressed layers.
+- `cache`, `head_cache`: the cache layer classes (`PressedLayer`, `HeadwiseLayer`) and `cache_bytes`.
+- `headwise_attention`: attention over per-head storage.
 - `model_access`: what a model family looks like (decoder, rotary embedding, eager kernel, cache keyword).
 - `rope`: re-rotating cached keys to new positions.
-- `attention`: the attention intercept registered with `AttentionInterface` / `AttentionMaskInterface`.
-- `install`: `PressInstallation`, the context that installs a press on a model and restores it.
 """

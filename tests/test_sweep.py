@@ -256,3 +256,12 @@ def test_refresh_refuses_a_directory_without_a_sweep_or_of_another_model(default
     (tmp_path / "settings.json").write_text(json.dumps({"model": "qwen2.5-0.5b", "examples": 1}))
     with pytest.raises(ValueError, match="measured with 'qwen2.5-0.5b', not 'smollm2-135m'"):
         refresh_sweep(*default_model, tmp_path)
+
+
+def test_replay_samples_every_press_in_turn():
+    from kvpress.eval.replay import sample_rows
+
+    rows = [{"press": p, "ratio": r, "task": "t", "example": i} for p in "abc" for r in (0.5, 0.75) for i in range(4)]
+    picked = sample_rows(rows, 5, seed=1)
+    assert len(picked) == 5 and {r["press"] for r in picked[:3]} == {"a", "b", "c"}
+    assert sample_rows(rows, 5, seed=1) == picked and len(sample_rows(rows, 99)) == len(rows)
