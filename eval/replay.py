@@ -43,10 +43,13 @@ def sample_rows(rows: list[dict], n: int, seed: int = 0) -> list[dict]:
     return picked
 
 
-def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, progress: bool = True) -> list[dict]:
-    """Re-measure `n` sampled rows of `sweep` into `out` (JSON lines, resumed); returns every replayed row."""
+def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, progress: bool = True,
+           presses: list[str] | None = None) -> list[dict]:  # fmt: skip
+    """Re-measure `n` sampled rows of `sweep` (of `presses` only, when given) into `out` (JSON lines, resumed);
+    returns every replayed row."""
     settings = json.loads((sweep / "settings.json").read_text())
-    rows = [row for row in current_rows(sweep).values() if row["task"] in ANSWER_TOKENS]
+    rows = [row for row in current_rows(sweep).values()
+            if row["task"] in ANSWER_TOKENS and (presses is None or row["press"] in presses)]  # fmt: skip
     done = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     seen = {(r["task"], r["example"], r["press"], r["ratio"]) for r in done}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", required=True, help="a sweep directory (its settings.json names the model)")
     parser.add_argument("--rows", type=int, default=12, help="rows to replay (default 12)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample (default 0)")
+    parser.add_argument("--presses", help="replay these presses only (comma-separated, as the sweep names them)")
     parser.add_argument("--out", required=True, help="JSON lines to write (resumed if it exists)")
     args = parser.parse_args(argv)
     if args.rows < 1:
@@ -88,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{sweep} holds no sweep (no settings.json)")
     name = json.loads((sweep / "settings.json").read_text()).get("model")
     model, tokenizer = kvpress.load_model(None if name in (None, "smollm2-135m") else name)
-    rows = replay(model, tokenizer, sweep, args.rows, Path(args.out), args.seed)
+    presses = args.presses.split(",") if args.presses else None
+    rows = replay(model, tokenizer, sweep, args.rows, Path(args.out), args.seed, presses=presses)
     same = sum(r["same"] for r in rows)
     print(f"{same} of {len(rows)} replayed rows give the same answer, kept bytes and score")
     return 0 if same == len(rows) else 1

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+import kvpress
 from kvpress import KnormPress, PyramidKVPress, SnapKVPress, cache_bytes
 from tiny import prompt, tiny_model
 
@@ -87,3 +88,23 @@ def test_pyramid_padded_batch_equals_rows_alone():
         with press(model):
             alone = model.generate(r[None], max_new_tokens=12, do_sample=False, pad_token_id=0)
         assert torch.equal(batch[i, 40:], alone[0, len(r) :])
+
+
+def test_pyramid_over_any_scorer():
+    """PyramidKV is a budget policy: over Knorm, each layer keeps its pyramid share of Knorm's ranking."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    ids = prompt(1, 64)
+    press = kvpress.press_from_name("pyramidkv:inner=knorm:beta=4", compression_ratio=0.5)
+    cache = DynamicCache(config=model.config)
+    with press(model):
+        model(ids, cache=cache)
+    keys = DynamicCache(config=model.config)
+    model(ids, cache=keys)
+    for i, layer in enumerate(cache.layers):
+        assert layer.n == press._budget_of(64, press.layer_scale(i, 4))
+        norms = keys.layers[i].keys[0].norm(dim=-1)  # [H, n]: Knorm keeps the smallest
+        expected = norms.argsort(dim=-1)[:, : layer.n].sort(dim=-1).values
+        assert torch.equal(layer.pos[0].long().sort(dim=-1).values, expected)
+    assert cache.layers[0].n > cache.layers[3].n
+    with pytest.raises(ValueError, match="for its own SnapKV only"):
+        PyramidKVPress(KnormPress(compression_ratio=0.5), window_size=8)

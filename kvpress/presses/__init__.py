@@ -30,6 +30,11 @@ def _chunkkv(chunk_size: int = 10, inner: str = "snapkv", **kwargs) -> ChunkPres
     return ChunkPress(press_from_name(inner, **kwargs), chunk_size=chunk_size)
 
 
+def _pyramidkv(beta: float = 20.0, inner: str = "snapkv", **kwargs) -> PyramidKVPress:
+    """PyramidKV's per-layer budgets over the press named `inner` (SnapKV by default, as in the paper)."""
+    return PyramidKVPress(press_from_name(inner, **kwargs), beta=beta)
+
+
 PRESSES = {
     "adakv": _adakv,
     "chunkkv": _chunkkv,
@@ -43,7 +48,7 @@ PRESSES = {
     "keydiff": KeyDiffPress,
     "kvzip": KVzipPress,
     "lookahead": LookaheadPress,
-    "pyramidkv": PyramidKVPress,
+    "pyramidkv": _pyramidkv,
     "random": RandomPress,
 }
 

@@ -1,37 +1,72 @@
-"""PyramidKV: SnapKV scores with per-layer budgets that shrink from the lowest layer to the highest.
+"""PyramidKV: per-layer budgets that shrink from the lowest layer to the highest, over any scorer.
 
 Cai et al. 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling"
 (arXiv:2406.02069): attention spreads widely in lower layers and concentrates in higher ones, so
 lower layers get more of the budget. With an average budget k, the top layer keeps k / beta, the
 bottom one 2k - k / beta, and the layers in between follow the line; the total equals the uniform one.
+The paper scores with SnapKV (the default here); any token-level press can score instead
+(`PyramidKVPress(KnormPress(compression_ratio=0.5))`, `pyramidkv:inner=knorm`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpress.presses.base import BasePress
+from kvpress.presses.head_budget import HeadwisePress
 from kvpress.presses.snapkv import SnapKVPress
+from kvpress.presses.wrapping import WrapsPress
 
 
 @dataclass
-class PyramidKVPress(SnapKVPress):
-    """SnapKV with a linear pyramid of per-layer budgets.
+class PyramidKVPress(WrapsPress, BasePress):
+    """A linear pyramid of per-layer budgets over a token-level press's scores (SnapKV by default).
 
     Parameters:
-        compression_ratio / max_tokens: the average budget (see `BasePress`); each layer keeps at least
-            its protected window.
+        press: the press that scores tokens (its budget, sinks and window are used; it must not set
+            `layer_scales`). Or, as in the paper, SnapKV built from the arguments below:
+        compression_ratio / max_tokens, rerotate, decode_slack: the average budget (see `BasePress`);
+            each layer keeps at least its protected window.
+        window_size, kernel_size, n_sink: SnapKV's (defaults 64, 5, 0).
         beta: steepness; the top layer keeps 1/beta of the average budget (default 20, as in the paper).
-        window_size, kernel_size: as in `SnapKVPress`.
     """
 
+    press: BasePress | None = None
     beta: float = 20.0
+    window_size: int | None = None
+    kernel_size: int | None = None
+    n_sink: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.beta, (int, float)) or self.beta < 1:
+        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or self.beta < 1:
             raise ValueError(f"beta must be a number >= 1 (1: every layer the same), got {self.beta!r}")
         if self.layer_scales is not None:
             raise ValueError("PyramidKVPress sets the per-layer budgets itself; use layer_scales with another press")
+        snapkv = {k: v for k in ("window_size", "kernel_size", "n_sink") if (v := getattr(self, k)) is not None}
+        if self.press is None and not isinstance(self.compression_ratio, BasePress):  # the paper's: SnapKV
+            self.press = SnapKVPress(compression_ratio=self.compression_ratio, max_tokens=self.max_tokens,
+                                     rerotate=self.rerotate, decode_slack=self.decode_slack, **snapkv)  # fmt: skip
+            self.compression_ratio = self.max_tokens = None
+            self.rerotate, self.decode_slack = False, 0.02
+        elif snapkv:
+            raise ValueError(f"PyramidKVPress takes {', '.join(snapkv)} for its own SnapKV only; set them on the "
+                             "wrapped press")  # fmt: skip
+        self.adopt_press(refused=(HeadwisePress, PyramidKVPress))
+        if self.press.layer_scales is not None or getattr(self.press, "global_budget", 0):
+            name = type(self.press).__name__
+            raise ValueError(f"PyramidKVPress sets the per-layer budgets itself: the wrapped {name} "
+                             "cannot set its own (layer_scales, or KVzip's global_budget=0)")  # fmt: skip
+        self.rerotate = self.press.rerotate
         super().__post_init__()
+
+    def check_model(self, model) -> None:
+        self.press.check_model(model)
+
+    def observe(self, obs) -> None:
+        self.press.observe(obs)
+
+    def score(self, obs):
+        return self.press.score(obs)
 
     def layer_scale(self, layer_idx: int, n_layers: int) -> float:
         if n_layers == 1:
