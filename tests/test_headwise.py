@@ -160,13 +160,16 @@ def test_adakv_normalize_makes_heads_compete_by_shape_not_scale(inner):
         AdaKVPress(plain, normalize="yes")
 
 
-@pytest.mark.parametrize("make", ["adakv", "duo"])
+@pytest.mark.parametrize("make", ["adakv", "duo", "duo-snapkv"])
 def test_padded_batch_rows_equal_rows_alone(make):
     model = tiny_model("llama")
     if make == "adakv":
         press = AdaKVPress(SnapKVPress(0.5, window_size=8))
-    else:
+    elif make == "duo":
         press = DuoAttentionPress(compression_ratio=0.6, head_pattern=_pattern(model), window=8)
+    else:
+        press = DuoAttentionPress(retrieval_fraction=0.5, head_pattern=_pattern(model), window=8,
+                                  press=SnapKVPress(0.5, window_size=8))  # fmt: skip
     a, b = prompt(1, 96, seed=1), prompt(1, 70, seed=2)
     batch = torch.cat([a, torch.cat([torch.zeros(1, 26, dtype=torch.long), b], 1)])
     mask = torch.cat([torch.ones(1, 96), torch.cat([torch.zeros(1, 26), torch.ones(1, 70)], 1)]).long()
@@ -232,6 +235,32 @@ def test_duo_streaming_heads_stay_bounded(attn):
                 streaming += 1
                 assert n == 20
     assert streaming == retrieval == 4
+
+
+@pytest.mark.parametrize("inner", ["snapkv", "h2o"])
+def test_duo_over_a_scorer(inner):
+    """With press=, retrieval heads keep what that press keeps of them, at its budget, while decoding too."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    scorer = SnapKVPress(max_tokens=32, window_size=4) if inner == "snapkv" else HeavyHitterPress(max_tokens=32)
+    press = DuoAttentionPress(retrieval_fraction=0.5, head_pattern=_pattern(model), n_sink=4, window=16, press=scorer)
+    ids = prompt(1, 96)
+    _, prefilled = _generate(model, ids, press, new=1)
+    dense = DynamicCache(config=model.config)
+    with scorer(model):
+        model(ids, cache=dense)
+    _, decoded = _generate(model, ids, press, new=50)
+    for i, (layer, after) in enumerate(zip(prefilled.layers, decoded.layers, strict=True)):
+        for head in range(layer.heads):
+            kept = sorted(layer.slot("pos", 0, head).tolist())
+            if press.rank[i][head] < 4:  # a retrieval head: the scorer's own choice, then its budget
+                assert kept == sorted(dense.layers[i].pos[0, head].tolist())
+                assert 32 - 2 <= after.lengths[head] <= 32
+            else:
+                assert kept == [0, 1, 2, 3, *range(80, 96)] and after.lengths[head] == 20
+    with pytest.raises(ValueError, match="takes retrieval_fraction"):
+        DuoAttentionPress(compression_ratio=0.5, press=SnapKVPress(0.5))
+    with pytest.raises(TypeError, match="token-level press"):
+        DuoAttentionPress(retrieval_fraction=0.5, press=AdaKVPress(SnapKVPress(0.5)))
 
 
 def test_duo_compression_ratio_sets_the_bytes():

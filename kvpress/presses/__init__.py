@@ -35,10 +35,21 @@ def _pyramidkv(beta: float = 20.0, inner: str = "snapkv", **kwargs) -> PyramidKV
     return PyramidKVPress(press_from_name(inner, **kwargs), beta=beta)
 
 
+def _duo_attention(head_pattern: str = "auto", retrieval_fraction: float | None = None, n_sink: int = 4,
+                  window: int = 64, inner: str | None = None, **kwargs) -> DuoAttentionPress:  # fmt: skip
+    """DuoAttention; with `inner`, its retrieval heads keep what the press named `inner` keeps (built from the
+    remaining arguments) instead of everything. `n_sink` and `window` are the streaming heads' (the inner
+    press keeps its own defaults for parameters of the same name)."""
+    duo = {"head_pattern": head_pattern, "retrieval_fraction": retrieval_fraction, "n_sink": n_sink, "window": window}
+    if inner is None:
+        return DuoAttentionPress(**duo, **kwargs)
+    return DuoAttentionPress(**duo, press=press_from_name(inner, **kwargs))
+
+
 PRESSES = {
     "adakv": _adakv,
     "chunkkv": _chunkkv,
-    "duo-attention": DuoAttentionPress,
+    "duo-attention": _duo_attention,
     "snapkv": SnapKVPress,
     "h2o": HeavyHitterPress,
     "heavy-hitter": HeavyHitterPress,
@@ -67,8 +78,12 @@ def press_parameters(name: str, inner: str | None = None) -> dict[str, object]:
     factory = PRESSES[name]
     params = {}
     for param in inspect.signature(factory).parameters.values():
-        if param.kind is param.VAR_KEYWORD:  # a wrapper passes the rest to its inner press
-            params.update(press_parameters(parse_press_spec(inner or params["inner"])[0]))
+        if param.kind is param.VAR_KEYWORD and (inner or params["inner"]):  # the rest goes to its inner press
+            for key, default in press_parameters(parse_press_spec(inner or params["inner"])[0]).items():
+                params.setdefault(key, default)  # a name both take is the wrapper's
+        elif param.kind is param.VAR_KEYWORD:  # no inner press: the rest goes to the class itself
+            own = inspect.signature(press_class(name)).parameters.values()
+            params.update({p.name: p.default for p in own if p.name not in params and p.name != "press"})
         elif param.name != "press":  # a wrapper class's inner press object (the factories build it from `inner`)
             params[param.name] = param.default
     return params

@@ -6,6 +6,9 @@ attention sinks and recent tokens; 2.55x (MHA) / 1.67x (GQA) less memory at equa
 heads retrieve is learned offline: here a head pattern made by `kvpress calibrate-heads` ranks the
 (layer, KV head) pairs, and the top ones are retrieval heads. Streaming heads stay bounded while
 decoding; retrieval heads keep growing. Each head's tokens live in storage of their own size.
+
+A budget policy over any scorer: with `press=` (`duo-attention:inner=snapkv:retrieval_fraction=0.5`), the
+retrieval heads keep what that press keeps of them at its own budget, instead of everything.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from torch import nn
 from kvpress.patches import model_access
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.patterns import check_pattern, find_pattern, load_pattern
-from kvpress.presses.base import Observation, _check_ratio
-from kvpress.presses.head_budget import HeadwisePress
+from kvpress.presses.base import BasePress, Observation, _check_ratio
+from kvpress.presses.head_budget import HeadwisePress, head_observation
 
 
 @dataclass
@@ -38,14 +41,27 @@ class DuoAttentionPress(HeadwisePress):
             pattern's model name ("smollm2-135m", "qwen2.5-0.5b"), a JSON path, or a dict; a pattern made
             for another architecture is refused when the press is installed.
         n_sink, window: what a streaming head keeps (defaults 4 and 64).
+        press: a token-level press that compresses the retrieval heads, each at that press's budget (its
+            `compression_ratio` or `max_tokens`, its sinks and window), during prefill and decoding
+            (default None: retrieval heads keep everything). Needs `retrieval_fraction`.
     """
 
     head_pattern: str | dict = "auto"
     retrieval_fraction: float | None = None
     n_sink: int = 4
     window: int = 64
+    press: BasePress | None = None
 
     def __post_init__(self) -> None:
+        if self.press is not None:
+            if not isinstance(self.press, BasePress) or self.press.per_head or self.press.needs_whole_context:
+                raise TypeError(f"DuoAttentionPress's press scores its retrieval heads: a token-level press that "
+                                f"evicts inside a forward (SnapKV, H2O, Knorm, ...), got {self.press!r}")  # fmt: skip
+            if self.retrieval_fraction is None or self.compression_ratio is not None:
+                raise ValueError("with press=, DuoAttentionPress takes retrieval_fraction (the retrieval heads keep "
+                                 "what the press keeps at its own budget), not compression_ratio")  # fmt: skip
+            if self.press.rerotate or self.press.layer_scales is not None:
+                raise ValueError("DuoAttentionPress's press cannot re-rotate keys or set layer_scales")
         if self.max_tokens is not None:
             raise ValueError("DuoAttentionPress takes compression_ratio or retrieval_fraction, not max_tokens")
         if (self.compression_ratio is None) == (self.retrieval_fraction is None):
@@ -65,6 +81,8 @@ class DuoAttentionPress(HeadwisePress):
         self.pattern = None if self.head_pattern == "auto" else load_pattern(self.head_pattern)
 
     def check_model(self, model: nn.Module) -> None:
+        if self.press is not None:
+            self.press.check_model(model)
         pattern = find_pattern(model) if self.head_pattern == "auto" else self.pattern
         check_pattern(pattern, model)
         scores = torch.tensor(pattern["scores"], dtype=torch.float64)
@@ -97,7 +115,7 @@ class DuoAttentionPress(HeadwisePress):
     def select(self, obs: Observation) -> torch.Tensor | None:
         layer = obs.layer
         stream = self.n_sink + self.window
-        if not bool((layer.held() > stream).any()):
+        if self.press is None and not bool((layer.held() > stream).any()):
             return None
         if self.compression_ratio is not None and any(
             n - math.floor(n * self.compression_ratio) <= stream for n in layer.real_seen.tolist()
@@ -106,10 +124,31 @@ class DuoAttentionPress(HeadwisePress):
         retrieval = self._retrieval(obs.layer_idx, layer.real_seen)
         pos = layer.pos
         streaming = (pos < self.n_sink) | (pos >= (layer.real_seen - self.window)[:, None, None])
-        keep = retrieval[:, :, None] | streaming
+        whole = torch.ones_like(streaming) if self.press is None else self._scored(obs)
+        keep = torch.where(retrieval[:, :, None], whole, streaming)
         if layer.valid is None and bool(keep.all()):
             return None
         return keep
+
+    def _scored(self, obs: Observation) -> torch.Tensor:
+        """`[B, H, n]` what `press` keeps of every head at its budget (each head its own top-k)."""
+        budget = self.press.budget(obs.layer.real_seen, self.press.layer_scale(obs.layer_idx, obs.n_layers))
+        target = torch.minimum(obs.layer.held(), self.press.target(budget, obs.q_len))
+        scores = self.press.ranked_scores(obs, budget)
+        rank = scores.argsort(dim=-1, descending=True).argsort(dim=-1)
+        return (rank < target.to(rank.device)[:, None, None]) & (scores > -math.inf)
+
+    def observe(self, obs: Observation) -> None:
+        if self.press is not None:
+            self.press.observe(obs)
+
+    def observe_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
+        if self.press is None or type(self.press).observe is BasePress.observe:
+            return
+        for row, head in (layer.head_budget < 0).nonzero().tolist():  # retrieval heads: the press's state
+            obs, view = head_observation(module, query, layer, row, head)
+            self.press.observe(obs)
+            layer.absorb(row, head, view)
 
     def head_budgets(self, obs: Observation) -> torch.Tensor:
         """Streaming heads stay bounded from now on; -1: a retrieval head."""
@@ -121,6 +160,12 @@ class DuoAttentionPress(HeadwisePress):
         return self.rank[layer_idx].to(real_seen.device)[None] < self.retrieval_heads(real_seen)[:, None]
 
     def evict_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
+        if self.press is not None:  # retrieval heads over the press's budget: its top-k of each head
+            scale = self.press.layer_scale(model_access.layer_index(module), model_access.layer_count(module))
+            for row, head in (layer.head_budget < 0).nonzero().tolist():
+                if layer.lengths[row * layer.heads + head] > self.press._budget_of(int(layer.real_seen[row]), scale):
+                    obs, _ = head_observation(module, query, layer, row, head)
+                    layer.keep(row, head, self._scored(obs)[0, 0].nonzero().flatten())
         stream = self.n_sink + self.window
         for row, head in (layer.head_budget >= 0).nonzero().tolist():
             n = layer.lengths[row * layer.heads + head]
