@@ -27,9 +27,8 @@ from pathlib import Path
 import torch
 
 import kvpress
-from kvpress.engine import observe
+from kvpress.engine import Observation, observe
 from kvpress.eval.tasks.chat_recall import ChatExample, chat_recall_examples
-from kvpress.observation import Observation
 from kvpress.patches import model_access
 from kvpress.recording import QueryRecorder
 from kvpress.rounds import choose_watershed, round_relevance

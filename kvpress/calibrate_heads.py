@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kvpress.engine import observe
-from kvpress.observation import Observation
+from kvpress.engine import Observation, observe
 from kvpress.patterns import config_hash
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "

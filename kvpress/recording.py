@@ -16,8 +16,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from kvpress.engine import evict, observe
-from kvpress.observation import Observation
+from kvpress.engine import Observation, evict, observe
 from kvpress.presses.base import BasePress
 
 

@@ -9,6 +9,12 @@ context (thread, `contextvars` context) where `activated()` is entered. Another 
 same model, or code that runs while a generator that activated the press is suspended, get the model's
 own attention and masks, exactly as with nothing installed.
 
+The mask function registered with the attention function does not build a mask: it returns a `MaskInfo`
+that keeps the 2D padding mask and builds transformers' standard mask only if a layer asks for it (layers
+not compressed yet, layers the press leaves alone such as Gemma3's sliding-window ones, other callers). A
+compressed layer's mask is built from that layer's own slots, so layers of different lengths work on sdpa
+and eager alike.
+
 For an active caller, the pre-hook finds or makes the cache and turns its full-attention layers into
 `PressedLayer`s; the attention function builds each compressed layer's mask from its slots and, after
 the attention ran, hands the layer to the `handler` (the engine, `kvpress.engine`), which decides what
@@ -27,13 +33,16 @@ import contextvars
 import itertools
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
 
-from kvpress.patches import attention, model_access
+from kvpress.patches import model_access
 from kvpress.patches.cache import PressedLayer
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.patches.headwise_attention import headwise_attention
@@ -85,7 +94,7 @@ class Intercept:
         modules = model_access.attention_modules(self.model)
         self._inner = {i: model_access.inner_attention(self.model, current, m) for i, m in modules.items()}
         self.cache_key = model_access.cache_keyword(self.model)
-        attention.register(self.name, self._attention, attention.original_mask_function(current))
+        register(self.name, self._attention, original_mask_function(current))
         self._forwards = {}
         try:
             self._hooks = [self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
@@ -108,7 +117,7 @@ class Intercept:
             self._hooks = []
             if self.model.config._attn_implementation == self.name:
                 self.model.set_attn_implementation(self._original)
-            attention.unregister(self.name)
+            unregister(self.name)
         for cache in list(self._caches):
             for layer in cache.layers:
                 if isinstance(layer, _DRIVEN):
@@ -200,7 +209,7 @@ class Intercept:
         return args, kwargs
 
     def _attention(self, module: nn.Module, query, key, value, attention_mask, **kwargs):
-        info = attention_mask if isinstance(attention_mask, attention.MaskInfo) else None
+        info = attention_mask if isinstance(attention_mask, MaskInfo) else None
         inner = self._inner[module.layer_idx]
         call = self._call()
         layer = call.cache.layers[module.layer_idx] if call is not None and call.cache is not None else None
@@ -234,7 +243,7 @@ class Intercept:
             fn = "sdpa" if self._original.startswith("flash_attention") else self._original
             inner = model_access.inner_attention(self.model, fn, module) if fn != self._original else inner
             n_rep = query.shape[1] // key.shape[1]
-            mask = attention.layer_mask(layer, q_len, n_rep, query.dtype, additive=fn == "eager")
+            mask = layer_mask(layer, q_len, n_rep, query.dtype, additive=fn == "eager")
         out = inner(module, query, key, value, mask, **kwargs)
         if call.compressing:
             replacement = self.handler.after_attention(module, query, key, value, layer)
@@ -242,6 +251,78 @@ class Intercept:
                 replacement.driven = True
                 call.cache.layers[module.layer_idx] = replacement
         return out
+
+
+# ----- the mask partner: transformers' mask built only where a layer needs it ---------------------------------
+@dataclass
+class MaskInfo:
+    """What the mask interface was asked for, kept until a layer needs it."""
+
+    build: Callable[..., torch.Tensor | None]
+    kwargs: dict
+    _standard: list = field(default_factory=list)
+
+    @property
+    def padding(self) -> torch.Tensor | None:
+        mask = self.kwargs.get("attention_mask")
+        return mask if mask is not None and mask.dim() == 2 else None
+
+    def new_valid(self, q_len: int) -> torch.Tensor | None:
+        """`[B, q]` True for the real tokens among the last `q_len`, or None when none is padding."""
+        padding = self.padding
+        if padding is None:
+            return None
+        new = padding[:, -q_len:].bool()
+        return None if bool(new.all()) else new
+
+    def standard(self) -> torch.Tensor | None:
+        """transformers' own mask for these arguments (built once)."""
+        if not self._standard:
+            self._standard.append(self.build(**self.kwargs))
+        return self._standard[0]
+
+
+def layer_mask(layer: PressedLayer, q_len: int, n_rep: int, dtype: torch.dtype, additive: bool):
+    """The mask of a compressed layer: held slots visible where valid, causal among the new tokens.
+
+    Bool (sdpa) or additive float (eager); None when nothing is hidden. A query always sees its
+    own slot, so padding queries stay finite.
+    """
+    n, device = layer.n, layer.keys.device
+    valid = layer.valid
+    if valid is None and q_len == 1:
+        return None
+    causal = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
+    if valid is None:
+        old = torch.ones(q_len, n - q_len, dtype=torch.bool, device=device)
+        mask = torch.cat([old, causal], dim=-1)[None, None]
+    else:
+        b, h = valid.shape[:2]
+        old = valid[:, :, None, : n - q_len].expand(b, h, q_len, n - q_len)
+        new = causal & valid[:, :, None, n - q_len :] | torch.eye(q_len, dtype=torch.bool, device=device)
+        mask = torch.cat([old, new], dim=-1).repeat_interleave(n_rep, dim=1)
+    if additive:
+        return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+    return mask
+
+
+def register(name: str, attention_fn: Callable, original_mask_fn: Callable) -> None:
+    """Register `attention_fn` and a `MaskInfo`-returning mask function under `name`."""
+
+    def mask_fn(**kwargs):
+        return MaskInfo(original_mask_fn, kwargs)
+
+    AttentionInterface.register(name, attention_fn)
+    AttentionMaskInterface.register(name, mask_fn)
+
+
+def unregister(name: str) -> None:
+    AttentionInterface._global_mapping.pop(name, None)
+    AttentionMaskInterface._global_mapping.pop(name, None)
+
+
+def original_mask_function(implementation: str) -> Callable:
+    return AttentionMaskInterface._global_mapping[implementation]
 
 
 def new_tokens(args: tuple, kwargs: dict) -> torch.Tensor:

@@ -16,8 +16,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from kvpress.engine import Installable
-from kvpress.observation import Observation
+from kvpress.engine import Installable, Observation
 from kvpress.patches.cache import PressedLayer
 
 

@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from kvpress.observation import Observation
+from kvpress.engine import Observation
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.presses.base import BasePress
 

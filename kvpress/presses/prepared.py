@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpress.observation import Observation
+from kvpress.engine import Observation
 from kvpress.presses.base import BasePress
 
 
