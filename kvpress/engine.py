@@ -108,6 +108,9 @@ class PressInstallation:
             raise TypeError(f"press must be a kvpress press, got {type(press).__name__}")
         if press is None and not observers:
             raise ValueError("nothing to install: give a press or at least one observer")
+        wrong = [type(o).__name__ for o in observers if not callable(o)]
+        if wrong:
+            raise TypeError(f"an observer is a callable taking an Observation, got {', '.join(wrong)}")
         self.intercept = Intercept(model, self)  # refuses models kvpress cannot intercept
         self.model, self.press, self.observers = model, press, tuple(observers)
         self._inv_freq = None

@@ -208,3 +208,18 @@ def test_frozen_needs_the_caller_that_entered():
         with installation.frozen():
             pass
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_observers_see_every_layer_and_evict_nothing():
+    model = tiny_model("llama")
+    ids = prompt(1, 30)
+    seen = []
+    cache = DynamicCache(config=model.config)
+    with kvpress.observe(model, lambda obs: seen.append((obs.layer_idx, obs.q_len, obs.keys.shape[2]))):
+        logits = model(ids, cache=cache).logits
+    assert seen == [(0, 30, 30), (1, 30, 30)]
+    assert torch.equal(logits, model(ids).logits) and cache.get_seq_length() == cache.layers[0].n == 30
+    with pytest.raises(TypeError, match="an observer is a callable"):
+        kvpress.observe(model, 3)
+    with pytest.raises(ValueError, match="nothing to install"):
+        kvpress.observe(model)
