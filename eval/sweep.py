@@ -74,6 +74,16 @@ def check_tasks(tasks: list[str]) -> None:
             raise ValueError(f"unknown task {task!r}; choose one of: {', '.join(sorted(TASKS))}")
 
 
+MIN_LENGTH = 64  # context tokens: room for a task's fact and its filler
+
+
+def check_sizes(examples: int, length: int, seed: int) -> None:
+    """Refuse example counts, context lengths and seeds no task can be drawn with (before a model loads)."""
+    for name, value, least in (("examples", examples, 1), ("length", length, MIN_LENGTH), ("seed", seed, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
 def run_sweep(
     model: nn.Module,
     tokenizer,
@@ -91,6 +101,7 @@ def run_sweep(
     configurations that a changed answer budget could change (`is_final`) are measured again."""
     configs = configurations(presses, ratios)
     check_tasks(tasks)
+    check_sizes(examples, length, seed)
     chunked = [task for task in tasks if task not in ANSWER_TOKENS]  # the perplexity tasks: no answer
     built = {name: kvpress.press_from_name(name, compression_ratio=0.5) for name in presses}
     whole = [name for name, press in built.items() if press.needs_whole_context]
@@ -419,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [float(r) for r in args.ratios.split(",")]
         configurations(presses, ratios)
         check_tasks(tasks)  # before the model loads
+        check_sizes(args.examples, args.length, args.seed)
     except ValueError as err:
         print(f"kvpress sweep: {err}", file=sys.stderr)
         return 2

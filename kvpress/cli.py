@@ -106,6 +106,15 @@ def cmd_presses(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_counts(args: argparse.Namespace) -> None:
+    """Refuse counts no command can run with, naming the flag and the allowed values."""
+    least = {"max_new_tokens": 1, "max_tokens": 1, "examples": 1, "length": 100, "seed": 0}
+    for name, bound in least.items():
+        value = getattr(args, name, None)
+        if value is not None and value < bound:
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {bound}, got {value}")
+
+
 def main(argv: list[str] | None = None) -> int:
     import kvpress
     from kvpress.presses import DEFAULT_PRESS
@@ -160,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     try:
+        _check_counts(args)  # before any model loads
         if args.command == "demo":
             for name in args.presses.split(","):
                 _press(name, args.ratio, None)  # validate before loading the model

@@ -42,7 +42,7 @@ from kvpress.engine import evict
 from kvpress.patches import model_access
 from kvpress.patches.cache import PressedLayer
 from kvpress.patterns import config_hash
-from kvpress.presses.base import BasePress, Observation
+from kvpress.presses.base import BasePress, Observation, check_field_types
 from kvpress.round_store import RoundStore
 
 OFFLOAD = ("cpu", "none")
@@ -98,6 +98,7 @@ class RoundPolicy:
     relevance: list[float] = field(default_factory=list, init=False)  # their candidates' scores, oldest first
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in ("top_k_rounds", "keep_recent_rounds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -109,3 +109,11 @@ def test_cli_bad_ratio(tmp_path):
     res = _cli("generate", "--ratio", "1.2", "--context-file", str(tmp_path / "c.txt"), "--question", "q")
     assert res.returncode == 2
     assert "compression_ratio must be in [0, 1)" in res.stderr
+
+
+def test_cli_counts_are_checked_before_the_model_loads(tmp_path):
+    (tmp_path / "c.txt").write_text("hello")
+    res = _cli("generate", "--max-new-tokens", "0", "--context-file", str(tmp_path / "c.txt"), "--question", "q")
+    assert res.returncode == 2 and "--max-new-tokens must be an integer >= 1, got 0" in res.stderr
+    res = _cli("calibrate-heads", "--out", str(tmp_path / "p.json"), "--examples", "0")
+    assert res.returncode == 2 and "--examples must be an integer >= 1, got 0" in res.stderr

@@ -80,3 +80,35 @@ def test_readme_table_is_the_registry():
 
 def test_spec_grammar():
     assert parse_press_spec("snapkv:window_size=16:kernel_size=3") == ("snapkv", {"window_size": 16, "kernel_size": 3})
+
+
+def _annotated(name: str) -> dict[str, tuple]:
+    """Each parameter of the press named `name` (its factory's and its class's) with its annotated types."""
+    import typing
+
+    hints = {**typing.get_type_hints(press_class(name)), **typing.get_type_hints(PRESSES[name])}
+    return {param: typing.get_args(hints[param]) or (hints[param],) for param in press_parameters(name)
+            if param in hints}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", press_names())
+def test_wrong_types_and_non_finite_numbers_are_refused_when_built(name):
+    """Derived from the annotations: an int parameter refuses True, a float one refuses NaN and infinity."""
+    checked = 0
+    for param, kinds in _annotated(name).items():
+        if param in ("compression_ratio", "max_tokens") or param not in press_parameters(name):
+            continue
+        bad = [True] if int in kinds and bool not in kinds else []
+        bad += [float("nan"), float("inf")] if float in kinds else []
+        for value in bad:
+            with pytest.raises((TypeError, ValueError), match=param):
+                press_from_name(name, compression_ratio=0.5, **{param: value})
+            checked += 1
+    assert checked or name in ("knorm", "keydiff")
+    with pytest.raises(ValueError, match="compression_ratio"):
+        press_from_name(name, compression_ratio=float("nan"))
+
+
+def test_press_names_must_be_text():
+    with pytest.raises(TypeError, match="a press is named by a string"):
+        press_from_name(None)

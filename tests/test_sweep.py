@@ -119,6 +119,12 @@ def test_bad_names_are_refused(default_model, tmp_path, capsys):
         run_sweep(model, tokenizer, ["snapkv"], [0.5], ["ruler"], tmp_path)
     assert main(["--out", str(tmp_path), "--ratios", "0.5,1.2"]) == 2
     assert "ratios must be in [0, 1)" in capsys.readouterr().err
+    for flag, value, message in (("--examples", "-1", "examples must be an integer >= 1, got -1"),
+                                 ("--length", "0", "length must be an integer >= 64, got 0")):  # fmt: skip
+        assert main(["--out", str(tmp_path), flag, value]) == 2  # refused before any model loads
+        assert message in capsys.readouterr().err
+    with pytest.raises(ValueError, match="examples must be an integer >= 1"):
+        run_sweep(model, tokenizer, ["snapkv"], [0.5], ["needle_noise"], tmp_path, examples=0)
 
 
 def test_fidelity_table_picks_the_best_press_per_task_and_marks_the_targets(tmp_path):

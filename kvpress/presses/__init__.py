@@ -142,6 +142,8 @@ def press_table() -> str:
 def parse_press_spec(spec: str) -> tuple[str, dict]:
     """`"snapkv:window_size=16:kernel_size=3"` -> `("snapkv", {"window_size": 16, "kernel_size": 3})`:
     a press name and its parameters (ints, floats, true/false, none, or text)."""
+    if not isinstance(spec, str):
+        raise TypeError(f"a press is named by a string such as 'snapkv' or 'snapkv:window_size=16', got {spec!r}")
     name, *pairs = spec.split(":")
     if name not in PRESSES:
         raise ValueError(f"unknown press {name!r}; choose one of: {', '.join(sorted(PRESSES))}")

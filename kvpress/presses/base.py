@@ -9,7 +9,10 @@ their storage).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import types
+import typing
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -27,6 +30,38 @@ def _check_ratio(value: float | None) -> None:
         raise TypeError(f"compression_ratio must be a number in [0, 1), got {value!r}")
     if not 0 <= value < 1:
         raise ValueError(f"compression_ratio must be in [0, 1) (the fraction of cached tokens removed), got {value}")
+
+
+def check_field_types(obj) -> None:
+    """Raise unless every init field of the dataclass `obj` holds a value of its annotated type: an int
+    field takes no bool, a float field a finite int or float, a tuple field its element type; types that
+    are not plain (a press, a dict, a callable) are left to the class. Ranges stay with each class."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if not f.init or f.name not in hints:
+            continue
+        value, hint = getattr(obj, f.name), hints[f.name]
+        allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        if not any(_fits(value, t) for t in allowed):
+            names = " or ".join("None" if t is type(None) else getattr(t, "__name__", str(t)) for t in allowed)
+            kind = ValueError if isinstance(value, float) and not math.isfinite(value) else TypeError
+            raise kind(f"{type(obj).__name__}: {f.name} must be {names}"
+                       f"{' (finite)' if float in allowed else ''}, got {value!r}")  # fmt: skip
+
+
+def _fits(value, kind) -> bool:
+    if kind is type(None):
+        return value is None
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if typing.get_origin(kind) is tuple:
+        element = typing.get_args(kind)[0]
+        return isinstance(value, tuple) and all(_fits(v, element) for v in value)
+    return isinstance(value, kind) if isinstance(kind, type) else True
 
 
 def scaled_to_peak(scores: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,8 +104,10 @@ class BasePress(Installable):
         _check_ratio(self.compression_ratio)
         if self.layer_scales is not None:
             self.layer_scales = tuple(self.layer_scales)
-            if not self.layer_scales or any(not isinstance(x, (int, float)) or x <= 0 for x in self.layer_scales):
-                raise ValueError(f"layer_scales must be positive numbers, one per layer, got {self.layer_scales!r}")
+            if not self.layer_scales or any(isinstance(x, bool) or not isinstance(x, (int, float)) or
+                                            not math.isfinite(x) or x <= 0 for x in self.layer_scales):  # fmt: skip
+                raise ValueError(f"layer_scales must be positive finite numbers, one per layer, got "
+                                 f"{self.layer_scales!r}")  # fmt: skip
         if not isinstance(self.decode_slack, (int, float)) or not 0 <= self.decode_slack < 1:
             raise ValueError(f"decode_slack must be a fraction in [0, 1), got {self.decode_slack!r}")
         if (self.compression_ratio is None) == (self.max_tokens is None):
@@ -89,6 +126,7 @@ class BasePress(Installable):
                     f"({self.sink_count()} sinks + a window of {self.recent_count(self.max_tokens)}); "
                     f"use max_tokens >= {protected} or a smaller window"
                 )
+        check_field_types(self)  # after the checks above, whose messages name the allowed range
 
     # ----- what a press defines -----------------------------------------------------------------------
     def score(self, obs: Observation) -> torch.Tensor:

@@ -22,7 +22,7 @@ from torch import nn
 from kvpress.patches import model_access
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.patterns import check_pattern, find_pattern, load_pattern
-from kvpress.presses.base import BasePress, Observation, _check_ratio
+from kvpress.presses.base import BasePress, Observation, _check_ratio, check_field_types
 from kvpress.presses.head_budget import HeadwisePress, head_observation
 
 
@@ -78,6 +78,7 @@ class DuoAttentionPress(HeadwisePress):
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "n_sink" else 1):
                 kind = "non-negative" if name == "n_sink" else "positive"
                 raise ValueError(f"{name} must be a {kind} integer, got {value!r}")
+        check_field_types(self)
         self.pattern = None if self.head_pattern == "auto" else load_pattern(self.head_pattern)
 
     def check_model(self, model: nn.Module) -> None:

@@ -33,6 +33,8 @@ class HeavyHitterPress(BasePress):
     def __post_init__(self) -> None:
         if self.window is not None and (not isinstance(self.window, int) or self.window < 0):
             raise ValueError(f"window must be a non-negative integer or None, got {self.window!r}")
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
+            raise ValueError(f"chunk must be a positive integer (queries scored at once), got {self.chunk!r}")
         super().__post_init__()
 
     def recent_count(self, budget):
