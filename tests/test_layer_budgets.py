@@ -108,3 +108,9 @@ def test_pyramid_over_any_scorer():
     assert cache.layers[0].n > cache.layers[3].n
     with pytest.raises(ValueError, match="for its own SnapKV only"):
         PyramidKVPress(KnormPress(compression_ratio=0.5), window_size=8)
+
+
+def test_layer_scales_must_be_finite():
+    for bad in ((1.0, float("nan")), (1.0, float("inf")), (True, 1.0)):
+        with pytest.raises(ValueError, match="layer_scales must be positive numbers"):
+            KnormPress(compression_ratio=0.5, layer_scales=bad)

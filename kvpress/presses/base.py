@@ -106,7 +106,7 @@ class BasePress(Installable):
             self.layer_scales = tuple(self.layer_scales)
             if not self.layer_scales or any(isinstance(x, bool) or not isinstance(x, (int, float)) or
                                             not math.isfinite(x) or x <= 0 for x in self.layer_scales):  # fmt: skip
-                raise ValueError(f"layer_scales must be positive finite numbers, one per layer, got "
+                raise ValueError(f"layer_scales must be positive numbers (finite), one per layer, got "
                                  f"{self.layer_scales!r}")  # fmt: skip
         if not isinstance(self.decode_slack, (int, float)) or not 0 <= self.decode_slack < 1:
             raise ValueError(f"decode_slack must be a fraction in [0, 1), got {self.decode_slack!r}")
