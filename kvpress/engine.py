@@ -281,6 +281,11 @@ def _to_headwise(press, obs: Observation) -> HeadwiseLayer | None:
 
 def _check_press(model: nn.Module, press: Installable) -> None:
     """Raise when `press` cannot run on `model` (called when the press is installed or applied)."""
+    if not model_access.compressible_layers(model):
+        raise ValueError(
+            f"every layer of {type(model).__name__} is a sliding-window layer, which keeps its own bound; kvpress "
+            "compresses full-attention layers only, so nothing would be compressed"
+        )
     press.check_model(model)
     if press.rerotate and model_access.has_sliding_layers(model):
         raise ValueError(

@@ -72,6 +72,11 @@ class PressedLayer(DynamicLayer):
                 "this compressed cache holds padded rows whose slots no longer match the 2D attention mask; "
                 "continue it inside `with press(model):` so the press builds the right masks"
             )
+        if not self.driven and self.rotated:
+            raise RuntimeError(
+                "this cache's keys were re-rotated to positions inside the cache (rerotate=True); a forward "
+                "outside the press would use the true positions: continue it inside `with press(model):`"
+            )
         q = key_states.shape[-2]
         capacity = self.keys.shape[-2] if self.keys.dim() == 4 else 0
         if self.n + q <= capacity:

@@ -62,6 +62,12 @@ def is_plain_full_layer(layer) -> bool:
     return type(layer) is DynamicLayer
 
 
+def compressible_layers(model: nn.Module) -> list[int]:
+    """The layers whose cache a press can compress: those transformers gives a plain full-attention cache
+    layer (a sliding-window layer keeps its own bound)."""
+    return [i for i, layer in enumerate(new_cache(model).layers) if is_plain_full_layer(layer)]
+
+
 def inner_attention(model: nn.Module, implementation: str, module: nn.Module):
     """The attention function `implementation` resolves to for `module` (eager is per model family)."""
     if implementation == "eager":

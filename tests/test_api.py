@@ -117,3 +117,14 @@ def test_cli_counts_are_checked_before_the_model_loads(tmp_path):
     assert res.returncode == 2 and "--max-new-tokens must be an integer >= 1, got 0" in res.stderr
     res = _cli("calibrate-heads", "--out", str(tmp_path / "p.json"), "--examples", "0")
     assert res.returncode == 2 and "--examples must be an integer >= 1, got 0" in res.stderr
+
+
+def test_protected_tokens_over_the_budget_are_said_once():
+    from tiny import prompt, tiny_model
+
+    model = tiny_model("llama")
+    press = SnapKVPress(compression_ratio=0.9)  # a 64-token window on a 40-token prompt
+    with pytest.warns(UserWarning, match="SnapKVPress keeps 40 of 40 tokens where its budget allows 4") as said:
+        with press(model):
+            model.generate(prompt(1, 40), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert len([w for w in said if "budget allows" in str(w.message)]) == 1

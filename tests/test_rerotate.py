@@ -107,3 +107,14 @@ def test_rerotated_sink_window_step_equals_fresh_forward_positions():
     # and the new token sat at position 10: same logits as a fresh run over the kept tokens
     fresh = model(ids[:, kept + [29]]).logits[0, -1]
     assert (logits - fresh).abs().max() < 1e-4
+
+
+def test_a_rerotated_cache_refuses_a_forward_outside_its_press():
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    with SinkWindowPress(n_sink=4, window=12, rerotate=True)(model):
+        model.generate(prompt(1, 20), cache=cache, max_new_tokens=8, do_sample=False)
+    before = [layer.n for layer in cache.layers]
+    with pytest.raises(RuntimeError, match="re-rotated .* continue it inside `with press"):
+        model.generate(prompt(1, 20), cache=cache, max_new_tokens=2, do_sample=False)
+    assert [layer.n for layer in cache.layers] == before  # refused before anything was appended

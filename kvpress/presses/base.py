@@ -13,6 +13,7 @@ import dataclasses
 import math
 import types
 import typing
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -172,7 +173,16 @@ class BasePress(Installable):
             keep = seen - math.floor(seen * self.compression_ratio)
             if scale != 1.0 and self.compression_ratio:  # r = 0 keeps everything, in every layer
                 keep = min(seen, math.floor(keep * scale))
-        return max(keep, min(seen, self.sink_count() + self.recent_count(keep)))
+        floor = min(seen, self.sink_count() + self.recent_count(keep))
+        if floor > keep and not self.__dict__.get("_said_floor"):
+            self.__dict__["_said_floor"] = True  # once per press: it holds for every later step alike
+            warnings.warn(
+                f"{type(self).__name__} keeps {floor} of {seen} tokens where its budget allows {keep}: its "
+                f"{self.sink_count()} sinks and window of {self.recent_count(keep)} are always kept (a smaller "
+                "window, or a larger budget, keeps to the budget)",
+                stacklevel=2,
+            )
+        return max(keep, floor)
 
     def target(self, budget: torch.Tensor, q_len: int) -> torch.Tensor:
         """What a row over `budget` is cut to: the budget at prefill, `decode_slack` below it when decoding."""
