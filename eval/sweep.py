@@ -118,6 +118,7 @@ def run_sweep(
                 "perplexity_chunk": CHUNK, "model": model_name(model)}  # fmt: skip
     _check_resume(out, settings)
     if rank == 0:
+        _repair(out)
         (out / "settings.json").write_text(json.dumps({**settings, "presses": presses, "ratios": ratios,
                                                        "tasks": tasks, "processes": world}))  # fmt: skip
     done = {key for key, row in current_rows(out).items() if is_final(row)}
@@ -149,6 +150,7 @@ def refresh_sweep(model: nn.Module, tokenizer, out: str | Path, progress: bool =
     settings = json.loads(settings_path.read_text())
     if settings.get("model", model_name(model)) != model_name(model):
         raise ValueError(f"{out} was measured with {settings['model']!r}, not {model_name(model)!r}")
+    _repair(out)
     current = current_rows(out)
     wanted: dict = {}
     for (task, i, press, ratio), row in current.items():
@@ -212,14 +214,44 @@ def _standing(out: Path) -> dict[tuple, tuple[tuple[Path, int], dict]]:
     """For each key, ((file, line number), row) of the row that stands (`current_rows`)."""
     chosen: dict = {}
     for path in sorted(out.glob("results*.jsonl")):
-        for n, line in enumerate(path.read_text().splitlines()):
+        lines = path.read_text().splitlines()
+        for n, line in enumerate(lines):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                if n == len(lines) - 1:  # torn by an interrupted write: not a row (`_repair` drops it)
+                    continue
+                raise ValueError(f"{path}, line {n + 1}, is not a result row ({err}); a row torn by an interrupted "
+                                 "write is only ever the last one: fix or delete that line") from None  # fmt: skip
             key = (row["task"], row["example"], row["press"], row["ratio"])
             if key not in chosen or is_final(row) or not is_final(chosen[key][1]):
                 chosen[key] = ((path, n), row)
     return chosen
+
+
+def _repair(out: Path) -> None:
+    """Drop a last row that an interrupted write left torn (no end of line, or not JSON), so it is measured
+    again and the next row does not land on it; say which."""
+    for path in sorted(out.glob("results*.jsonl")):
+        text = path.read_text()
+        if not text or text.endswith("\n") and _parses(text.splitlines()[-1]):
+            continue
+        lines = text.splitlines()
+        print(f"kvpress sweep: {path}: the last row was torn by an interrupted write; it is measured again",
+              file=sys.stderr)  # fmt: skip
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in lines[:-1]))
+        tmp.replace(path)
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return not line.strip()  # an empty line is no row, not a torn one
+    return True
 
 
 def _compact(out: Path) -> None:

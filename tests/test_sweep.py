@@ -271,3 +271,20 @@ def test_replay_samples_every_press_in_turn():
     picked = sample_rows(rows, 5, seed=1)
     assert len(picked) == 5 and {r["press"] for r in picked[:3]} == {"a", "b", "c"}
     assert sample_rows(rows, 5, seed=1) == picked and len(sample_rows(rows, 99)) == len(rows)
+
+
+def test_a_torn_last_row_is_measured_again(default_model, tmp_path, capsys):
+    model, tokenizer = default_model
+    kwargs = dict(presses=["snapkv"], ratios=[0, 0.5], tasks=["needle_noise"], out=tmp_path, examples=1, length=160,
+                  progress=False)  # fmt: skip
+    run_sweep(model, tokenizer, **kwargs)
+    path = tmp_path / "results.jsonl"
+    rows = path.read_text().splitlines()
+    path.write_text(rows[0] + "\n" + rows[1][: len(rows[1]) // 2])  # a kill mid-write
+    run_sweep(model, tokenizer, **kwargs)
+    assert "the last row was torn" in capsys.readouterr().err
+    again = path.read_text().splitlines()
+    assert len(again) == 2 and again[0] == rows[0] and json.loads(again[1])["press"] == json.loads(rows[1])["press"]
+    path.write_text("{not json\n" + "\n".join(again) + "\n")  # not a torn write: named, not guessed
+    with pytest.raises(ValueError, match=r"results.jsonl, line 1, is not a result row"):
+        run_sweep(model, tokenizer, **kwargs)
