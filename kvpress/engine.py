@@ -168,6 +168,7 @@ class PressInstallation:
         if self.press is not None and self.press.rerotate:
             kwargs["position_ids"] = cache_positions(cache, args, kwargs)
 
+    @torch.no_grad()  # what stays is decided, not learned: scores and kept slots carry no autograd history
     def after_attention(self, module: nn.Module, query, key, value, layer: PressedLayer) -> HeadwiseLayer | None:
         obs = Observation(module, query, key, value, layer)
         for observer in self.observers:
@@ -176,6 +177,7 @@ class PressInstallation:
             return None
         return evict(self.press, obs, self._rerank if self.press.rerotate else None)
 
+    @torch.no_grad()
     def after_headwise(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
         if self.observers:
             raise ValueError("observers see dense layers only; this cache holds head-wise compressed layers")

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from transformers import StaticCache, T5Config, T5ForConditionalGeneration
+from transformers import DynamicCache, StaticCache, T5Config, T5ForConditionalGeneration
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from kvpress import SnapKVPress
+from kvpress import AdaKVPress, HeavyHitterPress, SnapKVPress
 from tiny import prompt, tiny_model
 
 
@@ -90,3 +90,16 @@ def test_a_model_of_sliding_window_layers_only_is_refused(family):
                                                              "max_window_layers": 0}}[family]  # fmt: skip
     with pytest.raises(ValueError, match="every layer of .* is a sliding-window layer"):
         SnapKVPress(compression_ratio=0.5)(tiny_model(family, **window))
+
+
+def test_presses_run_with_autograd_enabled():
+    """A forward with gradients on (training code, a probe) compresses as under no_grad; logits keep their grad."""
+    with torch.inference_mode(False), torch.enable_grad():
+        model = tiny_model("llama", intermediate_size=96)  # parameters made outside inference mode
+        ids = prompt(1, 40)
+        for press in (HeavyHitterPress(compression_ratio=0.5), AdaKVPress(HeavyHitterPress(compression_ratio=0.5))):
+            cache = DynamicCache(config=model.config)
+            with press(model):
+                logits = model(ids, cache=cache).logits
+            assert logits.requires_grad and sum(layer.n if hasattr(layer, "n") else 0 for layer in cache.layers) < 80
+            logits.sum().backward()
