@@ -156,11 +156,6 @@ class PressInstallation:
         """Inside this block the caller's cache grows without eviction (for example while a question is read)."""
         return self.intercept.frozen()
 
-    @property
-    def cache(self) -> DynamicCache | None:
-        """The cache of the caller's last forward under this press."""
-        return self.intercept.cache
-
     # ----- what the intercept calls -------------------------------------------------------------------
     def before_forward(self, cache: DynamicCache, args: tuple, kwargs: dict) -> None:
         if any(isinstance(layer, HeadwiseLayer) for layer in cache.layers):
@@ -168,8 +163,10 @@ class PressInstallation:
         if self.press is not None and self.press.rerotate:
             kwargs["position_ids"] = cache_positions(cache, args, kwargs)
 
-    @torch.no_grad()  # what stays is decided, not learned: scores and kept slots carry no autograd history
     def after_attention(self, module: nn.Module, query, key, value, layer: PressedLayer) -> HeadwiseLayer | None:
+        if torch.is_grad_enabled():  # what stays is decided, not learned: no autograd history in what is kept
+            with torch.no_grad():  # (generate runs without grad already: this step costs it nothing)
+                return self.after_attention(module, query, key, value, layer)
         obs = Observation(module, query, key, value, layer)
         for observer in self.observers:
             observer(obs)
@@ -177,16 +174,18 @@ class PressInstallation:
             return None
         return evict(self.press, obs, self._rerank if self.press.rerotate else None)
 
-    @torch.no_grad()
     def after_headwise(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
-        if self.observers:
-            raise ValueError("observers see dense layers only; this cache holds head-wise compressed layers")
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self.after_headwise(module, query, layer)
         self.press.observe_heads(module, query, layer)
         self.press.evict_heads(module, query, layer)
 
     def _check_headwise(self, cache: DynamicCache, args: tuple, kwargs: dict) -> None:
         """Refuse, before any layer runs, a forward that a cache with head-wise layers cannot take."""
         makers = {layer.made_by for layer in cache.layers if isinstance(layer, HeadwiseLayer)}
+        if self.observers:
+            raise ValueError("observers see dense layers only; this cache holds head-wise compressed layers")
         name = type(self.press).__name__ if self.press is not None else "an observer"
         if self.press is None or not self.press.per_head or makers != {name}:
             raise ValueError(
@@ -245,7 +244,7 @@ def _evict_rows(press, obs: Observation) -> None:
     layer = obs.layer
     scale = press.layer_scale(obs.layer_idx, obs.n_layers)
     if not layer.padded:  # every row holds n of `seen` tokens: decide on one row, cheaply
-        if layer.n <= press._budget_of(layer.seen, scale):
+        if layer.n <= press.budget_of(layer.seen, scale):
             return
         budget = press.budget(torch.tensor([layer.seen]), scale)
         held = torch.full_like(budget, layer.n)

@@ -15,7 +15,7 @@ FlowKV, 2025 ("FlowKV: Enhancing Multi-Turn Conversational Coherence in LLMs via
 Cache Management", arXiv:2505.15347): compress each finished round once and never again (re-compressing
 old turns destroys early information). `inner` does that.
 
-A chat policy, not a press: `kvpress.ChatSession(model, tokenizer, rounds=RoundPolicy(...))` owns it,
+A chat policy, not a press: `kvpress.ChatSession(model, tokenizer, round_policy=RoundPolicy(...))` owns it,
 tells it where each round begins and ends, and lets it see every layer's attention as an observer
 (`kvpress.engine.observe`) during the turn's forwards. (`RoundPress` is its former name.)
 
@@ -125,7 +125,7 @@ class RoundPolicy:
 
     def __call__(self, model: nn.Module):
         raise RuntimeError("RoundPolicy is a chat policy, not a press: use it through "
-                           "kvpress.ChatSession(model, tokenizer, rounds=RoundPolicy(...))")  # fmt: skip
+                           "kvpress.ChatSession(model, tokenizer, round_policy=RoundPolicy(...))")  # fmt: skip
 
     # ----- set-up ------------------------------------------------------------------------------------
     def check_model(self, model: nn.Module) -> None:
@@ -177,9 +177,11 @@ class RoundPolicy:
     def observe(self, obs: Observation) -> None:
         turn = self._turn
         if turn is None:
-            raise RuntimeError("RoundPolicy needs round boundaries: use it through kvpress.ChatSession(rounds=...)")
+            raise RuntimeError("RoundPolicy needs round boundaries: use it through "
+                               "kvpress.ChatSession(round_policy=...)")  # fmt: skip
         if self.inner is not None:  # the last queries of the round, for inner's scores at the end
-            window = getattr(self.inner, "window_size", None) or 64
+            scorer = getattr(self.inner, "press", None) or self.inner  # a wrapper's inner press has the window
+            window = getattr(scorer, "window_size", None) or 64
             previous = self._queries.get(obs.layer_idx)
             query = obs.query if previous is None else torch.cat([previous[1], obs.query], dim=2)
             self._queries[obs.layer_idx] = (obs.module, query[:, :, -window:])

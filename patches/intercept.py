@@ -1,8 +1,9 @@
 """`Intercept`: the transformers side of an installed press, for the caller that entered it.
 
 Installing registers an attention function and its mask partner under a name of their own, switches the
-model's attention implementation to that name and adds one forward pre-hook to the model; uninstalling
-undoes all three, error or not. Importing kvpress patches nothing.
+model's attention implementation to that name and adds a forward pre-hook and a forward hook to the model
+(the latter counts the forwards in flight, so uninstalling never lands mid-forward); uninstalling undoes
+all of it, error or not. Importing kvpress patches nothing.
 
 Activation is scoped to the caller: the hook and the attention function act only for forwards run in a
 context (thread, `contextvars` context) where `activated()` is entered. Another thread's forwards on the
@@ -147,12 +148,6 @@ class Intercept:
         """This caller's state, or None when the press is not active for it."""
         active = _ACTIVE.get()
         return None if active is None else active.get(self)
-
-    @property
-    def cache(self) -> DynamicCache | None:
-        """The cache of this caller's last forward (None outside an activation)."""
-        call = self._call()
-        return None if call is None else call.cache
 
     @contextlib.contextmanager
     def frozen(self) -> Iterator[None]:

@@ -63,9 +63,8 @@ def is_plain_full_layer(layer) -> bool:
 
 
 def compressible_layers(model: nn.Module) -> list[int]:
-    """The layers whose cache a press can compress: those transformers gives a plain full-attention cache
-    layer (a sliding-window layer keeps its own bound)."""
-    return [i for i, layer in enumerate(new_cache(model).layers) if is_plain_full_layer(layer)]
+    """The layers whose cache a press can compress: the full-attention ones (`layer_types`)."""
+    return [i for i, kind in enumerate(layer_types(model)) if kind == "full_attention"]
 
 
 def inner_attention(model: nn.Module, implementation: str, module: nn.Module):
@@ -91,9 +90,21 @@ def inv_freq(model: nn.Module) -> torch.Tensor:
 
 
 def layer_types(model: nn.Module) -> list[str]:
-    """Each decoder layer's attention kind ("full_attention", "sliding_attention", ...)."""
+    """Each decoder layer's attention kind ("full_attention", "sliding_attention", ...) as transformers'
+    cache sees it: a layer is full-attention when the cache gives it a plain `DynamicLayer` (a press
+    compresses it), else the kind its config names. The cache, not the config alone, decides: Mistral's
+    `sliding_window` makes every layer a sliding one without a `layer_types` entry."""
     config = text_config(model)
-    return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    declared = list(getattr(config, "layer_types", None) or [])
+    made = new_cache(model).layers
+    kinds = []
+    for i in range(config.num_hidden_layers):
+        if i >= len(made) or is_plain_full_layer(made[i]):  # a layer the cache makes lazily is a plain one
+            kinds.append("full_attention")
+        else:
+            named = declared[i] if i < len(declared) else "full_attention"
+            kinds.append(named if named != "full_attention" else "sliding_attention")
+    return kinds
 
 
 def has_sliding_layers(model: nn.Module) -> bool:

@@ -101,7 +101,7 @@ def test_pyramid_over_any_scorer():
     keys = DynamicCache(config=model.config)
     model(ids, cache=keys)
     for i, layer in enumerate(cache.layers):
-        assert layer.n == press._budget_of(64, press.layer_scale(i, 4))
+        assert layer.n == press.budget_of(64, press.layer_scale(i, 4))
         norms = keys.layers[i].keys[0].norm(dim=-1)  # [H, n]: Knorm keeps the smallest
         expected = norms.argsort(dim=-1)[:, : layer.n].sort(dim=-1).values
         assert torch.equal(layer.pos[0].long().sort(dim=-1).values, expected)

@@ -91,7 +91,7 @@ class AdaKVPress(WrapsPress, HeadwisePress):
 
     def evict_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
         scale = self.layer_scale(model_access.layer_index(module), model_access.layer_count(module))
-        if layer.batch == 1 and sum(layer.lengths) <= layer.heads * self._budget_of(int(layer.real_seen[0]), scale):
+        if layer.batch == 1 and sum(layer.lengths) <= layer.heads * self.budget_of(int(layer.real_seen[0]), scale):
             return  # the common decoding step: under budget, decided on plain integers
         budget = self.budget(layer.real_seen, scale)
         held = layer.held()

@@ -10,6 +10,7 @@ their storage).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -37,7 +38,7 @@ def check_field_types(obj) -> None:
     """Raise unless every init field of the dataclass `obj` holds a value of its annotated type: an int
     field takes no bool, a float field a finite int or float, a tuple field its element type; types that
     are not plain (a press, a dict, a callable) are left to the class. Ranges stay with each class."""
-    hints = typing.get_type_hints(type(obj))
+    hints = _type_hints(type(obj))
     for f in dataclasses.fields(obj):
         if not f.init or f.name not in hints:
             continue
@@ -48,6 +49,9 @@ def check_field_types(obj) -> None:
             kind = ValueError if isinstance(value, float) and not math.isfinite(value) else TypeError
             raise kind(f"{type(obj).__name__}: {f.name} must be {names}"
                        f"{' (finite)' if float in allowed else ''}, got {value!r}")  # fmt: skip
+
+
+_type_hints = functools.cache(typing.get_type_hints)  # per class: presses are built per example in sweeps
 
 
 def _fits(value, kind) -> bool:
@@ -163,9 +167,9 @@ class BasePress(Installable):
     # ----- budgets ------------------------------------------------------------------------------------
     def budget(self, seen: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         """Tokens each row may keep, `[B]`, given the real tokens each row has seen (`scale`: the layer's share)."""
-        return torch.tensor([self._budget_of(n, scale) for n in seen.tolist()], device=seen.device)
+        return torch.tensor([self.budget_of(n, scale) for n in seen.tolist()], device=seen.device)
 
-    def _budget_of(self, seen: int, scale: float = 1.0) -> int:
+    def budget_of(self, seen: int, scale: float = 1.0) -> int:
         """`budget` for one row (plain integers: the per-step check of unpadded batches uses it directly)."""
         if self.max_tokens is not None:
             keep = min(seen, math.floor(self.max_tokens * scale))

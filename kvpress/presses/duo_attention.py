@@ -164,7 +164,7 @@ class DuoAttentionPress(HeadwisePress):
         if self.press is not None:  # retrieval heads over the press's budget: its top-k of each head
             scale = self.press.layer_scale(model_access.layer_index(module), model_access.layer_count(module))
             for row, head in (layer.head_budget < 0).nonzero().tolist():
-                if layer.lengths[row * layer.heads + head] > self.press._budget_of(int(layer.real_seen[row]), scale):
+                if layer.lengths[row * layer.heads + head] > self.press.budget_of(int(layer.real_seen[row]), scale):
                     obs, _ = head_observation(module, query, layer, row, head)
                     layer.keep(row, head, self._scored(obs)[0, 0].nonzero().flatten())
         stream = self.n_sink + self.window

@@ -124,7 +124,7 @@ class KVzipPress(BasePress):
         if self.normalize_layers:
             scores = {idx: scaled_to_peak(s.float()) for idx, s in scores.items()}
         flat = torch.cat([s.flatten().float() for s in scores.values()])
-        per_layer = self._budget_of(n) * next(iter(scores.values())).shape[1]
+        per_layer = self.budget_of(n) * next(iter(scores.values())).shape[1]
         k = min(flat.numel(), per_layer * len(scores))
         threshold = flat.topk(k).values[-1]
         counts = {idx: float((s.float() >= threshold).sum()) for idx, s in scores.items()}

@@ -48,6 +48,7 @@ class PyramidKVPress(WrapsPress, BasePress):
                                      rerotate=self.rerotate, decode_slack=self.decode_slack, **snapkv)  # fmt: skip
             self.compression_ratio = self.max_tokens = None
             self.rerotate, self.decode_slack = False, 0.02
+            self.window_size = self.kernel_size = self.n_sink = None  # held by the SnapKV built from them
         elif snapkv:
             raise ValueError(f"PyramidKVPress takes {', '.join(snapkv)} for its own SnapKV only; set them on the "
                              "wrapped press")  # fmt: skip
