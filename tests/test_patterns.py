@@ -1,0 +1,125 @@
+"""Head patterns are checked when loaded: every malformed file or dict is refused with a message naming it."""
+
+import json
+import re
+
+import pytest
+
+from kvpress.patterns import check_pattern, config_hash, load_pattern, packaged
+from tiny import tiny_model
+
+HOW = "kvpress calibrate-heads"
+
+
+def _good(**changes) -> dict:
+    model = tiny_model("llama")  # 2 layers x 2 KV heads
+    pattern = {"model": "tiny", "config_hash": config_hash(model), "layers": 2, "kv_heads": 2,
+               "scores": [[0.1, 0.4], [0.3, 0.2]], "retrieval_fraction": 0.5}  # fmt: skip
+    return {key: value for key, value in {**pattern, **changes}.items() if value is not ...}
+
+
+def _refused(pattern, *fragments, error=ValueError):
+    """Load `pattern` (a dict, or JSON text written to a file) and check the refusal names it and the fix."""
+    with pytest.raises(error) as info:
+        load_pattern(pattern)
+    message = str(info.value)
+    for fragment in (*fragments, HOW):
+        assert fragment in message, (fragment, message)
+    return info.value
+
+
+@pytest.fixture
+def write(tmp_path):
+    def write(text: str):
+        path = tmp_path / "pattern.json"
+        path.write_text(text)
+        return path
+
+    return write
+
+
+def test_packaged_patterns_load():
+    assert packaged() == ["qwen2.5-0.5b", "smollm2-135m"]
+    for name in packaged():
+        pattern = load_pattern(name)
+        assert len(pattern["scores"]) == pattern["layers"] and len(pattern["scores"][0]) == pattern["kv_heads"]
+    assert load_pattern(_good()) == _good()
+
+
+def test_invalid_json_names_file_and_line(write):
+    path = write(json.dumps(_good(), indent=1).replace('"kv_heads": 2,', '"kv_heads": 2'))
+    error = _refused(path, str(path), "is not valid JSON at line 6, column 2")
+    assert isinstance(error.__cause__, json.JSONDecodeError)
+    _refused(write(""), str(path), "line 1")
+    path.write_bytes(b"\xff\xfe{")
+    _refused(path, str(path), "is not valid JSON")
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_json_literals(write, literal):
+    path = write(json.dumps(_good()).replace("0.4", literal))
+    _refused(path, str(path), f"{literal} is not a number JSON allows")
+
+
+def test_not_an_object(write):
+    path = write("[[0.1, 0.2]]")
+    _refused(path, str(path), "it is a list, not a JSON object")
+
+
+def test_missing_keys(write):
+    path = write(json.dumps(_good(config_hash=..., scores=...)))
+    _refused(path, str(path), "lacks the keys ['config_hash', 'scores']")
+    _refused(_good(model=...), "None (a dict)", "lacks the keys ['model']")
+
+
+def test_model_and_hash_are_strings():
+    _refused(_good(config_hash=1234), "'tiny' (a dict)", "config_hash must be a string, got 1234")
+    _refused(_good(model=["tiny"]), "model must be a string")
+
+
+@pytest.mark.parametrize("scores", [[], {"0": [0.1]}, [[]], [0.1, 0.2], [[0.1], []], "0.1"])
+def test_scores_must_be_a_non_empty_matrix(scores):
+    _refused(_good(scores=scores, layers=..., kv_heads=...), "'tiny'", "scores must be a non-empty list")
+
+
+def test_ragged_scores(write):
+    path = write(json.dumps(_good(scores=[[0.1, 0.2], [0.3]], layers=..., kv_heads=...)))
+    _refused(path, str(path), "scores is ragged: layers have [1, 2] KV heads")
+
+
+@pytest.mark.parametrize("bad", ["0.3", None, True, [0.3], float("nan"), float("inf"), -float("inf")])
+def test_scores_entries_are_finite_reals(bad):
+    _refused(_good(scores=[[0.1, 0.2], [0.3, bad]]), "'tiny'", f"scores[1][1] is {bad!r}, not a finite real number")
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [({"layers": 3}, "layers is 3 but scores has 2"), ({"kv_heads": 1}, "kv_heads is 1 but scores has 2"),
+     ({"layers": "2"}, "layers is '2' but scores has 2"),
+     ({"scores": [[0.1], [0.2]], "kv_heads": True}, "kv_heads is True but scores has 1")],
+)  # fmt: skip
+def test_shape_fields_agree_with_scores(changes, message):
+    _refused(_good(**changes), "'tiny'", message)
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 1.5, "0.5", True, float("nan")])
+def test_retrieval_fraction_in_unit_interval(fraction):
+    _refused(_good(retrieval_fraction=fraction), "'tiny'", f"retrieval_fraction must be in [0, 1], got {fraction!r}")
+
+
+def test_missing_file_or_directory(tmp_path):
+    _refused(tmp_path / "nothing.json", "neither a JSON file nor a packaged pattern", error=FileNotFoundError)
+    with pytest.raises(FileNotFoundError, match="neither a JSON file"):
+        load_pattern(tmp_path)
+
+
+def test_check_pattern_refuses_another_architecture_or_a_malformed_dict():
+    model = tiny_model("llama")
+    check_pattern(_good(), model)
+    with pytest.raises(ValueError, match=rf"made for 'tiny' \(config hash 0+, 2 layers x 2 KV heads\).*{HOW}"):
+        check_pattern(_good(config_hash="0" * 16), model)
+    three = _good(scores=[[0.1, 0.2, 0.3]] * 2, kv_heads=3)
+    with pytest.raises(ValueError, match=re.escape("2 layers x 3 KV heads), not for this LlamaForCausalLM")):
+        check_pattern(three, model)
+    with pytest.raises(ValueError, match=rf"pattern 'tiny' is malformed: it lacks the keys \['scores'\]; make .*{HOW}"):
+        check_pattern(_good(scores=...), model)
