@@ -81,7 +81,7 @@ def calibrate_heads(
         correct += bool((predicted == ids[0, -probe.answer :]).all())
     config = model.config.get_text_config(decoder=True)
     layers, heads = config.num_hidden_layers, config.num_key_value_heads
-    # layers the press leaves alone (sliding-window ones) are never observed: score 0
+    # layers the press leaves alone (chunked attention, ...) are never observed: score 0
     scores = [(probe.mass[i] / examples).tolist() if i in probe.mass else [0.0] * heads for i in range(layers)]
     return {
         "model": name,

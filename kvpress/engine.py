@@ -57,7 +57,8 @@ class Observation:
 
         Returns `[B, Hkv, g, w, m]`: the query heads grouped by the KV head they share (GQA), and the
         first `m = n_old + stop` slots (later new tokens are in these queries' future). Masked like the
-        real attention: padding and holes excluded, causal among the new tokens.
+        real attention: padding and holes excluded, causal among the new tokens, and on a sliding-window
+        layer the slots `window` or more positions behind a query.
         """
         b, hq, _, d = self.query.shape
         hkv = self.keys.shape[1]
@@ -70,18 +71,34 @@ class Observation:
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         logits = logits.view(b, hkv, g, w, m)
-        valid = self.layer.valid
-        if w > 1 or valid is not None:
+        valid, window = self.layer.valid, self.layer.window
+        if w > 1 or valid is not None or window is not None:
             slot = torch.arange(m, device=logits.device)
             query_slot = n_old + torch.arange(start, stop, device=logits.device)[:, None]
             visible = slot <= query_slot  # [w, m], causal
             if valid is not None:
-                visible = visible & valid[:, :, None, None, :m] | (slot == query_slot)
-            logits.masked_fill_(~visible, float("-inf"))
+                visible = visible & valid[:, :, None, None, :m]
+            if window is not None:
+                pos = self.layer.pos[..., :m].long().to(logits.device)[:, :, None]  # [B, Hkv, 1, m]
+                behind = pos[..., n_old + start : n_old + stop, None] - window  # [B, Hkv, 1, w, 1]
+                visible = visible & (pos[..., None, :] > behind)
+            logits.masked_fill_(~(visible | (slot == query_slot)), float("-inf"))
         return logits.softmax(dim=-1)
 
 
 Observer = Callable[[Observation], None]
+
+
+def within_window(obs: Observation) -> Observation:
+    """On a sliding-window layer: drop the slots that left the window (`trim_window`) and return what a press
+    ranks: the queries of the new tokens still held, over the slots still held. Other layers: `obs` itself."""
+    layer = obs.layer
+    if layer.window is None:
+        return obs
+    layer.trim_window()
+    held = min(obs.q_len, layer.n)  # the newest slots stay last
+    return Observation(obs.module, obs.query[:, :, obs.q_len - held :], layer.keys[:, :, : layer.n],
+                       layer.values[:, :, : layer.n], layer)  # fmt: skip
 
 
 class Installable:
@@ -168,11 +185,11 @@ class PressInstallation:
             with torch.no_grad():  # (generate runs without grad already: this step costs it nothing)
                 return self.after_attention(module, query, key, value, layer)
         obs = Observation(module, query, key, value, layer)
-        for observer in self.observers:
+        for observer in self.observers:  # they see every slot this forward's queries attended to
             observer(obs)
         if self.press is None:
             return None
-        return evict(self.press, obs, self._rerank if self.press.rerotate else None)
+        return evict(self.press, within_window(obs), self._rerank if self.press.rerotate else None)
 
     def after_headwise(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
         if torch.is_grad_enabled():
@@ -243,13 +260,14 @@ def _evict_rows(press, obs: Observation) -> None:
     """Every head of a row keeps the row's budget: the best-ranked slots stay, the rest is freed."""
     layer = obs.layer
     scale = press.layer_scale(obs.layer_idx, obs.n_layers)
-    if not layer.padded:  # every row holds n of `seen` tokens: decide on one row, cheaply
-        if layer.n <= press.budget_of(layer.seen, scale):
+    if not layer.padded:  # every row holds n of the same tokens: decide on one row, cheaply
+        span = layer.seen if layer.window is None else min(layer.seen, layer.window - 1)
+        if layer.n <= press.budget_of(span, scale):
             return
-        budget = press.budget(torch.tensor([layer.seen]), scale)
+        budget = press.budget(torch.tensor([span]), scale)
         held = torch.full_like(budget, layer.n)
     else:
-        held, budget = layer.held(), press.budget(layer.real_seen, scale)
+        held, budget = layer.held(), press.budget(layer.span, scale)
         if not bool((held > budget).any()):
             return
     keep = torch.where(held > budget, press.target(budget, obs.q_len), held)
@@ -284,8 +302,8 @@ def _check_press(model: nn.Module, press: Installable) -> None:
     """Raise when `press` cannot run on `model` (called when the press is installed or applied)."""
     if not model_access.compressible_layers(model):
         raise ValueError(
-            f"every layer of {type(model).__name__} is a sliding-window layer, which keeps its own bound; kvpress "
-            "compresses full-attention layers only, so nothing would be compressed"
+            f"no layer of {type(model).__name__} is a full-attention or sliding-window layer (its kinds: "
+            f"{sorted(set(model_access.layer_types(model)))}), so nothing would be compressed"
         )
     press.check_model(model)
     if press.rerotate and model_access.has_sliding_layers(model):

@@ -54,7 +54,8 @@ def generate(
     """Greedy answer to `question` about `context`, with only the context compressed by `press`.
 
     The context is prefilled and compressed once; the question and the answer are then appended to
-    the compressed cache without further eviction (pass `cache=` to inspect it afterwards).
+    the compressed cache without further eviction (pass an empty `cache=` to inspect it afterwards; one that
+    holds tokens already is refused).
     `query_aware=True` prefills the question with the context, so the question's queries guide the
     scores (SnapKV's observation window; the compression serves this question only);
     the default compresses the context without seeing the question (the cache can serve any question).
@@ -64,6 +65,12 @@ def generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if press is not None and press.needs_question and not query_aware:
         raise ValueError(f"{type(press).__name__} scores by the question: it needs query_aware=True")
+    held = max((layer.get_seq_length() for layer in cache.layers), default=0) if cache is not None else 0
+    if held:  # the context would land after them, and the answer be read from both
+        raise ValueError(
+            f"cache= already holds {held} tokens (from an earlier call, or one that raised); kvpress.generate "
+            "prefills the context into an empty cache: start a new cache (DynamicCache(config=model.config))"
+        )
     device = model.device
     ctx_ids, q_ids = split_prompt(tokenizer, context, question, chat_template)
     ctx_ids, q_ids = ctx_ids.to(device), q_ids.to(device)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from kvpress.engine import Observation, evict, observe
+from kvpress.engine import Observation, evict, observe, within_window
 from kvpress.presses.base import BasePress
 
 
@@ -78,7 +78,7 @@ def compress_recording(
     for idx, (module, query) in recording.queries.items():
         layer = cache.layers[idx]
         obs = Observation(module, query, layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n], layer)
-        replacement = evict(press, obs)  # what the live intercept calls after this layer's attention
+        replacement = evict(press, within_window(obs))  # what the live intercept calls after this layer's attention
         if replacement is not None:  # a head-wise press moved the layer to per-head storage
             cache.layers[idx] = replacement
     return cache

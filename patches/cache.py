@@ -12,6 +12,12 @@ Storage, all of it counted by `cache_bytes`:
 
 `get_seq_length()` returns the tokens seen, so positions keep counting; `get_mask_sizes()` describes
 the slots held, so transformers' own masks stay right for unpadded continuation.
+
+A sliding-window layer (`window`, the model's `sliding_window`) is a full-attention layer while the
+context fits its window, and a press compresses it like one. Past the window it keeps, as transformers'
+`DynamicSlidingWindowLayer` does, only what the next token can see: `trim_window` drops the held slots
+older than the last `window - 1` real tokens after every forward, and the layer's mask hides, for each
+query, the slots more than `window - 1` positions behind it.
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ class PressedLayer(DynamicLayer):
         """Only while nothing was evicted (transformers checks this before rolling tokens back)."""
         return not self.compressed
 
-    def __init__(self) -> None:
+    def __init__(self, window: int | None = None) -> None:
         super().__init__()
+        self.window = window  # a sliding-window layer's window (queries see the last `window` positions)
         self.seen = 0
         self.n = 0
         self.pending = 0
@@ -44,17 +51,27 @@ class PressedLayer(DynamicLayer):
         self.adopted = False  # holds tokens written before a press drove it: padding not known yet
         self.padded = False  # some row has seen a padding token (else every row holds `n` of `seen`)
         self.rotated = False  # True once keys were re-rotated to positions inside the cache
+        self.torn = False  # a forward that raised left this cache's layers at different points
+
+    @property
+    def is_sliding(self) -> bool:
+        """transformers sizes its sliding-window masks from the first layer that says True here."""
+        return self.window is not None
 
     # ----- construction -------------------------------------------------------------------------
     @classmethod
     def from_layer(cls, layer: DynamicLayer) -> PressedLayer:
-        """Adopt the content of a plain `DynamicLayer` (a cache that already holds a conversation)."""
-        new = cls()
+        """Adopt the content of a plain `DynamicLayer` or `DynamicSlidingWindowLayer` (a cache that already
+        holds a conversation; a sliding one holds only its last `window - 1` tokens)."""
+        new = cls(layer.sliding_window if getattr(layer, "is_sliding", False) else None)
         if layer.is_initialized and layer.keys is not None and layer.keys.numel() > 0:
             new.keys, new.values = layer.keys, layer.values
             new.device, new.is_initialized = layer.device, True
-            new.seen = new.n = new.pending = new.keys.shape[-2]
-            new.commit(None)
+            new.n = new.pending = new.keys.shape[-2]
+            new.seen = layer.get_seq_length()
+            new.commit(None)  # the held slots are the last `n` of the `seen` tokens
+            new.real_seen += new.seen - new.n
+            new.shift += new.seen - new.n
             new.adopted = True
         return new
 
@@ -63,7 +80,7 @@ class PressedLayer(DynamicLayer):
         """Append new keys/values, in place when a freed slot is available."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.pending:
+        if self.pending or self.torn:
             raise RuntimeError(
                 "this cache was left half-updated by a forward that raised; it cannot be continued (start a new cache)"
             )
@@ -78,6 +95,11 @@ class PressedLayer(DynamicLayer):
                 "outside the press would use the true positions: continue it inside `with press(model):`"
             )
         q = key_states.shape[-2]
+        if not self.driven and self.window is not None and q > 1 and not self._contiguous():
+            raise RuntimeError(
+                "this sliding-window layer was compressed; transformers' own window mask would misplace its "
+                "slots in a forward of several tokens: continue it inside `with press(model):`"
+            )
         capacity = self.keys.shape[-2] if self.keys.dim() == 4 else 0
         if self.n + q <= capacity:
             self.keys[:, :, self.n : self.n + q] = key_states
@@ -89,9 +111,11 @@ class PressedLayer(DynamicLayer):
         self.n += q
         self.seen += q
         self.pending = q
+        keys, values = self.keys[:, :, : self.n], self.values[:, :, : self.n]
         if not self.driven:
             self.commit(None)
-        return self.keys[:, :, : self.n], self.values[:, :, : self.n]
+            self.trim_window()  # the attention still gets every slot (views of the storage trimming replaces)
+        return keys, values
 
     def get_seq_length(self) -> int:
         """Tokens seen (padding included), which is what positions and `generate` count."""
@@ -112,6 +136,7 @@ class PressedLayer(DynamicLayer):
         super().reset()
         self.seen = self.n = self.pending = 0
         self.slots, self.real_seen, self.shift, self.rotated, self.padded = {}, None, None, False, False
+        self.torn = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -163,11 +188,18 @@ class PressedLayer(DynamicLayer):
         return self.slots[name][..., : self.n]
 
     def held(self) -> torch.Tensor:
-        """`[B]` real tokens held per row (every head of a row holds the same number)."""
+        """`[B]` real tokens held per row: by its fullest head (heads of a row hold the same number, except
+        after a sliding-window layer's trimming, which drops per head what left the window)."""
         v = self.valid
         if v is None:
             return torch.full((self.keys.shape[0],), self.n, dtype=torch.long, device=self.keys.device)
-        return v[:, 0].sum(-1)
+        return v.sum(-1).amax(-1)
+
+    @property
+    def span(self) -> torch.Tensor:
+        """`[B]` real tokens each row would hold with no press: every one seen, or a sliding-window layer's
+        last `window - 1` (what budgets are taken from)."""
+        return self.real_seen if self.window is None else self.real_seen.clamp(max=self.window - 1)
 
     def position_order(self) -> torch.Tensor:
         """`[B, H, n]` slot indices sorted by token position, padding and holes last."""
@@ -227,9 +259,9 @@ class PressedLayer(DynamicLayer):
         self.real_seen = counts[:, -1]
 
     def keep(self, index: torch.Tensor, keep_valid: torch.Tensor | None = None, capacity: int | None = None) -> None:
-        """Keep the slots `index` `[B, H, k]` (sorted per head) in new tensors of `capacity` slots (>= k);
-        `keep_valid` marks the real ones."""
-        self._count_evicted(keep_valid if keep_valid is not None else self._gather_valid(index))
+        """Keep the slots `index` `[B, H, k]` (per head, in the order they are to be held: sorted, so that the
+        newest stay last) in new tensors of `capacity` slots (>= k); `keep_valid` marks the real ones (a slot
+        held as not valid stays so)."""
         k = index.shape[-1]
         capacity = max(k, capacity or k)
 
@@ -251,6 +283,7 @@ class PressedLayer(DynamicLayer):
             self.slots["valid"][..., :k] &= keep_valid
         if "valid" in self.slots and bool(self.valid.all()):
             del self.slots["valid"]
+        self._count_evicted()
 
     def copy_slots(self, chosen: torch.Tensor) -> dict[str, torch.Tensor]:
         """Copies of the held slots where `chosen` `[n]` (bool) is True (the same slots in every row and
@@ -297,7 +330,6 @@ class PressedLayer(DynamicLayer):
 
     def remove_one(self, index: torch.Tensor) -> None:
         """Evict one slot per head, `index` `[B, H]`, by moving the last slot into it (no copy of the rest)."""
-        self._count_evicted(torch.ones(*index.shape, self.n - 1, dtype=torch.bool, device=index.device))
         last = self.n - 1
         for name in ("keys", "values"):
             t = getattr(self, name)
@@ -306,6 +338,24 @@ class PressedLayer(DynamicLayer):
         for t in self.slots.values():
             t.scatter_(2, index[..., None], t[:, :, last : last + 1].clone())
         self.n = last
+        self._count_evicted()
+
+    def trim_window(self) -> None:
+        """A sliding-window layer drops the held slots the next token cannot see: real tokens older than the
+        last `window - 1` of their row (each head its own; rows with fewer keep holes, marked not valid).
+        The slots kept stay in their order, so the newest slots stay last."""
+        if self.window is None or self.n == 0:
+            return
+        stay = self.pos >= (self.real_seen - (self.window - 1)).to(self.keys.device)[:, None, None]
+        if self.valid is not None:
+            stay &= self.valid
+        if bool(stay.all()):
+            return
+        counts = stay.sum(-1)  # [B, H]
+        k = int(counts.max())
+        order = (stay.long() * self.n + torch.arange(self.n, device=stay.device)).argsort(dim=-1)
+        index = order[..., self.n - k :]  # leaving slots first (as holes where a head keeps fewer), then those staying
+        self.keep(index, torch.arange(k, device=stay.device) >= (k - counts)[..., None])
 
     def set_rotation(self, rot: torch.Tensor) -> None:
         """Record the positions `[B, H, n]` the held keys are now rotated to."""
@@ -313,15 +363,9 @@ class PressedLayer(DynamicLayer):
         self.slots["rot"] = rot.to(torch.int32)
 
     # ----- helpers ----------------------------------------------------------------------------------
-    def _gather_valid(self, index: torch.Tensor) -> torch.Tensor:
-        v = self.valid
-        if v is None:
-            return torch.ones(index.shape, dtype=torch.bool, device=index.device)
-        return v.gather(2, index)
-
-    def _count_evicted(self, kept_valid: torch.Tensor) -> None:
-        """Add to `shift` the real tokens of each row that the eviction drops."""
-        self.shift = self.shift + (self.held() - kept_valid[:, 0].sum(-1))
+    def _count_evicted(self) -> None:
+        """`shift`: the real tokens each row no longer holds (by its fullest head)."""
+        self.shift = self.real_seen - self.held().to(self.real_seen.device)
 
     def _append_slot(self, name: str, new: torch.Tensor) -> None:
         t = self.slots.get(name)
@@ -332,6 +376,14 @@ class PressedLayer(DynamicLayer):
             self.slots[name] = new.contiguous()
         else:
             self.slots[name] = torch.cat([t[..., :start], new], dim=-1)
+
+    def _contiguous(self) -> bool:
+        """Whether the held slots are exactly the last `n` tokens seen, in order (nothing but the window cut)."""
+        if self.n == 0:
+            return True
+        if self.valid is not None or self.padded:
+            return False
+        return bool((self.pos == torch.arange(self.seen - self.n, self.seen, device=self.keys.device)).all())
 
     def _truncate_slots(self, n: int) -> None:
         self.slots = {name: t[..., :n] for name, t in self.slots.items()}
@@ -373,17 +425,20 @@ def cache_bytes(cache: Cache) -> int:
 @contextmanager
 def scratch(cache: Cache) -> Iterator[Cache]:
     """Let forwards append to `cache`, then put every layer back as it was, also when one raises. A
-    `PressedLayer` drops what was appended (no copy of what it holds); any other layer (a sliding window:
-    bounded) is restored from a copy taken on entry."""
-    points = [
-        layer.rewind_point() if isinstance(layer, PressedLayer) else copy.deepcopy(layer) for layer in cache.layers
-    ]
+    `PressedLayer` of full attention drops what was appended (no copy of what it holds); any other layer
+    (a sliding window, which also drops what leaves the window: bounded) is restored from a copy taken on entry."""
+    points = [layer.rewind_point() if _appends_only(layer) else copy.deepcopy(layer) for layer in cache.layers]
     try:
         yield cache
     finally:
         for layer, point in zip(cache.layers, points, strict=True):
-            if isinstance(layer, PressedLayer):
+            if isinstance(point, dict):
                 layer.rewind(point)
             else:
                 vars(layer).clear()
                 vars(layer).update(vars(point))
+
+
+def _appends_only(layer) -> bool:
+    """Whether forwards only append to `layer` (its first slots stay as they are, so a rewind can drop the rest)."""
+    return isinstance(layer, PressedLayer) and layer.window is None

@@ -4,6 +4,8 @@
 (row, KV head) pair owns its own key and value tensors `[capacity, head_dim]`, so a layer's bytes are
 proportional to the tokens kept per head: nothing is padded to the largest head, nothing is masked.
 Decoding appends to every head (in place while a head has spare capacity, which only decoding adds).
+A sliding-window layer (`window`) keeps per head only the real tokens of the last `window - 1` positions,
+as its `PressedLayer` did (`trim_window`).
 
 Storage, all of it counted by `cache_bytes`: per pair `i = row * kv_heads + head`, `keys_h[i]` and
 `values_h[i]`, and per-slot tensors `slots_h[name][i]` (`"pos"`: int32 token positions among the
@@ -39,10 +41,21 @@ class HeadwiseLayer(DynamicLayer):
         self.seen = 0
         self.real_seen = torch.zeros(batch, dtype=torch.long)
         self.pending: int = 0
+        self.torn = False  # a forward that raised left this cache's layers at different points
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None
         self.driven = False
         self.made_by = ""  # the class name of the press that made this layer (only it can continue it)
         self.head_budget: torch.Tensor | None = None  # [B, H] per-head budgets a press may record (-1: none)
+        self.window: int | None = None  # a sliding-window layer's window
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.window is not None
+
+    @property
+    def span(self) -> torch.Tensor:
+        """`[B]` real tokens each row would hold with no press (see `PressedLayer.span`)."""
+        return self.real_seen if self.window is None else self.real_seen.clamp(max=self.window - 1)
 
     # ----- construction -------------------------------------------------------------------------------
     @classmethod
@@ -64,6 +77,7 @@ class HeadwiseLayer(DynamicLayer):
                 new.lengths.append(int(index.numel()))
         new.seen = layer.seen
         new.real_seen = layer.real_seen.clone()
+        new.window = layer.window
         return new
 
     # ----- the transformers layer API -----------------------------------------------------------------
@@ -74,7 +88,7 @@ class HeadwiseLayer(DynamicLayer):
                 "this cache holds head-wise compressed layers (AdaKV / DuoAttention): continue it inside "
                 "`with press(model):` with a head-wise press, which computes attention over them"
             )
-        if self.pending:
+        if self.pending or self.torn:
             raise RuntimeError(
                 "this cache was left half-updated by a forward that raised; it cannot be continued (start a new cache)"
             )
@@ -99,7 +113,7 @@ class HeadwiseLayer(DynamicLayer):
         self.values_h = list(self.keys_h)
         self.slots_h = {"pos": [torch.zeros(0, dtype=torch.int32, device=empty.device)] * len(self.keys_h)}
         self.lengths = [0] * len(self.keys_h)
-        self.seen, self.pending, self._new = 0, 0, None
+        self.seen, self.pending, self._new, self.torn = 0, 0, None, False
         self.real_seen = torch.zeros(self.batch, dtype=torch.long, device=empty.device)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -164,10 +178,20 @@ class HeadwiseLayer(DynamicLayer):
             ts[i] = ts[i][:n].index_select(0, index)
         self.lengths[i] = int(index.numel())
 
+    def trim_window(self) -> None:
+        """A sliding-window layer drops, per head, the slots older than the last `window - 1` real tokens."""
+        if self.window is None:
+            return
+        low = (self.real_seen - (self.window - 1)).tolist()
+        for i, n in enumerate(self.lengths):
+            pos = self.slots_h["pos"][i][:n]
+            if n and int(pos[0]) < low[i // self.heads]:  # slots are in position order
+                self.keep(i // self.heads, i % self.heads, (pos >= low[i // self.heads]).nonzero().squeeze(-1))
+
     def view(self, row: int, head: int) -> PressedLayer:
         """One (row, KV head) as a one-head `PressedLayer` sharing this layer's storage, so an ordinary
         press can score it; state it creates (`slot(name)`) is taken back by `absorb`."""
-        v = PressedLayer()
+        v = PressedLayer(self.window)
         keys, values = self.pair(row, head)
         v.keys, v.values = keys[None, None], values[None, None]
         v.device, v.is_initialized, v.driven = keys.device, True, True

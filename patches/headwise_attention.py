@@ -3,7 +3,8 @@
 Each KV head's query group is folded into one sequence of `g * q` queries (GQA without repeating
 keys), and torch's `scaled_dot_product_attention` runs once per (row, KV head) over that head's
 tensors: no padding, no mask over evicted slots. The `q` newest slots of every head are this
-forward's tokens: causal among themselves. Returns transformers' layout `[B, q, Hq, D]`.
+forward's tokens: causal among themselves. On a sliding-window layer a query also sees only the slots
+less than `window` positions behind it. Returns transformers' layout `[B, q, Hq, D]`.
 
 On a GPU, flash-attn's variable-length kernel would run all heads in one call; that path is not
 built yet (it needs packed storage), so CUDA runs the same per-head sdpa.
@@ -33,7 +34,11 @@ def headwise_attention(module: nn.Module, query: torch.Tensor, layer: HeadwiseLa
             n = keys.shape[0]
             qs = query[row, head * g : (head + 1) * g].reshape(1, 1, g * q, d)
             mask = None
-            if q > 1:
+            if q > 1 and layer.window is not None:
+                pos = layer.slot("pos", row, head).long()
+                mask = (pos[None] <= pos[-q:, None]) & (pos[None] > pos[-q:, None] - layer.window)
+                mask = mask.repeat(g, 1)
+            elif q > 1:
                 if causal is None or causal.shape[-1] != n:
                     causal = _fold_causal(q, n, g, query.device)
                 mask = causal

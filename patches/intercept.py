@@ -1,29 +1,30 @@
 """`Intercept`: the transformers side of an installed press, for the caller that entered it.
 
 Installing registers an attention function and its mask partner under a name of their own, switches the
-model's attention implementation to that name and adds a forward pre-hook and a forward hook to the model
-(the latter counts the forwards in flight, so uninstalling never lands mid-forward); uninstalling undoes
-all of it, error or not. Importing kvpress patches nothing.
+model's attention implementation to that name and wraps the model instance's `forward` (it prepares the
+cache, counts the forwards in flight, so uninstalling never lands mid-forward, and marks a cache a forward
+left half-written when any exception, KeyboardInterrupt included, escapes it); uninstalling undoes all
+of it, error or not. Importing kvpress patches nothing.
 
-Activation is scoped to the caller: the hook and the attention function act only for forwards run in a
+Activation is scoped to the caller: the wrapper and the attention function act only for forwards run in a
 context (thread, `contextvars` context) where `activated()` is entered. Another thread's forwards on the
 same model, or code that runs while a generator that activated the press is suspended, get the model's
 own attention and masks, exactly as with nothing installed.
 
 The mask function registered with the attention function does not build a mask: it returns a `MaskInfo`
 that keeps the 2D padding mask and builds transformers' standard mask only if a layer asks for it (layers
-not compressed yet, layers the press leaves alone such as Gemma3's sliding-window ones, other callers). A
-compressed layer's mask is built from that layer's own slots, so layers of different lengths work on sdpa
-and eager alike.
+not compressed yet, other callers). A compressed layer's mask is built from that layer's own slots (and,
+for a sliding-window layer, their positions), so layers of different lengths work on sdpa and eager alike.
 
-For an active caller, the pre-hook finds or makes the cache and turns its full-attention layers into
-`PressedLayer`s; the attention function builds each compressed layer's mask from its slots and, after
-the attention ran, hands the layer to the `handler` (the engine, `kvpress.engine`), which decides what
-the layer keeps. The handler is any object with:
+For an active caller, the forward wrapper finds or makes the cache and turns its full-attention and
+sliding-window layers into `PressedLayer`s; the attention function builds each compressed layer's mask
+from its slots and, after the attention ran, drops what left a sliding layer's window and hands the layer
+to the `handler` (the engine, `kvpress.engine`), which decides what the layer keeps. The handler is any
+object with:
 
 - `before_forward(cache, args, kwargs)`: before the forward runs (it may refuse it, or set `position_ids`);
-- `after_attention(module, query, key, value, layer)`: after a dense layer's attention; returns a layer
-  that replaces it (per-head storage), or None;
+- `after_attention(module, query, key, value, layer)`: after a dense layer's attention (before a sliding
+  layer's `trim_window`); returns a layer that replaces it (per-head storage), or None;
 - `after_headwise(module, query, layer)`: after a head-wise layer's attention.
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import itertools
 import threading
 import weakref
@@ -74,9 +76,11 @@ class Intercept:
         self.name = f"{_PREFIX}{next(_counter)}"
         self.installed = False
         self._caches: weakref.WeakSet = weakref.WeakSet()
-        self._hooks: list = []
+        self._forward: Callable | None = None  # our wrapper of the model's forward, while installed
+        self._own_forward: Callable | None = None  # the instance's own `forward` attribute it replaced, if any
         self._original: str | None = None
         self._inner: dict[int, object] = {}
+        self._compressible: set[int] = set()  # the layers whose cache a press takes over
         self._flight = threading.Condition()
         self._forwards: dict[int, int] = {}  # thread id -> forwards of the model it is inside
 
@@ -94,12 +98,14 @@ class Intercept:
         self._original = current
         modules = model_access.attention_modules(self.model)
         self._inner = {i: model_access.inner_attention(self.model, current, m) for i, m in modules.items()}
+        self._compressible = set(model_access.compressible_layers(self.model))
         self.cache_key = model_access.cache_keyword(self.model)
         register(self.name, self._attention, original_mask_function(current))
         self._forwards = {}
         try:
-            self._hooks = [self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
-                           self.model.register_forward_hook(self._after_forward, always_call=True)]  # fmt: skip
+            self._own_forward = self.model.__dict__.get("forward")  # accelerate's hooks set one, for example
+            self._forward = self._wrap(self.model.forward)
+            self.model.forward = self._forward
             self.model.set_attn_implementation(self.name)
         except BaseException:
             self.uninstall()
@@ -113,9 +119,12 @@ class Intercept:
         with self._flight:
             self._forwards.pop(threading.get_ident(), None)  # this thread's own forwards are over
             self._flight.wait_for(lambda: not any(self._forwards.values()), timeout=wait_s)
-            for hook in self._hooks:
-                hook.remove()
-            self._hooks = []
+            if self._forward is not None and self.model.__dict__.get("forward") is self._forward:
+                if self._own_forward is None:
+                    del self.model.forward
+                else:
+                    self.model.forward = self._own_forward
+            self._forward = self._own_forward = None
             if self.model.config._attn_implementation == self.name:
                 self.model.set_attn_implementation(self._original)
             unregister(self.name)
@@ -162,19 +171,34 @@ class Intercept:
             call.compressing = previous
 
     # ----- per forward --------------------------------------------------------------------------------
-    def _after_forward(self, module: nn.Module, args: tuple, output) -> None:
-        with self._flight:
+    def _wrap(self, forward: Callable) -> Callable:
+        @functools.wraps(forward)
+        def wrapped(*args, **kwargs):
             me = threading.get_ident()
-            self._forwards[me] = max(0, self._forwards.get(me, 0) - 1)
-            self._flight.notify_all()
+            with self._flight:
+                self._forwards[me] = self._forwards.get(me, 0) + 1
+            call = None
+            try:
+                call = self._call()
+                if call is not None:
+                    self._prepare(call, args, kwargs)
+                return forward(*args, **kwargs)
+            except BaseException:
+                if call is not None and call.cache is not None and _torn(call.cache):
+                    for layer in call.cache.layers:  # refused from now on, with or without the press
+                        if isinstance(layer, _DRIVEN):
+                            layer.torn = True
+                raise
+            finally:
+                with self._flight:
+                    self._forwards[me] = max(0, self._forwards.get(me, 0) - 1)
+                    self._flight.notify_all()
 
-    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
-        with self._flight:
-            me = threading.get_ident()
-            self._forwards[me] = self._forwards.get(me, 0) + 1
-        call = self._call()
-        if call is None:
-            return None  # a caller the press is not active for: the forward runs as without kvpress
+        return wrapped
+
+    def _prepare(self, call: _Call, args: tuple, kwargs: dict) -> None:
+        """Before an active caller's forward: find or make its cache and let the press drive its layers."""
+        call.cache = None
         cache = kwargs.get(self.cache_key, kwargs.get("past_key_values"))
         if cache is None:
             if kwargs.get("use_cache") is False:
@@ -188,12 +212,11 @@ class Intercept:
             )
         model_access.complete_layers(cache, self.model)
         for i, layer in enumerate(cache.layers):
-            if model_access.is_plain_full_layer(layer):
+            if i in self._compressible and model_access.is_plain_layer(layer):
                 cache.layers[i] = layer = PressedLayer.from_layer(layer)
             if isinstance(layer, _DRIVEN):
                 layer.driven = True
-        ours = [layer for layer in cache.layers if isinstance(layer, _DRIVEN)]
-        if len({layer.seen for layer in ours}) > 1 or any(layer.pending for layer in ours):
+        if _torn(cache):
             raise ValueError(
                 "this cache was left inconsistent by a forward that raised half-way (its layers hold different "
                 "numbers of tokens); it cannot be continued: start a new cache"
@@ -201,7 +224,6 @@ class Intercept:
         self.handler.before_forward(cache, args, kwargs)
         call.cache = cache
         self._caches.add(cache)
-        return args, kwargs
 
     def _attention(self, module: nn.Module, query, key, value, attention_mask, **kwargs):
         info = attention_mask if isinstance(attention_mask, MaskInfo) else None
@@ -223,6 +245,7 @@ class Intercept:
                 raise ValueError("attention sinks (s_aux) are not supported by head-wise compressed layers")
             layer.commit()
             out = headwise_attention(module, query, layer)
+            layer.trim_window()
             if call.compressing:
                 self.handler.after_headwise(module, query, layer)
             return out, None
@@ -245,6 +268,7 @@ class Intercept:
             if replacement is not None:  # the layer moved to per-head storage
                 replacement.driven = True
                 call.cache.layers[module.layer_idx] = replacement
+        layer.trim_window()  # a sliding-window layer drops what left its window (the handler may have already)
         return out
 
 
@@ -278,24 +302,31 @@ class MaskInfo:
 
 
 def layer_mask(layer: PressedLayer, q_len: int, n_rep: int, dtype: torch.dtype, additive: bool):
-    """The mask of a compressed layer: held slots visible where valid, causal among the new tokens.
+    """The mask of a compressed layer: held slots visible where valid, causal among the new tokens, and for a
+    sliding-window layer only the slots less than `window` positions behind the query.
 
     Bool (sdpa) or additive float (eager); None when nothing is hidden. A query always sees its
     own slot, so padding queries stay finite.
     """
     n, device = layer.n, layer.keys.device
     valid = layer.valid
-    if valid is None and q_len == 1:
+    if valid is None and q_len == 1:  # a sliding layer's held slots are all in the window of the next token
         return None
     causal = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
-    if valid is None:
+    eye = torch.eye(q_len, dtype=torch.bool, device=device)
+    if valid is None and layer.window is None:
         old = torch.ones(q_len, n - q_len, dtype=torch.bool, device=device)
         mask = torch.cat([old, causal], dim=-1)[None, None]
     else:
-        b, h = valid.shape[:2]
+        b, h = layer.keys.shape[:2]
+        valid = valid if valid is not None else torch.ones(b, h, n, dtype=torch.bool, device=device)
         old = valid[:, :, None, : n - q_len].expand(b, h, q_len, n - q_len)
-        new = causal & valid[:, :, None, n - q_len :] | torch.eye(q_len, dtype=torch.bool, device=device)
-        mask = torch.cat([old, new], dim=-1).repeat_interleave(n_rep, dim=1)
+        mask = torch.cat([old, causal & valid[:, :, None, n - q_len :]], dim=-1)
+        if layer.window is not None:
+            pos = layer.pos.long()
+            mask = mask & (pos[:, :, None, :] > pos[:, :, n - q_len :, None] - layer.window)
+        mask[..., n - q_len :] |= eye
+        mask = mask.repeat_interleave(n_rep, dim=1)
     if additive:
         return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
     return mask
@@ -348,3 +379,10 @@ def _sized_for_another_layer(mask, key: torch.Tensor) -> bool:
     """transformers sizes one mask per layer type from the first such layer; a full layer after a compressed
     one (per-layer budgets that leave a layer whole) holds more keys than that mask covers."""
     return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] != key.shape[-2]
+
+
+def _torn(cache: DynamicCache) -> bool:
+    """Whether a forward that raised left the layers a press drives at different points (some hold its tokens,
+    some do not, or one holds them uncommitted)."""
+    ours = [layer for layer in cache.layers if isinstance(layer, _DRIVEN)]
+    return len({layer.seen for layer in ours}) > 1 or any(layer.pending or layer.torn for layer in ours)

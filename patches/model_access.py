@@ -7,7 +7,12 @@ import sys
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import (
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -58,13 +63,14 @@ def complete_layers(cache: DynamicCache, model: nn.Module) -> None:
         cache.layers.extend(new_cache(model).layers[len(cache.layers) : n_layers])
 
 
-def is_plain_full_layer(layer) -> bool:
-    return type(layer) is DynamicLayer
+def is_plain_layer(layer) -> bool:
+    """A layer of transformers' own that a `PressedLayer` takes over: full attention or a sliding window."""
+    return type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 def compressible_layers(model: nn.Module) -> list[int]:
-    """The layers whose cache a press can compress: the full-attention ones (`layer_types`)."""
-    return [i for i, kind in enumerate(layer_types(model)) if kind == "full_attention"]
+    """The layers whose cache a press can compress: the full-attention and sliding-window ones (`layer_types`)."""
+    return [i for i, kind in enumerate(layer_types(model)) if kind in ("full_attention", "sliding_attention")]
 
 
 def inner_attention(model: nn.Module, implementation: str, module: nn.Module):
@@ -90,25 +96,35 @@ def inv_freq(model: nn.Module) -> torch.Tensor:
 
 
 def layer_types(model: nn.Module) -> list[str]:
-    """Each decoder layer's attention kind ("full_attention", "sliding_attention", ...) as transformers'
-    cache sees it: a layer is full-attention when the cache gives it a plain `DynamicLayer` (a press
-    compresses it), else the kind its config names. The cache, not the config alone, decides: Mistral's
-    `sliding_window` makes every layer a sliding one without a `layer_types` entry."""
+    """Each decoder layer's attention kind as transformers' cache sees it: "full_attention" where the cache
+    makes a plain `DynamicLayer`, "sliding_attention" where it makes a `DynamicSlidingWindowLayer` for a
+    sliding window, else the kind the config names (chunked attention, linear attention, ...), which a press
+    leaves alone. The cache, not `config.layer_types` alone, decides: Mistral's `sliding_window` makes every
+    layer a sliding one without a `layer_types` entry."""
     config = text_config(model)
-    declared = list(getattr(config, "layer_types", None) or [])
+    declared, _ = get_layer_types_and_kwargs(config)
     made = new_cache(model).layers
     kinds = []
     for i in range(config.num_hidden_layers):
-        if i >= len(made) or is_plain_full_layer(made[i]):  # a layer the cache makes lazily is a plain one
+        named = declared[i] if i < len(declared) else "full_attention"
+        if i >= len(made) or type(made[i]) is DynamicLayer:  # a layer the cache makes lazily is a plain one
             kinds.append("full_attention")
+        elif type(made[i]) is DynamicSlidingWindowLayer and named == "sliding_attention":
+            kinds.append("sliding_attention")
         else:
-            named = declared[i] if i < len(declared) else "full_attention"
-            kinds.append(named if named != "full_attention" else "sliding_attention")
+            kinds.append(named if named not in ("full_attention", "sliding_attention") else "other")
     return kinds
 
 
 def has_sliding_layers(model: nn.Module) -> bool:
     return any(t != "full_attention" for t in layer_types(model))
+
+
+def sliding_window(model: nn.Module) -> int | None:
+    """The window of the model's sliding-window layers (None: it has none)."""
+    if "sliding_attention" not in layer_types(model):
+        return None
+    return text_config(model).sliding_window
 
 
 def attention_scaling(module: nn.Module) -> float:

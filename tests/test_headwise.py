@@ -225,7 +225,7 @@ def test_duo_streaming_heads_stay_bounded(attn):
     _, cache = _generate(model, prompt(1, 96), press, new=50)
     streaming = retrieval = 0
     for i, layer in enumerate(cache.layers):
-        rank = press.rank[i]
+        rank = press.head_rank(model)[i]
         lengths = layer.lengths if isinstance(layer, HeadwiseLayer) else [layer.n] * 2
         for head, n in enumerate(lengths):
             if rank[head] < 4:  # half of the 8 (layer, head) pairs
@@ -252,7 +252,7 @@ def test_duo_over_a_scorer(inner):
     for i, (layer, after) in enumerate(zip(prefilled.layers, decoded.layers, strict=True)):
         for head in range(layer.heads):
             kept = sorted(layer.slot("pos", 0, head).tolist())
-            if press.rank[i][head] < 4:  # a retrieval head: the scorer's own choice, then its budget
+            if press.head_rank(model)[i][head] < 4:  # a retrieval head: the scorer's own choice, then its budget
                 assert kept == sorted(dense.layers[i].pos[0, head].tolist())
                 assert 32 - 2 <= after.lengths[head] <= 32
             else:
@@ -397,3 +397,30 @@ def test_headwise_cache_refuses_another_headwise_press_and_resets():
     with ada(model):
         fresh = model(ids, cache=DynamicCache(config=model.config)).logits
     assert torch.allclose(again, fresh, atol=1e-5)
+
+
+def test_one_auto_duo_press_serves_two_architectures_at_once(monkeypatch):
+    """head_pattern="auto" finds each model's own pattern; installing the press on a second architecture while it
+    is installed on the first (before the first splits its heads) leaves the first one's heads as they were."""
+    import kvpress.presses.duo_attention as duo
+
+    small, large = tiny_model("llama"), tiny_model("llama", num_hidden_layers=4, num_key_value_heads=4)
+    monkeypatch.setattr(duo, "find_pattern", lambda model: _pattern(model, seed=model.config.num_hidden_layers))
+    ids = prompt(1, 96)
+
+    def small_run(press, meanwhile=None):
+        cache = DynamicCache(config=small.config)
+        with press(small):
+            if meanwhile is not None:
+                meanwhile()
+            small(ids[:, :-1], cache=cache)  # the small model's heads are split here
+            out = small.generate(ids, cache=cache, max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+        return torch.stack(out.scores)
+
+    shared = DuoAttentionPress(0.5, n_sink=2, window=8)
+    large_alone = _generate(large, ids, DuoAttentionPress(0.5, n_sink=2, window=8))[0]
+    large_shared = []
+    small_shared = small_run(shared, lambda: large_shared.append(_generate(large, ids, shared)[0]))
+    assert torch.equal(large_shared[0], large_alone)
+    assert torch.equal(small_shared, small_run(DuoAttentionPress(0.5, n_sink=2, window=8)))

@@ -84,14 +84,6 @@ def test_use_cache_false_refused():
         model(prompt(1, 8), use_cache=False)
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2"])
-def test_a_model_of_sliding_window_layers_only_is_refused(family):
-    window = {"mistral": {"sliding_window": 16}, "qwen2": {"use_sliding_window": True, "sliding_window": 16,
-                                                             "max_window_layers": 0}}[family]  # fmt: skip
-    with pytest.raises(ValueError, match="every layer of .* is a sliding-window layer"):
-        SnapKVPress(compression_ratio=0.5)(tiny_model(family, **window))
-
-
 def test_presses_run_with_autograd_enabled():
     """A forward with gradients on (training code, a probe) compresses as under no_grad; logits keep their grad."""
     with torch.inference_mode(False), torch.enable_grad():

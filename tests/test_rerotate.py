@@ -6,21 +6,12 @@ from transformers import DynamicCache
 
 from kvpress import HeavyHitterPress, SinkWindowPress
 from kvpress.patches.rope import rerotate
-from tiny import prompt, tiny_model
+from tiny import LLAMA3_ROPE, prompt, tiny_model
 
 ROPE = {
     "default": {},
     "linear": {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
-    "llama3": {
-        "rope_parameters": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-            "rope_theta": 500000.0,
-        }
-    },
+    "llama3": {"rope_parameters": LLAMA3_ROPE},
 }
 
 

@@ -10,6 +10,7 @@ from transformers import (
     MistralConfig,
     Phi3Config,
     Qwen2Config,
+    Qwen3Config,
 )
 
 COMMON = dict(
@@ -25,10 +26,18 @@ COMMON = dict(
     eos_token_id=2,
 )
 
+# Llama 3.x's rope scaling (frequencies below the original context stretched by `factor`)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}  # fmt: skip
+
 CONFIGS = {
     "llama": lambda **kw: LlamaConfig(**{**COMMON, **kw}),
+    "llama3": lambda **kw: LlamaConfig(**{**COMMON, "rope_parameters": LLAMA3_ROPE, **kw}),
     "qwen2": lambda **kw: Qwen2Config(**{**COMMON, **kw}),
+    "qwen3": lambda **kw: Qwen3Config(**{**COMMON, "head_dim": 16, **kw}),  # QK norm
     "mistral": lambda **kw: MistralConfig(**{**COMMON, "sliding_window": None, **kw}),
+    # Mistral-7B-v0.1's form: every layer a sliding-window layer (window 16 here: tiny prompts run past it)
+    "mistral-window": lambda **kw: MistralConfig(**{**COMMON, "sliding_window": 16, **kw}),
     "phi3": lambda **kw: Phi3Config(**{**COMMON, **kw}),
     "gemma3": lambda **kw: Gemma3TextConfig(
         **{

@@ -70,7 +70,7 @@ class AdaKVPress(WrapsPress, HeadwisePress):
     def select(self, obs: Observation) -> torch.Tensor | None:
         layer = obs.layer
         scale = self.layer_scale(obs.layer_idx, obs.n_layers)
-        budget = self.budget(layer.real_seen, scale)
+        budget = self.budget(layer.span, scale)
         held = layer.held()
         if not bool((held > budget).any()):
             return None
@@ -91,9 +91,9 @@ class AdaKVPress(WrapsPress, HeadwisePress):
 
     def evict_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
         scale = self.layer_scale(model_access.layer_index(module), model_access.layer_count(module))
-        if layer.batch == 1 and sum(layer.lengths) <= layer.heads * self.budget_of(int(layer.real_seen[0]), scale):
+        if layer.batch == 1 and sum(layer.lengths) <= layer.heads * self.budget_of(int(layer.span[0]), scale):
             return  # the common decoding step: under budget, decided on plain integers
-        budget = self.budget(layer.real_seen, scale)
+        budget = self.budget(layer.span, scale)
         held = layer.held()
         over = held.sum(-1) > budget * layer.heads
         if not bool(over.any()):

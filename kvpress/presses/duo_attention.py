@@ -14,6 +14,7 @@ retrieval heads keep what that press keeps of them at its own budget, instead of
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -80,19 +81,23 @@ class DuoAttentionPress(HeadwisePress):
                 raise ValueError(f"{name} must be a {kind} integer, got {value!r}")
         check_field_types(self)
         self.pattern = None if self.head_pattern == "auto" else load_pattern(self.head_pattern)
+        # per model (by its attention modules): each head's rank and the (layer, KV head) pairs ranked
+        self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def check_model(self, model: nn.Module) -> None:
         if self.press is not None:
             self.press.check_model(model)
-        pattern = find_pattern(model) if self.head_pattern == "auto" else self.pattern
+        pattern = find_pattern(model) if self.head_pattern == "auto" else self.pattern  # "auto": this model's own
         check_pattern(pattern, model)
         scores = torch.tensor(pattern["scores"], dtype=torch.float64)
-        full = torch.tensor([t == "full_attention" for t in model_access.layer_types(model)])
-        scores[~full] = -torch.inf  # sliding-window layers are never compressed: rank only the others
+        full = torch.zeros(scores.shape[0], dtype=torch.bool)
+        full[model_access.compressible_layers(model)] = True
+        scores[~full] = -torch.inf  # layers a press leaves alone (chunked attention, ...): rank only the others
         order = scores.flatten().argsort(descending=True, stable=True)
-        self.pattern = pattern
-        self.rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).view_as(scores)
-        self.pairs = int(full.sum()) * scores.shape[1]  # the (layer, KV head) pairs a budget is spread over
+        rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).view_as(scores)
+        plan = (rank, int(full.sum()) * scores.shape[1])  # the (layer, KV head) pairs a budget is spread over
+        for module in model_access.attention_modules(model).values():  # one press may serve several models
+            self._plans[module] = plan
 
     def sink_count(self) -> int:
         return self.n_sink
@@ -100,9 +105,8 @@ class DuoAttentionPress(HeadwisePress):
     def recent_count(self, budget):
         return self.window
 
-    def retrieval_heads(self, real_seen: torch.Tensor) -> torch.Tensor:
-        """`[B]` how many (layer, KV head) pairs keep the whole context for rows of these lengths."""
-        total = self.pairs
+    def retrieval_heads(self, real_seen: torch.Tensor, total: int) -> torch.Tensor:
+        """`[B]` how many of the `total` (layer, KV head) pairs keep the whole context for rows of these lengths."""
         if self.retrieval_fraction is not None:
             return torch.full_like(real_seen, round(self.retrieval_fraction * total))
         stream = self.n_sink + self.window
@@ -122,7 +126,7 @@ class DuoAttentionPress(HeadwisePress):
             n - math.floor(n * self.compression_ratio) <= stream for n in layer.real_seen.tolist()
         ):  # the split is decided once: wait until every row's budget holds more than a streaming head
             return None
-        retrieval = self._retrieval(obs.layer_idx, layer.real_seen)
+        retrieval = self._retrieval(obs.module, layer.real_seen)
         pos = layer.pos
         streaming = (pos < self.n_sink) | (pos >= (layer.real_seen - self.window)[:, None, None])
         whole = torch.ones_like(streaming) if self.press is None else self._scored(obs)
@@ -133,7 +137,7 @@ class DuoAttentionPress(HeadwisePress):
 
     def _scored(self, obs: Observation) -> torch.Tensor:
         """`[B, H, n]` what `press` keeps of every head at its budget (each head its own top-k)."""
-        budget = self.press.budget(obs.layer.real_seen, self.press.layer_scale(obs.layer_idx, obs.n_layers))
+        budget = self.press.budget(obs.layer.span, self.press.layer_scale(obs.layer_idx, obs.n_layers))
         target = torch.minimum(obs.layer.held(), self.press.target(budget, obs.q_len))
         scores = self.press.ranked_scores(obs, budget)
         rank = scores.argsort(dim=-1, descending=True).argsort(dim=-1)
@@ -153,18 +157,26 @@ class DuoAttentionPress(HeadwisePress):
 
     def head_budgets(self, obs: Observation) -> torch.Tensor:
         """Streaming heads stay bounded from now on; -1: a retrieval head."""
-        retrieval = self._retrieval(obs.layer_idx, obs.layer.real_seen)
+        retrieval = self._retrieval(obs.module, obs.layer.real_seen)
         return torch.where(retrieval, -1, self.n_sink + self.window)
 
-    def _retrieval(self, layer_idx: int, real_seen: torch.Tensor) -> torch.Tensor:
-        """`[B, H]` True for the retrieval heads of layer `layer_idx`."""
-        return self.rank[layer_idx].to(real_seen.device)[None] < self.retrieval_heads(real_seen)[:, None]
+    def head_rank(self, model: nn.Module) -> torch.Tensor:
+        """`[layers, KV heads]` each head's rank for `model` (0: the first to be a retrieval head), once the
+        press was installed on it."""
+        rank, _ = self._plans[model_access.attention_modules(model)[model_access.compressible_layers(model)[0]]]
+        return rank
+
+    def _retrieval(self, module: nn.Module, real_seen: torch.Tensor) -> torch.Tensor:
+        """`[B, H]` True for the retrieval heads of the layer of attention module `module`."""
+        rank, total = self._plans[module]
+        layer = rank[model_access.layer_index(module)].to(real_seen.device)
+        return layer[None] < self.retrieval_heads(real_seen, total)[:, None]
 
     def evict_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
         if self.press is not None:  # retrieval heads over the press's budget: its top-k of each head
             scale = self.press.layer_scale(model_access.layer_index(module), model_access.layer_count(module))
             for row, head in (layer.head_budget < 0).nonzero().tolist():
-                if layer.lengths[row * layer.heads + head] > self.press.budget_of(int(layer.real_seen[row]), scale):
+                if layer.lengths[row * layer.heads + head] > self.press.budget_of(int(layer.span[row]), scale):
                     obs, _ = head_observation(module, query, layer, row, head)
                     layer.keep(row, head, self._scored(obs)[0, 0].nonzero().flatten())
         stream = self.n_sink + self.window

@@ -20,7 +20,7 @@ from torch import nn
 from kvpress.engine import observe
 from kvpress.patches.cache import scratch
 from kvpress.presses.base import BasePress, Observation, scaled_to_peak
-from kvpress.presses.prepared import PromptAttention, check_prepared
+from kvpress.presses.prepared import PromptAttention, at_held_slots, check_prepared
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
 
@@ -140,7 +140,7 @@ class KVzipPress(BasePress):
     def score(self, obs: Observation) -> torch.Tensor:
         tokens = None if self.scores is None else self.scores[obs.layer_idx].shape[-1]
         check_prepared(self, tokens, obs, "a reconstruction pass", "kvpress.generate(..., press=...)")
-        scores = self.scores[obs.layer_idx]
+        scores = at_held_slots(self.scores[obs.layer_idx], obs)
         return scores * obs.values.float().norm(dim=-1) if self.value_norm else scores
 
 
@@ -164,7 +164,9 @@ def reconstruction_scores(
     at most the context plus one pass, no copy of it, and is left as it was."""
     n = context_ids.shape[1]
     for idx, layer in enumerate(cache.layers):
-        if getattr(layer, "n", n) != n or getattr(layer, "seen", n) != n or getattr(layer, "padded", False):
+        window = getattr(layer, "window", None)  # a sliding-window layer holds the last `window - 1` tokens
+        held = n if window is None else min(n, window - 1)
+        if getattr(layer, "n", held) != held or getattr(layer, "seen", n) != n or getattr(layer, "padded", False):
             raise ValueError(
                 f"reconstruction scores need the whole context cached ({n} tokens, no padding, nothing evicted); "
                 f"layer {idx} holds {getattr(layer, 'n', '?')} of {getattr(layer, 'seen', '?')} tokens"

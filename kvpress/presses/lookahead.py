@@ -24,7 +24,7 @@ from torch import nn
 from kvpress.engine import observe
 from kvpress.patches.cache import scratch
 from kvpress.presses.base import Observation
-from kvpress.presses.prepared import PromptAttention, check_prepared
+from kvpress.presses.prepared import PromptAttention, at_held_slots, check_prepared
 from kvpress.presses.snapkv import SnapKVPress, pool_by_position
 
 QUERY_AWARE_ONLY = (
@@ -84,7 +84,7 @@ class LookaheadPress(SnapKVPress):
         total, count = self.draft[obs.layer_idx]
         w = min(self.window_size, obs.q_len)
         window = obs.attention_probs(obs.q_len - w, obs.q_len)  # [B, Hkv, g, w, n]
-        mean = (window.sum(dim=(2, 3)) + total) / (window.shape[2] * w + count)
+        mean = (window.sum(dim=(2, 3)) + at_held_slots(total, obs)) / (window.shape[2] * w + count)
         return pool_by_position(mean, obs.layer, self.kernel_size)
 
 

@@ -22,12 +22,27 @@ class PromptAttention:
     sums: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
     def __call__(self, obs: Observation) -> None:
-        probs = obs.attention_probs(0, obs.q_len)[..., : self.n_prompt]  # [B, Hkv, g, q, n_prompt]
+        probs = obs.attention_probs(0, obs.q_len)  # [B, Hkv, g, q, slots]
+        if obs.layer.window is None:  # nothing evicted: the first slots are the prompt's tokens
+            probs = probs[..., : self.n_prompt]
+        else:  # a sliding-window layer holds the prompt's last tokens: each slot to its prompt position
+            pos = obs.layer.pos.long()[:, :, None, None].expand_as(probs)
+            paid = probs.masked_fill(pos >= self.n_prompt, 0)
+            probs = probs.new_zeros(*probs.shape[:-1], self.n_prompt)
+            probs.scatter_add_(-1, pos.clamp(max=self.n_prompt - 1), paid)
         peak, total, count = probs.amax(dim=(2, 3)), probs.sum(dim=(2, 3)), probs.shape[2] * probs.shape[3]
         if obs.layer_idx in self.peaks:
             peak = torch.maximum(self.peaks[obs.layer_idx], peak)
             total, count = total + self.sums[obs.layer_idx][0], count + self.sums[obs.layer_idx][1]
         self.peaks[obs.layer_idx], self.sums[obs.layer_idx] = peak, (total, count)
+
+
+def at_held_slots(per_token: torch.Tensor, obs: Observation) -> torch.Tensor:
+    """Scores `[B, Hkv, n_prompt]` of a prepared prompt's tokens, for the slots `obs`'s layer holds (a
+    sliding-window layer holds only the prompt's last tokens)."""
+    if obs.layer.window is None:
+        return per_token
+    return per_token.gather(-1, obs.layer.pos.long().to(per_token.device))
 
 
 def check_prepared(press: BasePress, tokens: int | None, obs: Observation, scored_by: str, call: str) -> None:
@@ -39,8 +54,8 @@ def check_prepared(press: BasePress, tokens: int | None, obs: Observation, score
             f"{name} scores by {scored_by} once the whole context is cached, so it cannot evict inside a "
             f"forward; compress with {call} or kvpress.recording.compress_recording"
         )
-    if obs.keys.shape[2] != tokens:
+    if obs.layer.seen != tokens or obs.keys.shape[2] != int(obs.layer.span.max()):
         raise RuntimeError(
-            f"{name} scored a prompt of {tokens} tokens but layer {obs.layer_idx} now holds {obs.keys.shape[2]}; "
-            "it compresses the prompt it was prepared on, not later tokens"
+            f"{name} scored a prompt of {tokens} tokens but layer {obs.layer_idx} now holds {obs.keys.shape[2]} "
+            f"of {obs.layer.seen}; it compresses the prompt it was prepared on, not later tokens"
         )

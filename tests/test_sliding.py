@@ -1,0 +1,129 @@
+"""Sliding-window layers: compressed like full-attention layers while the context fits the window; past the
+window, bounded as transformers bounds them (the last `window - 1` tokens), with each query's window exact."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvpress import AdaKVPress, SnapKVPress
+from kvpress.patches.cache import PressedLayer
+from kvpress.patches.intercept import layer_mask
+from tiny import prompt, tiny_model
+
+# every layer a sliding one (Mistral-7B-v0.1's form, Qwen2's use_sliding_window), and Gemma3's mix
+WINDOWED = {
+    "mistral-window": {},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0},
+    "gemma3": {},
+}
+
+
+def _windowed(family: str, attn: str = "sdpa", **kw):
+    return tiny_model(family, attn, **{**WINDOWED[family], **kw})
+
+
+def _sliding_layers(cache) -> list[PressedLayer]:
+    return [layer for layer in cache.layers if getattr(layer, "window", None) is not None]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", list(WINDOWED))
+def test_keeping_everything_past_the_window_is_identity(family, attn):
+    """r = 0 runs the window itself: a prompt more than twice the window, fed whole or in chunks of 7."""
+    model = _windowed(family, attn)
+    ids = prompt(1, 40)
+    kw = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    with SnapKVPress(compression_ratio=0.0, window_size=4)(model):
+        pressed = model.generate(ids, **kw)
+    assert torch.equal(pressed, model.generate(ids, **kw))
+    caches = [DynamicCache(config=model.config) for _ in range(2)]
+    with SnapKVPress(compression_ratio=0.0, window_size=4)(model):
+        for start in range(0, 40, 7):
+            chunked = model(ids[:, start : start + 7], cache=caches[0]).logits
+    for start in range(0, 40, 7):
+        plain = model(ids[:, start : start + 7], cache=caches[1]).logits
+    torch.testing.assert_close(chunked, plain, atol=1e-5, rtol=1e-4)
+    for layer in _sliding_layers(caches[0]):
+        assert layer.n == layer.window - 1 and bool((layer.pos == torch.arange(40 - layer.n, 40)).all())
+
+
+def test_inside_the_window_a_sliding_layer_is_compressed_to_its_budget():
+    model = tiny_model("mistral-window", sliding_window=64)
+    cache = DynamicCache(config=model.config)
+    with SnapKVPress(compression_ratio=0.5, window_size=4)(model):
+        model(prompt(1, 40), cache=cache)
+    assert [layer.n for layer in _sliding_layers(cache)] == [20, 20]
+
+
+@pytest.mark.parametrize("family", list(WINDOWED))
+@pytest.mark.parametrize("press", [SnapKVPress(0.5, window_size=4), AdaKVPress(SnapKVPress(0.5, window_size=4))])
+def test_past_the_window_the_budget_is_taken_from_what_the_layer_holds(family, press):
+    """A sliding layer never holds more than `window - 1` tokens, nor more than the press's budget of them
+    (per head; AdaKV: on average over heads), at prefill and at every decoding step; what it holds is inside
+    the window."""
+    model = _windowed(family)
+    cache = DynamicCache(config=model.config)
+    steps = []
+
+    def watch(module, args, kwargs, out):
+        layer = cache.layers[module.layer_idx]
+        if getattr(layer, "window", None) is not None:
+            held = layer.held() if isinstance(layer, PressedLayer) else layer.held().float().mean(-1)  # per head
+            steps.append((float(held.max()), layer.window, layer.seen))
+
+    hooks = [layer.self_attn.register_forward_hook(watch, with_kwargs=True) for layer in model.model.layers]
+    try:
+        with press(model):
+            model.generate(prompt(1, 40), cache=cache, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert steps and all(held <= press.budget_of(min(seen, window - 1)) for held, window, seen in steps)
+    assert all(held <= window - 1 for held, window, _ in steps)
+    for layer in cache.layers:
+        if getattr(layer, "window", None) is None:
+            continue
+        if isinstance(layer, PressedLayer):
+            pos = layer.pos[layer.valid] if layer.valid is not None else layer.pos
+            assert bool((pos > layer.seen - layer.window).all())
+        else:  # per-head storage
+            for i in range(layer.batch * layer.heads):
+                assert bool((layer.slot("pos", 0, i) > layer.seen - layer.window).all())
+
+
+def test_the_mask_of_a_compressed_sliding_layer_hides_what_is_behind_each_query():
+    layer = PressedLayer(window=4)
+    keys = torch.zeros(1, 1, 6, 2)
+    layer.update(keys, keys)  # not driven: committed at once, positions 0..5, then trimmed to the last 3
+    assert layer.n == 3 and layer.pos.flatten().tolist() == [3, 4, 5]
+    layer.driven = True
+    layer.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
+    layer.commit(None)  # 6 slots: positions 3..8, the last three are this forward's queries
+    mask = layer_mask(layer, 3, 1, torch.float32, additive=False)[0, 0]
+    pos = torch.arange(3, 9)
+    expected = (pos[None] <= pos[3:, None]) & (pos[None] > pos[3:, None] - 4)
+    assert torch.equal(mask, expected)
+
+
+def test_a_cache_filled_without_a_press_is_taken_over_past_its_window():
+    """A plain sliding cache (transformers' own layers, past the window) continued inside a press at r = 0
+    answers as continuing it plainly."""
+    model = _windowed("mistral-window")
+    ids = prompt(1, 40)
+    plain, adopted = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    model(ids[:, :30], cache=plain)
+    model(ids[:, :30], cache=adopted)
+    expected = model(ids[:, 30:], cache=plain).logits
+    with SnapKVPress(compression_ratio=0.0)(model):
+        got = model(ids[:, 30:], cache=adopted).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_a_compressed_sliding_cache_refuses_several_tokens_outside_its_press():
+    model = _windowed("mistral-window")
+    cache = DynamicCache(config=model.config)
+    with SnapKVPress(compression_ratio=0.5, window_size=4)(model):
+        model(prompt(1, 12), cache=cache)
+    model(prompt(1, 1, seed=1), cache=cache)  # one token sees every held slot: fine
+    with pytest.raises(RuntimeError, match="inside `with press"):
+        model(prompt(1, 4, seed=2), cache=cache)
