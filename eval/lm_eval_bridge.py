@@ -200,7 +200,7 @@ class KVPressLM(HFLM):
 
     @torch.inference_mode()
     def _score(self, cache: DynamicCache, fed: list[int], n_cont: int) -> tuple[float, bool]:
-        with self.press(self.model) as installed, installed.frozen():
+        with self.press(self.model, tokenizer=self.tokenizer) as installed, installed.frozen():
             logits = self.model(torch.tensor([fed[:-1]], device=self.device), cache=cache, use_cache=True).logits
         logprobs = F.log_softmax(logits[0, -n_cont:].float(), dim=-1)
         target = torch.tensor(fed[-n_cont:], device=logprobs.device)
@@ -244,7 +244,7 @@ class KVPressLM(HFLM):
         keyword = cache_keyword(self.model)
         if self.query_aware and not self.press.needs_whole_context:
             cache = DynamicCache(config=self.model.config)
-            with self.press(self.model):
+            with self.press(self.model, tokenizer=self.tokenizer):
                 out = super()._model_generate(context, max_length, stop, **{keyword: cache}, **generation_kwargs)
             self._record(cache, cache.get_seq_length(), batch=context.shape[0])
             return out
@@ -258,7 +258,8 @@ class KVPressLM(HFLM):
                                  "raise max_length or pass query_aware=True")  # fmt: skip
             cut = ids.shape[1] - tail
             cache = self._prefill(ids[0, :cut].tolist(), ids[0, cut:].tolist() if self.query_aware else None)
-            with torch.inference_mode(), self.press(self.model) as installed, installed.frozen():  # as the prefill
+            installation = self.press(self.model, tokenizer=self.tokenizer)
+            with torch.inference_mode(), installation as installed, installed.frozen():  # as the prefill
                 out = super()._model_generate(ids, max_length - (context.shape[1] - ids.shape[1]), stop,
                                               attention_mask=torch.ones_like(ids), **{keyword: cache},
                                               **generation_kwargs)  # fmt: skip

@@ -143,7 +143,8 @@ class ChatSession:
             self.store = self.store if self.store is not None else RoundStore(device="cpu")
             policy.begin_turn(self.cache, self.round_spans(prefix), self.store, self.user_text_span(messages, new))
         try:
-            with observe(self.model, policy.observe) if policy is not None else maybe_installed(self.press, self.model):
+            installation = maybe_installed(self.press, self.model, self.tokenizer)
+            with observe(self.model, policy.observe) if policy is not None else installation:
                 if reply is None:
                     answer_ids = self._generate(torch.tensor([self._ids + new], device=self.model.device),
                                                 max_new_tokens, streamer)  # fmt: skip

@@ -64,7 +64,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
         text, kept, seconds = _answer(model, tokenizer, context, DEMO_QUESTION, press, args.max_new_tokens)
         mark = "" if DEMO_ANSWER in text else "  (fact lost)"
         print(f"{name:{w}s} {args.ratio:5.2f} {kept:12,d} {kept / full_bytes:6.0%} {seconds:7.1f}  {text!r}{mark}")
+    print("\nthe first press inside model.generate (context and question in one prompt, compressed at the end "
+          "of the prefill):\n  with press(model, tokenizer=tokenizer): model.generate(ids)")  # fmt: skip
+    text, kept, seconds = _generate_inside(model, tokenizer, context, _press(names[0], args.ratio, None),
+                                           args.max_new_tokens)  # fmt: skip
+    mark = "" if DEMO_ANSWER in text else "  (fact lost)"
+    print(f"{names[0]:{w}s} {args.ratio:5.2f} {kept:12,d} {kept / full_bytes:6.0%} {seconds:7.1f}  {text!r}{mark}")
     return 0
+
+
+def _generate_inside(model, tokenizer, context: str, press, max_new_tokens: int) -> tuple[str, int, float]:
+    """(answer, KV bytes held at the end, seconds) of `model.generate` on the whole prompt inside `press`."""
+    import torch
+    from transformers import DynamicCache
+
+    import kvpress
+    from kvpress.engine import maybe_installed
+
+    ids = torch.cat(kvpress.pipeline.split_prompt(tokenizer, context, DEMO_QUESTION), dim=-1).to(model.device)
+    cache = DynamicCache(config=model.config)
+    start = time.perf_counter()
+    with maybe_installed(press, model, tokenizer):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=kvpress.pipeline.pad_token_id(tokenizer))  # fmt: skip
+    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+    return text, kvpress.cache_bytes(cache), time.perf_counter() - start
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

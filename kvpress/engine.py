@@ -16,8 +16,9 @@ intercept executes.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -27,7 +28,7 @@ from transformers import DynamicCache
 from kvpress.patches import model_access, rope
 from kvpress.patches.cache import PressedLayer
 from kvpress.patches.head_cache import HeadwiseLayer
-from kvpress.patches.intercept import Intercept, cache_positions, new_tokens
+from kvpress.patches.intercept import Intercept, active_handler, cache_positions, new_tokens, split_inputs
 
 
 @dataclass
@@ -101,6 +102,36 @@ def within_window(obs: Observation) -> Observation:
                        layer.values[:, :, : layer.n], layer)  # fmt: skip
 
 
+class QueryRecorder:
+    """An observer (`kvpress.engine.observe`) that keeps each layer's attention module and the queries of the
+    forwards it sees (the latest forward's per layer)."""
+
+    def __init__(self) -> None:
+        self.queries: dict[int, tuple[nn.Module, torch.Tensor]] = {}
+
+    def __call__(self, obs: Observation) -> None:
+        self.queries[obs.layer_idx] = (obs.module, obs.query)
+
+
+@dataclass
+class Recording:
+    """A full prefill of `ids` `[1, n]`: its cache and, per compressible layer, the attention module and
+    its queries. `next_ids` are the prompt tokens the caller feeds after compression (the prompt's last
+    token when the question was prefilled too; none when only a context was), for presses that draft
+    the answer (Lookahead). `memo` keeps what presses derive from the recording alone (KVzip's scores),
+    so every ratio of a sweep reuses it."""
+
+    cache: DynamicCache
+    queries: dict[int, tuple[nn.Module, torch.Tensor]]
+    ids: torch.Tensor
+    next_ids: torch.Tensor | None = None
+    memo: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return self.ids.shape[1]
+
+
 class Installable:
     """What makes a press usable as `with press(model):` (the base of `BasePress`).
 
@@ -109,18 +140,28 @@ class Installable:
     """
 
     per_head: ClassVar[bool] = False
+    needs_whole_context: ClassVar[bool] = False  # scores the whole prompt with a pass of its own (`prepare`)
 
-    def __call__(self, model: nn.Module) -> PressInstallation:
-        """`with press(model):` installs the press for the caller; the model is restored on exit, even on error."""
-        return PressInstallation(model, self)
+    def __call__(self, model: nn.Module, tokenizer=None) -> PressInstallation:
+        """`with press(model):` installs the press for the caller; the model is restored on exit, even on error.
+        A press that scores the whole context with a prompt of its own (KVzip) needs the model's `tokenizer`."""
+        return PressInstallation(model, self, tokenizer=tokenizer)
 
 
 class PressInstallation:
     """The context `with press(model):` returns: the press (and any observers) applied to the forwards of
     the caller inside the block. `frozen()` pauses eviction; `installed()` + `activated()` split entering in
-    two, for generators that must not leave the press active while they are suspended."""
+    two, for generators that must not leave the press active while they are suspended.
 
-    def __init__(self, model: nn.Module, press: Installable | None, observers: tuple[Observer, ...] = ()) -> None:
+    A press that scores the whole context (`needs_whole_context`: KVzip, Lookahead, AdaKV over them) compresses
+    the prompt at the end of the prefill: the first forward of a new cache runs on all the prompt's tokens but
+    its last, the press scores them (its own pass over the cache) and evicts, then the last token runs over the
+    compressed cache and gives the forward's output; later tokens are kept. This is what `kvpress.generate(...,
+    query_aware=True)` does for a context and its question."""
+
+    def __init__(
+        self, model: nn.Module, press: Installable | None, observers: tuple[Observer, ...] = (), tokenizer=None
+    ) -> None:
         if press is not None and not isinstance(press, Installable):
             raise TypeError(f"press must be a kvpress press, got {type(press).__name__}")
         if press is None and not observers:
@@ -129,7 +170,7 @@ class PressInstallation:
         if wrong:
             raise TypeError(f"an observer is a callable taking an Observation, got {', '.join(wrong)}")
         self.intercept = Intercept(model, self)  # refuses models kvpress cannot intercept
-        self.model, self.press, self.observers = model, press, tuple(observers)
+        self.model, self.press, self.observers, self.tokenizer = model, press, tuple(observers), tokenizer
         self._inv_freq = None
         if press is not None:
             _check_press(model, press)
@@ -137,8 +178,16 @@ class PressInstallation:
         self._activation = None
 
     # ----- entering -----------------------------------------------------------------------------------
-    def __enter__(self) -> PressInstallation:
+    def _install(self) -> None:
+        if self.press is not None and self.press.needs_whole_context and self.tokenizer is None:
+            raise ValueError(
+                f"{type(self.press).__name__} scores the whole prompt with a pass of its own, written with the "
+                "model's tokenizer: enter it as `with press(model, tokenizer=tokenizer):`"
+            )
         self.intercept.install()
+
+    def __enter__(self) -> PressInstallation:
+        self._install()
         activation = self.intercept.activated()
         try:
             activation.__enter__()
@@ -159,7 +208,7 @@ class PressInstallation:
     @contextlib.contextmanager
     def installed(self) -> Iterator[PressInstallation]:
         """Install without activating: forwards go through the press only inside `activated()`."""
-        self.intercept.install()
+        self._install()
         try:
             yield self
         finally:
@@ -173,6 +222,18 @@ class PressInstallation:
         """Inside this block the caller's cache grows without eviction (for example while a question is read)."""
         return self.intercept.frozen()
 
+    @contextlib.contextmanager
+    def observing(self, *observers: Observer) -> Iterator[PressInstallation]:
+        """Inside this block `observers` see this caller's forwards too, and nothing is evicted (what
+        `observe(model, ...)` gives while a press is active on the model: a press's own scoring pass)."""
+        current = _OBSERVING.get() or {}
+        token = _OBSERVING.set({**current, self: (*current.get(self, ()), *observers)})
+        try:
+            with self.intercept.frozen():
+                yield self
+        finally:
+            _OBSERVING.reset(token)
+
     # ----- what the intercept calls -------------------------------------------------------------------
     def before_forward(self, cache: DynamicCache, args: tuple, kwargs: dict) -> None:
         if any(isinstance(layer, HeadwiseLayer) for layer in cache.layers):
@@ -180,21 +241,46 @@ class PressInstallation:
         if self.press is not None and self.press.rerotate:
             kwargs["position_ids"] = cache_positions(cache, args, kwargs)
 
-    def after_attention(self, module: nn.Module, query, key, value, layer: PressedLayer) -> HeadwiseLayer | None:
+    def run_forward(self, forward: Callable, cache: DynamicCache, args: tuple, kwargs: dict):
+        """Run one forward of the caller; the first forward of a new cache in parts when the press scores the
+        whole prompt (see the class docstring)."""
+        q = new_tokens(args, kwargs).shape[1]
+        fresh = all(getattr(layer, "seen", 0) == 0 for layer in cache.layers)
+        if self.press is None or not self.press.needs_whole_context or not fresh or q < 2 or self._frozen():
+            return forward(*args, **kwargs)
+        (head_args, head_kwargs), tail = split_inputs(args, kwargs, q - 1)
+        recorder = QueryRecorder()
+        with self.observing(recorder):
+            forward(*head_args, **{**head_kwargs, "logits_to_keep": 1})
+        ids = new_tokens(args, kwargs)
+        recording = Recording(cache, recorder.queries, ids[:, :-1], next_ids=ids[:, -1:])
+        self.press.prepare(self.model, recording, self.tokenizer)
+        for layer in compress_layers(self.press, cache, recorder.queries):
+            layer.driven = True  # a layer moved to per-head storage: the rest of the forward drives it too
+        return forward(*tail[0], **tail[1])
+
+    def after_attention(
+        self, module: nn.Module, query, key, value, layer: PressedLayer, evict_now: bool = True
+    ) -> HeadwiseLayer | None:
         if torch.is_grad_enabled():  # what stays is decided, not learned: no autograd history in what is kept
             with torch.no_grad():  # (generate runs without grad already: this step costs it nothing)
-                return self.after_attention(module, query, key, value, layer)
+                return self.after_attention(module, query, key, value, layer, evict_now)
         obs = Observation(module, query, key, value, layer)
-        for observer in self.observers:  # they see every slot this forward's queries attended to
+        for observer in (*self.observers, *(_OBSERVING.get() or {}).get(self, ())):  # see every slot attended to
             observer(obs)
-        if self.press is None:
-            return None
+        if self.press is None or not evict_now or self.press.needs_whole_context:
+            return None  # a whole-context press evicts once, at the end of the prefill (`run_forward`)
         return evict(self.press, within_window(obs), self._rerank if self.press.rerotate else None)
+
+    def _frozen(self) -> bool:
+        return not self.intercept.compressing()
 
     def after_headwise(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
         if torch.is_grad_enabled():
             with torch.no_grad():
                 return self.after_headwise(module, query, layer)
+        if self.press.needs_whole_context:
+            return  # it evicted once, at the end of the prefill
         self.press.observe_heads(module, query, layer)
         self.press.evict_heads(module, query, layer)
 
@@ -231,15 +317,38 @@ class PressInstallation:
         layer.set_rotation(rank)
 
 
-def observe(model: nn.Module, *observers: Observer) -> PressInstallation:
+def observe(model: nn.Module, *observers: Observer):
     """`with observe(model, fn):` calls `fn(observation)` after every compressible layer's attention of the
-    caller's forwards inside the block; nothing is evicted."""
+    caller's forwards inside the block; nothing is evicted (also when a press is active on the model for this
+    caller: its eviction pauses inside the block)."""
+    active = active_handler(model)
+    if isinstance(active, PressInstallation):
+        return active.observing(*observers)
     return PressInstallation(model, None, observers)
 
 
-def maybe_installed(press: Installable | None, model: nn.Module):
-    """`press(model)` as a context, or a context that does nothing when `press` is None."""
-    return contextlib.nullcontext() if press is None else press(model)
+def compress_layers(press, cache: DynamicCache, queries: dict[int, tuple[nn.Module, torch.Tensor]]) -> list:
+    """Apply `press` to every layer of a prefilled `cache`, given each layer's attention module and the queries of
+    its prefill (a recording): the eviction a live prefill under the press would have made. Returns the layers
+    that moved to per-head storage (they replace the dense ones in `cache`)."""
+    moved = []
+    for idx, (module, query) in queries.items():
+        layer = cache.layers[idx]
+        obs = Observation(module, query, layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n], layer)
+        replacement = evict(press, within_window(obs))  # what the live intercept calls after this layer's attention
+        if replacement is not None:
+            cache.layers[idx] = replacement
+            moved.append(replacement)
+    return moved
+
+
+# the observers `observe()` adds to an active installation, per caller
+_OBSERVING: contextvars.ContextVar[dict | None] = contextvars.ContextVar("kvpress_observing", default=None)
+
+
+def maybe_installed(press: Installable | None, model: nn.Module, tokenizer=None):
+    """`press(model, tokenizer)` as a context, or a context that does nothing when `press` is None."""
+    return contextlib.nullcontext() if press is None else press(model, tokenizer=tokenizer)
 
 
 # ----- eviction: the one decision ------------------------------------------------------------------------

@@ -117,7 +117,8 @@ def answer_ids_from_cache(
 ) -> torch.Tensor:
     """`answer_from_cache`'s generated token ids `[k]` (k <= `max_new_tokens`; an end of sequence
     included when the model stopped on one)."""
-    with maybe_installed(press, model) as installed, installed.frozen() if installed else contextlib.nullcontext():
+    installation = maybe_installed(press, model, tokenizer)
+    with installation as installed, installed.frozen() if installed else contextlib.nullcontext():
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),

@@ -10,44 +10,15 @@ whole context cached first, so they always go this way (`BasePress.prepare`).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
-from kvpress.engine import Observation, evict, observe, within_window
+from kvpress.engine import QueryRecorder, Recording, compress_layers, observe
 from kvpress.presses.base import BasePress
 
-
-class QueryRecorder:
-    """An observer (`kvpress.engine.observe`) that keeps each layer's attention module and the queries of the
-    forwards it sees (the latest forward's per layer)."""
-
-    def __init__(self) -> None:
-        self.queries: dict[int, tuple[nn.Module, torch.Tensor]] = {}
-
-    def __call__(self, obs: Observation) -> None:
-        self.queries[obs.layer_idx] = (obs.module, obs.query)
-
-
-@dataclass
-class Recording:
-    """A full prefill of `ids` `[1, n]`: its cache and, per compressible layer, the attention module and
-    its queries. `next_ids` are the prompt tokens the caller feeds after compression (the prompt's last
-    token when the question was prefilled too; none when only a context was), for presses that draft
-    the answer (Lookahead). `memo` keeps what presses derive from the recording alone (KVzip's scores),
-    so every ratio of a sweep reuses it."""
-
-    cache: DynamicCache
-    queries: dict[int, tuple[nn.Module, torch.Tensor]]
-    ids: torch.Tensor
-    next_ids: torch.Tensor | None = None
-    memo: dict = field(default_factory=dict)
-
-    @property
-    def tokens(self) -> int:
-        return self.ids.shape[1]
+__all__ = ["QueryRecorder", "Recording", "compress_recording", "record_prefill"]
 
 
 @torch.no_grad()
@@ -75,10 +46,5 @@ def compress_recording(
     press(model)  # validates the press for this model (a head pattern for another model is refused here)
     press.prepare(model, recording, tokenizer)
     cache = recording.cache if in_place else copy.deepcopy(recording.cache)
-    for idx, (module, query) in recording.queries.items():
-        layer = cache.layers[idx]
-        obs = Observation(module, query, layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n], layer)
-        replacement = evict(press, within_window(obs))  # what the live intercept calls after this layer's attention
-        if replacement is not None:  # a head-wise press moved the layer to per-head storage
-            cache.layers[idx] = replacement
+    compress_layers(press, cache, recording.queries)
     return cache

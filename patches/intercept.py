@@ -23,8 +23,10 @@ to the `handler` (the engine, `kvpress.engine`), which decides what the layer ke
 object with:
 
 - `before_forward(cache, args, kwargs)`: before the forward runs (it may refuse it, or set `position_ids`);
-- `after_attention(module, query, key, value, layer)`: after a dense layer's attention (before a sliding
-  layer's `trim_window`); returns a layer that replaces it (per-head storage), or None;
+- `run_forward(forward, cache, args, kwargs)`: runs the forward (`forward(*args, **kwargs)`, or in parts);
+- `after_attention(module, query, key, value, layer, evict)`: after a dense layer's attention (before a
+  sliding layer's `trim_window`; `evict` False while the caller is `frozen()`); returns a layer that
+  replaces it (per-head storage), or None;
 - `after_headwise(module, query, layer)`: after a head-wise layer's attention.
 """
 
@@ -158,6 +160,11 @@ class Intercept:
         active = _ACTIVE.get()
         return None if active is None else active.get(self)
 
+    def compressing(self) -> bool:
+        """Whether this caller's forwards evict now (not inside `frozen()`)."""
+        call = self._call()
+        return call is not None and call.compressing
+
     @contextlib.contextmanager
     def frozen(self) -> Iterator[None]:
         """Inside this block this caller's cache grows without eviction (for example while a question is read)."""
@@ -180,9 +187,10 @@ class Intercept:
             call = None
             try:
                 call = self._call()
-                if call is not None:
-                    self._prepare(call, args, kwargs)
-                return forward(*args, **kwargs)
+                if call is None:
+                    return forward(*args, **kwargs)
+                self._prepare(call, args, kwargs)
+                return self.handler.run_forward(forward, call.cache, args, kwargs)
             except BaseException:
                 if call is not None and call.cache is not None and _torn(call.cache):
                     for layer in call.cache.layers:  # refused from now on, with or without the press
@@ -263,11 +271,10 @@ class Intercept:
             n_rep = query.shape[1] // key.shape[1]
             mask = layer_mask(layer, q_len, n_rep, query.dtype, additive=fn == "eager")
         out = inner(module, query, key, value, mask, **kwargs)
-        if call.compressing:
-            replacement = self.handler.after_attention(module, query, key, value, layer)
-            if replacement is not None:  # the layer moved to per-head storage
-                replacement.driven = True
-                call.cache.layers[module.layer_idx] = replacement
+        replacement = self.handler.after_attention(module, query, key, value, layer, call.compressing)
+        if replacement is not None:  # the layer moved to per-head storage
+            replacement.driven = True
+            call.cache.layers[module.layer_idx] = replacement
         layer.trim_window()  # a sliding-window layer drops what left its window (the handler may have already)
         return out
 
@@ -330,6 +337,33 @@ def layer_mask(layer: PressedLayer, q_len: int, n_rep: int, dtype: torch.dtype, 
     if additive:
         return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
     return mask
+
+
+def active_handler(model: nn.Module):
+    """The handler of the intercept active on `model` for this caller, or None."""
+    return next((i.handler for i in (_ACTIVE.get() or {}) if i.model is model and i.installed), None)
+
+
+def split_inputs(args: tuple, kwargs: dict, at: int) -> tuple[tuple[tuple, dict], tuple[tuple, dict]]:
+    """A forward's inputs as two forwards: its first `at` new tokens, then the rest. Tensors over the new tokens
+    (ids, embeddings, position ids) are cut; a 2D attention mask (past and new tokens) is cut for the first."""
+    q = new_tokens(args, kwargs).shape[1]
+    parts = []
+    for lo, hi in ((0, at), (at, q)):
+        part = {}
+        for name, value in kwargs.items():
+            if name == "attention_mask" and isinstance(value, torch.Tensor):
+                if value.dim() != 2:
+                    raise ValueError("kvpress builds its own masks: pass a 2D attention_mask, not a 4D one")
+                part[name] = value[:, : value.shape[1] - (q - hi)]
+            elif isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == q:
+                part[name] = value[:, lo:hi]
+            else:
+                part[name] = value
+        first = tuple(a[:, lo:hi] if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[1] == q else a
+                      for a in args)  # fmt: skip
+        parts.append((first, part))
+    return parts[0], parts[1]
 
 
 def register(name: str, attention_fn: Callable, original_mask_fn: Callable) -> None:

@@ -93,9 +93,9 @@ class BasePress(Installable):
             never exceeds its budget). 0 evicts one token per step.
     """
 
-    # True for presses that score the context with a pass of their own once it is all cached (KVzip):
-    # they are applied to a recorded prefill (`kvpress.recording`), never inside the prefill forward.
-    needs_whole_context: ClassVar[bool] = False
+    # `needs_whole_context` (from `Installable`): True for presses that score the context with a pass of their
+    # own once it is all cached (KVzip): applied to a recorded prefill (`kvpress.recording`), or at the end of
+    # a live prefill (`PressInstallation.run_forward`), never inside a layer's forward.
     # True for presses that score by the question (Lookahead drafts its answer): query-aware prefills only.
     needs_question: ClassVar[bool] = False
 

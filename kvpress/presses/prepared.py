@@ -52,7 +52,8 @@ def check_prepared(press: BasePress, tokens: int | None, obs: Observation, score
     if tokens is None:
         raise RuntimeError(
             f"{name} scores by {scored_by} once the whole context is cached, so it cannot evict inside a "
-            f"forward; compress with {call} or kvpress.recording.compress_recording"
+            f"forward; compress with {call}, kvpress.recording.compress_recording, or `with press(model, "
+            "tokenizer=tokenizer)`, which scores at the end of the prefill"
         )
     if obs.layer.seen != tokens or obs.keys.shape[2] != int(obs.layer.span.max()):
         raise RuntimeError(

@@ -1,0 +1,79 @@
+"""Presses that score the whole context (KVzip, Lookahead, AdaKV over them, the default press) inside
+`with press(model, tokenizer=...): model.generate(...)`: scored and evicted at the end of the prefill, before
+the first token is decoded, with the same tokens as `kvpress.generate(..., query_aware=True)`."""
+
+import pytest
+import torch
+from transformers import AutoTokenizer, DynamicCache
+
+import kvpress
+from kvpress import AdaKVPress, KVzipPress, LookaheadPress, SnapKVPress
+from kvpress.models import resolve_model_path
+from kvpress.pipeline import split_prompt
+from tiny import tiny_model
+
+CONTEXT = "Ada keeps her bicycle in the blue shed. The code of its lock is 48213. Tomorrow it will rain again."
+QUESTION = "What is the code of the lock?"
+PRESSES = {
+    "kvzip": lambda: KVzipPress(0.5, reconstruction_chunk=8, window_size=4),
+    "adakv-kvzip": lambda: AdaKVPress(KVzipPress(0.5, window_size=4)),
+    "lookahead": lambda: LookaheadPress(0.5, window_size=4, lookahead=3),
+    "default": lambda: kvpress.press_from_name(kvpress.DEFAULT_PRESS, compression_ratio=0.5),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenized():
+    """SmolLM2's tokenizer over a tiny random model of its vocabulary (no weights loaded)."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(), local_files_only=True)
+    return tiny_model("llama", num_hidden_layers=3, vocab_size=len(tokenizer)), tokenizer
+
+
+def _prompt(tokenizer) -> torch.Tensor:
+    return torch.cat(split_prompt(tokenizer, CONTEXT, QUESTION, chat_template=False), dim=-1)
+
+
+@pytest.mark.parametrize("name", list(PRESSES))
+def test_inside_generate_equals_kvpress_generate_query_aware(tokenized, name):
+    model, tokenizer = tokenized
+    expected = kvpress.generate(model, tokenizer, CONTEXT, QUESTION, press=PRESSES[name](), query_aware=True,
+                                chat_template=False, max_new_tokens=8)  # fmt: skip
+    ids = _prompt(tokenizer)
+    cache = DynamicCache(config=model.config)
+    with PRESSES[name]()(model, tokenizer=tokenizer):
+        out = model.generate(ids, cache=cache, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip() == expected
+    # the prompt but its last token was compressed once; the last token and the answer were appended
+    full = ids.shape[1] - 1
+    for layer in cache.layers:
+        held = sum(layer.lengths) / layer.heads if isinstance(layer, kvpress.HeadwiseLayer) else layer.n
+        assert held < full * 0.75 + 8
+
+
+def test_a_whole_context_press_needs_the_tokenizer(tokenized):
+    model, _ = tokenized
+    with pytest.raises(ValueError, match=r"with press\(model, tokenizer=tokenizer\)"), KVzipPress(0.5)(model):
+        pass
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_observers_inside_an_active_press_see_the_forwards_and_nothing_is_evicted(tokenized):
+    model, tokenizer = tokenized
+    ids = _prompt(tokenizer)
+    seen, cache = [], DynamicCache(config=model.config)
+    with SnapKVPress(0.5, window_size=4)(model):
+        with kvpress.observe(model, lambda obs: seen.append(obs.layer_idx)):
+            model(ids, cache=cache)
+        assert seen == [0, 1, 2] and all(layer.n == ids.shape[1] for layer in cache.layers)
+        model(ids[:, :1], cache=cache)  # eviction resumes after the block
+    assert all(layer.n < ids.shape[1] for layer in cache.layers)
+
+
+def test_a_padded_batch_is_refused_by_a_reconstruction_pass(tokenized):
+    model, tokenizer = tokenized
+    ids = _prompt(tokenizer).repeat(2, 1)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with pytest.raises(ValueError, match="no padding"), PRESSES["kvzip"]()(model, tokenizer=tokenizer):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert model.config._attn_implementation == "sdpa"
