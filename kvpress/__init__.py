@@ -17,6 +17,7 @@ from kvpress.pipeline import generate
 from kvpress.presses import *  # noqa: F403  (every press class of the registry, and the registry's API)
 from kvpress.round_store import RoundStore
 from kvpress.rounds import RoundPolicy, RoundPress
+from kvpress.saved_cache import load_cache, save_cache
 from kvpress.stream import stream
 
 __all__ = presses.__all__ + [
@@ -30,7 +31,9 @@ __all__ = presses.__all__ + [
     "RoundStore",
     "cache_bytes",
     "generate",
+    "load_cache",
     "load_model",
     "observe",
+    "save_cache",
     "stream",
 ]

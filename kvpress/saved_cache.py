@@ -1,0 +1,85 @@
+"""Save a compressed cache and load it later, in another process: `save_cache(cache, path)`, `load_cache(path, model)`.
+
+One safetensors file: every layer's keys, values, slot positions, per-head storage and press state
+(`kvpress.patches.cache_io`), and in its metadata the model's architecture hash (a cache loads only into a
+model of the same architecture), the press spec it was made with (if given), and the versions of kvpress,
+torch and transformers that wrote it. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import DynamicCache
+
+from kvpress.patches import model_access
+from kvpress.patches.cache_io import layer_from_state, layer_state
+from kvpress.patterns import config_hash
+
+FORMAT = 1
+
+
+def save_cache(cache: DynamicCache, path: str | Path, model: nn.Module, press: str | None = None) -> None:
+    """Write `cache` (made by `model`, compressed by the press spec `press` if given) to the safetensors file `path`."""
+    if not isinstance(cache, DynamicCache):
+        raise TypeError(f"save_cache saves a DynamicCache, got {type(cache).__name__}")
+    tensors, layers, seen = {}, [], set()
+    for i, layer in enumerate(cache.layers):
+        named, fields = layer_state(layer, f"layer{i}")
+        for key, t in named.items():  # safetensors refuses tensors that share memory: those are copied
+            shared = t.numel() and t.untyped_storage().data_ptr() in seen
+            seen.add(t.untyped_storage().data_ptr())
+            tensors[key] = t.clone() if shared else t
+        layers.append(fields)
+    meta = {"format": FORMAT, "config_hash": config_hash(model), "model": type(model).__name__, "press": press,
+            "layers": layers, "versions": {p: version(p) for p in ("kvpress", "torch", "transformers")}}  # fmt: skip
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    save_file({k: t.cpu() for k, t in tensors.items()}, str(partial), metadata={"kvpress": json.dumps(meta)})
+    partial.replace(path)  # a killed save never leaves a half-written file under `path`
+
+
+def read_metadata(path: str | Path) -> dict:
+    """The metadata of a saved cache (architecture hash, press spec, versions, layers)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"saved cache {path} does not exist")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {})["kvpress"])
+    except (SafetensorError, ValueError, KeyError, TypeError, OSError) as error:
+        raise ValueError(f"{path} is not a cache saved by kvpress.save_cache (or it is damaged): {error}") from error
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is a saved cache of format {meta.get('format')!r}; this kvpress reads {FORMAT}")
+    return meta
+
+
+def load_cache(path: str | Path, model: nn.Module) -> DynamicCache:
+    """The cache saved in `path`, for `model` (refused unless `model` has the architecture it was made with);
+    each layer on the device of its attention module. Continue it inside the press that made it."""
+    meta = read_metadata(path)
+    if meta["config_hash"] != config_hash(model):
+        raise ValueError(
+            f"{path} holds a cache of a {meta['model']} with architecture hash {meta['config_hash']}; this "
+            f"{type(model).__name__} has {config_hash(model)}: a cache only continues the model that made it"
+        )
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, RuntimeError) as error:
+        raise ValueError(f"saved cache {path} is damaged: {error}") from error
+    modules = model_access.attention_modules(model)
+    cache = DynamicCache(config=model.config)
+    cache.layers = []
+    for i, fields in enumerate(meta["layers"]):
+        device = next(modules[i].parameters()).device if i in modules else torch.device("cpu")
+        try:
+            cache.layers.append(layer_from_state(tensors, fields, f"layer{i}", device))
+        except KeyError as error:
+            raise ValueError(f"saved cache {path} is damaged: layer {i} lacks the tensor {error}") from error
+    return cache

@@ -1,0 +1,73 @@
+"""A cache layer's whole state as named tensors plus JSON-safe fields, and back (for saved caches).
+
+Every attribute of a layer is kept: tensors as they are, lists and dicts of tensors (per-head storage, per-slot
+state) element by element, plain fields (counts, flags, the window, the press that made a head-wise layer)
+as JSON. Nothing is pickled; a layer class not listed in `LAYER_CLASSES` is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from kvpress.patches.cache import PressedLayer
+from kvpress.patches.head_cache import HeadwiseLayer
+
+LAYER_CLASSES = {cls.__name__: cls for cls in (PressedLayer, HeadwiseLayer, DynamicLayer, DynamicSlidingWindowLayer)}
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def layer_state(layer, prefix: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(`tensors` named under `prefix`, `fields`) of `layer`; raises ValueError for what cannot be saved."""
+    name = type(layer).__name__
+    if name not in LAYER_CLASSES:
+        raise ValueError(f"a {name} cache layer cannot be saved (kvpress saves {', '.join(LAYER_CLASSES)})")
+    if getattr(layer, "pending", 0) or getattr(layer, "torn", False):
+        raise ValueError("this cache was left half-updated by a forward that raised; it cannot be saved")
+    tensors, fields = {}, {"class": name, "plain": {}, "tensor": [], "list": {}, "dict": {}, "dict_list": {}}
+    for attr, value in vars(layer).items():
+        key = f"{prefix}.{attr}"
+        if isinstance(value, torch.Tensor):
+            tensors[key] = value
+            fields["tensor"].append(attr)
+        elif isinstance(value, (torch.device, torch.dtype)):
+            fields["plain"][attr] = {"device" if isinstance(value, torch.device) else "dtype": str(value)}
+        elif isinstance(value, _PLAIN) or (isinstance(value, list) and all(isinstance(v, _PLAIN) for v in value)):
+            fields["plain"][attr] = value
+        elif isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
+            tensors.update({f"{key}.{i}": v for i, v in enumerate(value)})
+            fields["list"][attr] = len(value)
+        elif isinstance(value, dict) and all(isinstance(v, torch.Tensor) for v in value.values()):
+            tensors.update({f"{key}.{k}": v for k, v in value.items()})
+            fields["dict"][attr] = list(value)
+        elif isinstance(value, dict) and all(isinstance(v, list) for v in value.values()):
+            tensors.update({f"{key}.{k}.{i}": t for k, ts in value.items() for i, t in enumerate(ts)})
+            fields["dict_list"][attr] = {k: len(ts) for k, ts in value.items()}
+        else:
+            raise ValueError(f"{name}.{attr} ({type(value).__name__}) cannot be saved")
+    return {k: t.contiguous() for k, t in tensors.items()}, fields
+
+
+def layer_from_state(tensors: dict[str, torch.Tensor], fields: dict, prefix: str, device: torch.device):
+    """The layer `layer_state` described, its tensors on `device`; not driven by any press yet."""
+    cls = LAYER_CLASSES.get(fields.get("class"))
+    if cls is None:
+        raise ValueError(f"unknown cache layer class {fields.get('class')!r} (loadable: {', '.join(LAYER_CLASSES)})")
+    layer = cls.__new__(cls)
+    state = {}
+    for attr, value in fields["plain"].items():
+        if isinstance(value, dict) and "device" in value:
+            value = device
+        elif isinstance(value, dict) and "dtype" in value:
+            value = getattr(torch, value["dtype"].removeprefix("torch."))
+        state[attr] = value
+    take = lambda key: tensors[f"{prefix}.{key}"].to(device)  # noqa: E731
+    state.update({attr: take(attr) for attr in fields["tensor"]})
+    state.update({attr: [take(f"{attr}.{i}") for i in range(n)] for attr, n in fields["list"].items()})
+    state.update({attr: {k: take(f"{attr}.{k}") for k in keys} for attr, keys in fields["dict"].items()})
+    state.update({attr: {k: [take(f"{attr}.{k}.{i}") for i in range(n)] for k, n in sizes.items()}
+                  for attr, sizes in fields["dict_list"].items()})  # fmt: skip
+    vars(layer).update(state)
+    if hasattr(layer, "driven"):
+        layer.driven = False
+    return layer

@@ -1,0 +1,75 @@
+"""Saved caches: `save_cache` -> `load_cache` in a new process gives the same answers; another architecture
+or a damaged file is refused."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvpress
+from kvpress import AdaKVPress, SnapKVPress
+from kvpress.saved_cache import read_metadata
+from tiny import prompt, tiny_model
+
+PRESSES = {
+    "snapkv": lambda: SnapKVPress(0.5, window_size=4),
+    "adakv": lambda: AdaKVPress(SnapKVPress(0.5, window_size=4)),  # per-head storage
+}
+FAMILIES = {"llama": {}, "gemma3": {}}  # gemma3: sliding-window layers past their window
+TESTS = Path(__file__).resolve().parent
+
+
+def _continue(model, cache, press, ids) -> torch.Tensor:
+    with press(model):
+        return model.generate(ids, cache=cache, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("name", list(PRESSES))
+def test_a_saved_cache_answers_the_same_in_a_new_process(tmp_path, family, name):
+    model = tiny_model(family, **FAMILIES[family])
+    ids = prompt(1, 40)
+    cache = DynamicCache(config=model.config)
+    with PRESSES[name]()(model):
+        model(ids[:, :-1], cache=cache)
+    path = tmp_path / "cache.safetensors"
+    kvpress.save_cache(cache, path, model, press=name)
+    assert read_metadata(path)["press"] == name
+    expected = _continue(model, cache, PRESSES[name](), ids)
+    script = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(TESTS)!r})
+        import torch, kvpress
+        from tiny import prompt, tiny_model
+        from test_saved_cache import PRESSES, FAMILIES, _continue
+        model = tiny_model({family!r}, **FAMILIES[{family!r}])
+        cache = kvpress.load_cache({str(path)!r}, model)
+        out = _continue(model, cache, PRESSES[{name!r}](), prompt(1, 40))
+        print(out[0].tolist())
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == str(expected[0].tolist())
+
+
+def test_another_architecture_or_a_damaged_file_is_refused(tmp_path):
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    with SnapKVPress(0.5, window_size=4)(model):
+        model(prompt(1, 40), cache=cache)
+    path = tmp_path / "cache.safetensors"
+    kvpress.save_cache(cache, path, model)
+    with pytest.raises(ValueError, match="only continues the model that made it"):
+        kvpress.load_cache(path, tiny_model("llama", num_hidden_layers=3))
+    data = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) - 100])
+    with pytest.raises(ValueError, match="damaged"):
+        kvpress.load_cache(tmp_path / "cut.safetensors", model)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a cache")
+    with pytest.raises(ValueError, match="not a cache saved by kvpress.save_cache"):
+        kvpress.load_cache(tmp_path / "junk.safetensors", model)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        kvpress.load_cache(tmp_path / "none.safetensors", model)
