@@ -91,6 +91,17 @@ def _generate_inside(model, tokenizer, context: str, press, max_new_tokens: int)
     return text, kvpress.cache_bytes(cache), time.perf_counter() - start
 
 
+def _spec(args: argparse.Namespace) -> str:
+    """The press spec `--press`, `--ratio` and `--max-tokens` name, budget included (what a saved cache records)."""
+    from kvpress.presses import DEFAULT_PRESS
+
+    if args.press == "none":
+        return "none"
+    ratio = 0.5 if args.ratio is None else args.ratio
+    budget = f"max_tokens={args.max_tokens}" if args.max_tokens is not None else f"compression_ratio={ratio}"
+    return f"{args.press or DEFAULT_PRESS}:{budget}"
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import kvpress
 
@@ -98,13 +109,44 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not path.is_file():
         print(f"kvpress generate: --context-file {path} does not exist", file=sys.stderr)
         return 2
-    press = _press(args.press, args.ratio, args.max_tokens)
+    spec = _spec(args)
+    if args.load_cache:
+        spec = kvpress.saved_cache.read_metadata(args.load_cache)["press"] or "none"  # continued by its own press
+    press = None if spec == "none" else kvpress.press_from_name(spec)
     model, tokenizer = kvpress.load_model(args.model)
-    text, kv_bytes, seconds = _answer(model, tokenizer, path.read_text(), args.question, press, args.max_new_tokens,
-                                      args.query_aware)  # fmt: skip
+    if args.save_cache or args.load_cache:
+        text, kv_bytes, seconds = _answer_saved(model, tokenizer, path.read_text(), args, press, spec)
+    else:
+        text, kv_bytes, seconds = _answer(model, tokenizer, path.read_text(), args.question, press,
+                                          args.max_new_tokens, args.query_aware)  # fmt: skip
     print(text)
-    print(f"[{args.press or 'none'}: {kv_bytes:,d} KV bytes held, {seconds:.1f} s]", file=sys.stderr)
+    print(f"[{spec}: {kv_bytes:,d} KV bytes held, {seconds:.1f} s]", file=sys.stderr)
     return 0
+
+
+def _answer_saved(model, tokenizer, context: str, args: argparse.Namespace, press, spec: str):
+    """`_answer` through a saved cache: the compressed context is written to `--save-cache`, or read from
+    `--load-cache` (the same context's, checked by its length) instead of being prefilled."""
+    import torch
+    from transformers import DynamicCache
+
+    import kvpress
+    from kvpress.pipeline import answer_from_cache, prefill_context, split_prompt
+
+    ctx_ids, q_ids = split_prompt(tokenizer, context, args.question)
+    start = time.perf_counter()
+    if args.load_cache:
+        cache = kvpress.load_cache(args.load_cache, model)
+        if cache.get_seq_length() != ctx_ids.shape[1]:
+            raise ValueError(f"--load-cache {args.load_cache} holds a context of {cache.get_seq_length()} tokens; "
+                             f"--context-file has {ctx_ids.shape[1]}: give the document it was saved from")  # fmt: skip
+    else:
+        cache = DynamicCache(config=model.config)
+        prefill_context(model, ctx_ids, press, cache, tokenizer)
+        kvpress.save_cache(cache, args.save_cache, model, press=spec)
+    ids = torch.cat([ctx_ids, q_ids], dim=-1)
+    text = answer_from_cache(model, tokenizer, ids, cache, press, args.max_new_tokens)
+    return text, kvpress.cache_bytes(cache), time.perf_counter() - start
 
 
 def cmd_calibrate_heads(args: argparse.Namespace) -> int:
@@ -128,6 +170,23 @@ def cmd_presses(args: argparse.Namespace) -> int:
 
     print(press_table())
     return 0
+
+
+def _check_generate(args: argparse.Namespace) -> None:
+    """Refuse `kvpress generate` flags that cannot go together, before a model loads."""
+    if args.save_cache and args.load_cache:
+        raise ValueError("--save-cache and --load-cache: give one (a cache is saved once, then loaded)")
+    if (args.save_cache or args.load_cache) and args.query_aware:
+        raise ValueError("a saved cache holds the context compressed without the question: drop --query-aware")
+    if args.load_cache and (args.press or args.ratio is not None or args.max_tokens is not None):
+        raise ValueError("--load-cache continues the cache with the press it was saved with: drop --press, "
+                         "--ratio and --max-tokens")  # fmt: skip
+    if args.load_cache:
+        from kvpress.saved_cache import read_metadata
+
+        read_metadata(args.load_cache)  # a missing or foreign file is named before the model loads
+    elif args.press != "none":
+        _press(_spec(args).rsplit(":", 1)[0], args.ratio, args.max_tokens)
 
 
 def _check_counts(args: argparse.Namespace) -> None:
@@ -166,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(fn=cmd_demo)
 
     gen = sub.add_parser("generate", help="answer --question about --context-file with a press")
-    gen.add_argument("--press", default=DEFAULT_PRESS,
+    gen.add_argument("--press", default=None,
                      help=f"one of: none, {', '.join(sorted(kvpress.PRESSES))} (default: {DEFAULT_PRESS})")  # fmt: skip
     gen.add_argument("--query-aware", action="store_true",
                      help="compress the context with the question (it guides the scores; the cache serves it alone)")
@@ -176,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--question", required=True)
     gen.add_argument("--model", default=None)
     gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--save-cache", default=None, help="write the compressed context's cache to this file")
+    gen.add_argument("--load-cache", default=None,
+                     help="answer from a cache --save-cache wrote for the same --context-file (its press is used)")
     gen.set_defaults(fn=cmd_generate)
 
     presses = sub.add_parser("presses", help="the presses, their parameters and defaults (the README's table)")
@@ -197,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             for name in args.presses.split(","):
                 _press(name, args.ratio, None)  # validate before loading the model
-        elif args.command == "generate" and args.press != "none":
-            _press(args.press, args.ratio, args.max_tokens)
+        elif args.command == "generate":
+            _check_generate(args)
         return args.fn(args)
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"kvpress {args.command}: {err}", file=sys.stderr)

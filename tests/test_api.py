@@ -128,3 +128,25 @@ def test_protected_tokens_over_the_budget_are_said_once():
         with press(model):
             model.generate(prompt(1, 40), max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert len([w for w in said if "budget allows" in str(w.message)]) == 1
+
+
+def test_cli_saves_a_cache_and_a_new_process_answers_from_it(tmp_path):
+    """`kvpress generate --save-cache` then `--load-cache` (two processes): the same answer and bytes; the
+    loaded cache keeps its press; flags that cannot go together are refused before a model loads."""
+    from kvpress.cli import DEMO_QUESTION, demo_document
+
+    doc, saved = tmp_path / "doc.txt", tmp_path / "doc.safetensors"
+    doc.write_text(demo_document(n_words=150))
+    ask = ("generate", "--context-file", str(doc), "--question", DEMO_QUESTION, "--max-new-tokens", "12")
+    first = _cli(*ask, "--press", "snapkv:window_size=8", "--ratio", "0.5", "--save-cache", str(saved))
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = _cli(*ask, "--load-cache", str(saved))
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert second.stdout == first.stdout
+    assert "snapkv:window_size=8:compression_ratio=0.5" in second.stderr.splitlines()[-1]
+    for extra, said in ((("--press", "knorm"), "drop --press"), (("--query-aware",), "drop --query-aware"),
+                        (("--save-cache", str(saved)), "give one")):  # fmt: skip
+        res = _cli(*ask, "--load-cache", str(saved), *extra)
+        assert res.returncode == 2 and said in res.stderr
+    res = _cli(*ask, "--load-cache", str(tmp_path / "none.safetensors"))
+    assert res.returncode == 2 and "does not exist" in res.stderr
