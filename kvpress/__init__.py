@@ -19,10 +19,12 @@ from kvpress.round_store import RoundStore
 from kvpress.rounds import RoundPolicy, RoundPress
 from kvpress.saved_cache import load_cache, save_cache
 from kvpress.stream import stream
+from kvpress.text_pipeline import KVPressTextGenerationPipeline  # registers the pipeline task on import
 
 __all__ = presses.__all__ + [
     "ChatSession",
     "HeadwiseLayer",
+    "KVPressTextGenerationPipeline",
     "PressInstallation",
     "PressedLayer",
     "Round",

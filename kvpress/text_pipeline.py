@@ -1,0 +1,75 @@
+"""The transformers pipeline `kv-press-text-generation`: a context compressed once, then one or many questions.
+
+    pipe = transformers.pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
+    pipe(context, question="...", press=press)["answer"]
+    pipe(context, questions=["...", "..."], press=press, answer_prefix="", max_new_tokens=50)["answers"]
+
+Called as NVIDIA kvpress's pipeline is, so switching tools is changing the import. The context is prefilled
+and compressed once without the questions (`kvpress.pipeline.prefill_context`); each question and its
+answer are appended to that cache and dropped before the next question (`scratch`), so every question sees
+the same compressed context, and one question gives exactly `kvpress.generate`'s answer. `cache=` receives the
+compressed context (left as the context alone). Importing kvpress registers the task (the one global effect of
+the import; no model is touched).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, Pipeline
+from transformers.pipelines import PIPELINE_REGISTRY
+
+from kvpress.patches.cache import scratch
+from kvpress.pipeline import answer_from_cache, prefill_context, split_prompt
+
+TASK = "kv-press-text-generation"
+
+
+class KVPressTextGenerationPipeline(Pipeline):
+    """See the module docstring."""
+
+    def _sanitize_parameters(self, question=None, questions=None, answer_prefix="", press=None, max_new_tokens=50,
+                             cache=None, chat_template=True, **unknown):  # fmt: skip
+        if unknown:
+            raise TypeError(f"{TASK} takes no argument {', '.join(sorted(unknown))}; it takes question, questions, "
+                            "answer_prefix, press, max_new_tokens, cache, chat_template")  # fmt: skip
+        if question is not None and questions is not None:
+            raise ValueError("give question= or questions=, not both")
+        if questions is not None and (isinstance(questions, str) or not questions):
+            raise ValueError(f"questions= is a non-empty list of strings, got {questions!r}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if cache is not None and not isinstance(cache, DynamicCache):
+            raise TypeError(f"cache= takes a DynamicCache, got {type(cache).__name__}")
+        asked = {"questions": [question] if questions is None else list(questions), "answer_prefix": answer_prefix,
+                 "chat_template": chat_template}  # fmt: skip
+        return asked, {"press": press, "max_new_tokens": max_new_tokens, "cache": cache}, {"one": questions is None}
+
+    def preprocess(self, context: str, questions: list[str], answer_prefix: str = "", chat_template: bool = True):
+        if not all(isinstance(q, str) and q for q in questions):
+            raise ValueError(f"every question is a non-empty string, got {questions!r}")
+        parts = [split_prompt(self.tokenizer, context, q, chat_template) for q in questions]
+        context_ids = parts[0][0]
+        if any(not torch.equal(ids, context_ids) for ids, _ in parts):
+            raise ValueError("the context tokenizes differently before different questions; ask them one at a time")
+        prefix = self.tokenizer(answer_prefix, add_special_tokens=False, return_tensors="pt").input_ids
+        return {"context_ids": context_ids, "question_ids": [torch.cat([q, prefix], dim=-1) for _, q in parts]}
+
+    def _forward(self, inputs: dict, press=None, max_new_tokens: int = 50, cache: DynamicCache | None = None):
+        cache = DynamicCache(config=self.model.config) if cache is None else cache
+        if cache.get_seq_length():
+            raise ValueError(f"cache= already holds {cache.get_seq_length()} tokens: pass an empty DynamicCache")
+        device = self.model.device
+        context_ids = inputs["context_ids"].to(device)
+        prefill_context(self.model, context_ids, press, cache, self.tokenizer)
+        answers = []
+        for question_ids in inputs["question_ids"]:
+            ids = torch.cat([context_ids, question_ids.to(device)], dim=-1)
+            with scratch(cache):  # the question and its answer leave the cache before the next question
+                answers.append(answer_from_cache(self.model, self.tokenizer, ids, cache, press, max_new_tokens))
+        return {"answers": answers}
+
+    def postprocess(self, outputs: dict, one: bool = True):
+        return {"answer": outputs["answers"][0]} if one else {"answers": outputs["answers"]}
+
+
+PIPELINE_REGISTRY.register_pipeline(TASK, pipeline_class=KVPressTextGenerationPipeline, pt_model=AutoModelForCausalLM)

@@ -1,0 +1,54 @@
+"""The `kv-press-text-generation` pipeline: one question gives `kvpress.generate`'s answer; many questions
+share one compressed context, each answered as if alone."""
+
+import pytest
+import torch
+from transformers import AutoTokenizer, DynamicCache, pipeline
+
+import kvpress
+from kvpress import SnapKVPress
+from kvpress.models import resolve_model_path
+from tiny import tiny_model
+
+CONTEXT = "Ada keeps her bicycle in the blue shed. The code of its lock is 48213. Tomorrow it will rain again."
+QUESTIONS = ["What is the code of the lock?", "Where is the bicycle?"]
+
+
+@pytest.fixture(scope="module")
+def tokenized():
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(), local_files_only=True)
+    return tiny_model("llama", num_hidden_layers=3, vocab_size=len(tokenizer)), tokenizer
+
+
+def test_one_question_is_kvpress_generate_and_many_share_the_context(tokenized):
+    model, tokenizer = tokenized
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
+    press = SnapKVPress(0.5, window_size=4)
+    expected = [kvpress.generate(model, tokenizer, CONTEXT, q, press=press, max_new_tokens=8) for q in QUESTIONS]
+    assert pipe(CONTEXT, question=QUESTIONS[0], press=press, max_new_tokens=8) == {"answer": expected[0]}
+    cache = DynamicCache(config=model.config)
+    out = pipe(CONTEXT, questions=QUESTIONS, press=press, max_new_tokens=8, cache=cache)
+    assert out == {"answers": expected}
+    context_tokens = kvpress.pipeline.split_prompt(tokenizer, CONTEXT, QUESTIONS[0])[0].shape[1]
+    assert cache.get_seq_length() == context_tokens  # the compressed context alone is left in cache=
+    assert all(layer.n < context_tokens for layer in cache.layers)
+    prefixed = pipe(CONTEXT, question=QUESTIONS[0], press=press, max_new_tokens=8, answer_prefix="The code is")
+    assert isinstance(prefixed["answer"], str)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_bad_calls_are_refused(tokenized):
+    model, tokenizer = tokenized
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="not both"):
+        pipe(CONTEXT, question="a", questions=["b"])
+    with pytest.raises(ValueError, match="non-empty list"):
+        pipe(CONTEXT, questions="a")
+    with pytest.raises(TypeError, match="takes no argument temperature"):
+        pipe(CONTEXT, question="a", temperature=0.5)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
+        pipe(CONTEXT, question="a", max_new_tokens=0)
+    full = DynamicCache(config=model.config)
+    model(torch.tensor([[5, 6]]), cache=full)
+    with pytest.raises(ValueError, match="already holds 2 tokens"):
+        pipe(CONTEXT, question="a", cache=full)
