@@ -302,11 +302,25 @@ TASKS_DIR = str(Path(__file__).parent / "tasks")
 
 
 def main(argv: list[str]) -> int:
-    """`kvpress lm-eval ARGS`: lm-eval's own CLI with `--model kvpress` and kvpress's offline tasks included."""
-    if "--model" in argv or any(a.startswith("--model=") for a in argv):
-        message = "--model is always kvpress; pick the model with --model_args pretrained=..."
+    """`kvpress lm-eval ARGS`: lm-eval's own CLI with `--model kvpress` (given or not: lm-eval's own spelling is
+    accepted) and kvpress's offline tasks included."""
+    models, rest, i = [], [], 0
+    while i < len(argv):
+        if argv[i] == "--model" and i + 1 < len(argv):
+            models.append(argv[i + 1])
+            i += 2
+            continue
+        if argv[i].startswith("--model="):
+            models.append(argv[i].split("=", 1)[1])
+        else:
+            rest.append(argv[i])
+        i += 1
+    if any(m != "kvpress" for m in models) or (argv and argv[-1] == "--model"):
+        message = (f"--model {' '.join(models) or '(missing)'}: kvpress lm-eval runs lm-eval's model kvpress (pick "
+                   "the weights with --model_args pretrained=...); for lm-eval's other models run `lm_eval` itself")
         print(f"kvpress lm-eval: {message}", file=sys.stderr)
         return 2
+    argv = rest
     from lm_eval.__main__ import cli_evaluate
 
     argv = ["run", "--model", "kvpress", *argv]
