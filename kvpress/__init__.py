@@ -4,7 +4,8 @@
     with press(model):
         model.generate(...)
 
-Importing kvpress patches nothing; entering a press does, and leaving it restores the model.
+Importing kvpress patches nothing (it registers the pipeline task `kv-press-text-generation`); entering a press
+does, and leaving it restores the model.
 """
 
 from kvpress import presses
