@@ -415,6 +415,9 @@ def _check_press(model: nn.Module, press: Installable) -> None:
             f"{sorted(set(model_access.layer_types(model)))}), so nothing would be compressed"
         )
     press.check_model(model)
+    if press.rerotate and press.needs_whole_context:
+        raise ValueError(f"{type(press).__name__} scores the whole context once it is cached: rerotate=True is not "
+                         "supported there (its keys are evicted after the prefill, not re-rotated)")  # fmt: skip
     if press.rerotate and model_access.has_sliding_layers(model):
         raise ValueError(
             f"rerotate=True is not supported on {type(model).__name__}: its sliding-window layers "

@@ -50,10 +50,12 @@ def test_inside_generate_equals_kvpress_generate_query_aware(tokenized, name):
         assert held < full * 0.75 + 8
 
 
-def test_a_whole_context_press_needs_the_tokenizer(tokenized):
-    model, _ = tokenized
+def test_a_whole_context_press_needs_the_tokenizer_and_does_not_rerotate(tokenized):
+    model, tokenizer = tokenized
     with pytest.raises(ValueError, match=r"with press\(model, tokenizer=tokenizer\)"), KVzipPress(0.5)(model):
         pass
+    with pytest.raises(ValueError, match="rerotate=True is not supported there"):
+        KVzipPress(0.5, rerotate=True)(model, tokenizer=tokenizer)
     assert model.config._attn_implementation == "sdpa"
 
 
