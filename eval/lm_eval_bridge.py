@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -62,6 +63,10 @@ class KVPressLM(HFLM):
         rolling_chunk: tokens fed per forward in loglikelihood_rolling (default 128).
         query_aware: compress the whole prompt, question included (default False: only the text before
             the document's `question`; see the module docstring).
+        question_key: the document field that holds the question (default "question"), for tasks whose
+            documents name it otherwise. Or:
+        question_regex: a regular expression; the question starts where its last match in the prompt starts
+            (for tasks whose documents hold no question of their own, e.g. "Question:").
     """
 
     def __init__(
@@ -72,6 +77,8 @@ class KVPressLM(HFLM):
         max_tokens: int | None = None,
         rolling_chunk: int = CHUNK,
         query_aware: bool = False,
+        question_key: str | None = None,
+        question_regex: str | None = None,
         **kwargs,
     ) -> None:
         if isinstance(query_aware, str):  # from --model_args
@@ -79,6 +86,18 @@ class KVPressLM(HFLM):
                 raise ValueError(f"query_aware must be true or false, got {query_aware!r}")
             query_aware = query_aware.lower() == "true"
         self.query_aware = bool(query_aware)
+        if question_key is not None and question_regex is not None:
+            raise ValueError("give question_key= or question_regex=, not both")
+        if self.query_aware and (question_key is not None or question_regex is not None):
+            raise ValueError("question_key= / question_regex= find the question a query-agnostic run leaves "
+                             "whole; with query_aware=true the whole prompt is compressed: drop them")  # fmt: skip
+        if question_key is not None and (not isinstance(question_key, str) or not question_key):
+            raise ValueError(f"question_key must be a document field name, got {question_key!r}")
+        try:
+            self.question_regex = re.compile(question_regex) if question_regex is not None else None
+        except (re.error, TypeError) as error:
+            raise ValueError(f"question_regex {question_regex!r} is not a regular expression: {error}") from error
+        self.question_key = question_key or "question"
         self._question_tails: dict[tuple[int, ...], int] = {}  # prompt tokens -> tokens of its question
         self._question_starts: dict[str, int] = {}  # loglikelihood context -> where its question starts
         rolling_chunk = int(rolling_chunk)
@@ -174,15 +193,21 @@ class KVPressLM(HFLM):
             head += 1
         return head
 
-    @staticmethod
-    def _question_start(request) -> int:
+    def _question_start(self, request) -> int:
         """Where the request's question starts in its prompt (query-agnostic mode), or a clear error."""
         doc, context = request.doc, request.args[0]
-        question = doc.get("question") if isinstance(doc, dict) else None
+        if self.question_regex is not None:
+            matches = list(self.question_regex.finditer(context))
+            if not matches or matches[-1].start() <= 0:
+                raise ValueError(f"query-agnostic mode: question_regex {self.question_regex.pattern!r} finds no "
+                                 f"question after some context in a prompt of task {request.task_name!r}")  # fmt: skip
+            return matches[-1].start()
+        question = doc.get(self.question_key) if isinstance(doc, dict) else None
         if not isinstance(question, str) or not question.strip():
             raise ValueError(f"query-agnostic mode compresses the text before the question, but task "
-                             f"{request.task_name!r} has no 'question' field in its documents; pass "
-                             "query_aware=True to compress the whole prompt")  # fmt: skip
+                             f"{request.task_name!r} has no {self.question_key!r} field in its documents; name "
+                             "the field with question_key=, or where the question starts with question_regex=, "
+                             "or pass query_aware=True to compress the whole prompt")  # fmt: skip
         start = context.rfind(question.strip())
         if start <= 0:
             raise ValueError(f"query-agnostic mode: the prompt of task {request.task_name!r} does not contain its "

@@ -271,3 +271,31 @@ def test_adakv_normalize_from_model_args(default_model):
     lm = KVPressLM(pretrained=model, tokenizer=tokenizer, **args)
     assert lm.press.normalize is True and lm.press.press.value_norm is True
     assert type(lm.press.press).__name__ == "KVzipPress"
+
+
+def test_query_agnostic_runs_name_the_question_by_field_or_regex(default_model):
+    """A task whose documents hold no `question` field runs query-agnostic once the question is named: by
+    another field (`question_key=`) or by where it starts in the prompt (`question_regex=`): the same answers
+    as the `question` field gives."""
+    from kvpress.eval.tasks import task_examples
+
+    model, tokenizer = default_model
+    examples = task_examples("needle_noise", tokenizer, 2, 256, 0)
+    ask = dict(pretrained=model, tokenizer=tokenizer, press="snapkv", compression_ratio=0.6, window_size=8)
+    expected = KVPressLM(**ask).generate_until(_needle_requests(examples), disable_tqdm=True)
+    renamed = _needle_requests(examples)
+    for request in renamed:
+        request.doc = {"query": request.doc.pop("question"), **request.doc}
+    with pytest.raises(ValueError, match="no 'question' field in its documents; name the field with question_key="):
+        KVPressLM(**ask).generate_until(renamed, disable_tqdm=True)
+    assert KVPressLM(**ask, question_key="query").generate_until(renamed, disable_tqdm=True) == expected
+    starts = examples[0].question.split()[0]  # every needle question starts with the same word
+    assert KVPressLM(**ask, question_regex=starts).generate_until(renamed, disable_tqdm=True) == expected
+    with pytest.raises(ValueError, match="finds no question"):
+        KVPressLM(**ask, question_regex="NO SUCH TEXT").generate_until(renamed, disable_tqdm=True)
+    with pytest.raises(ValueError, match="not both"):
+        KVPressLM(**ask, question_key="query", question_regex="x")
+    with pytest.raises(ValueError, match="drop them"):
+        KVPressLM(**ask, question_key="query", query_aware=True)
+    with pytest.raises(ValueError, match="is not a regular expression"):
+        KVPressLM(**ask, question_regex="(")
