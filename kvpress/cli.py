@@ -186,7 +186,9 @@ def _check_generate(args: argparse.Namespace) -> None:
 
         read_metadata(args.load_cache)  # a missing or foreign file is named before the model loads
     elif args.press != "none":
-        _press(_spec(args).rsplit(":", 1)[0], args.ratio, args.max_tokens)
+        from kvpress.presses import DEFAULT_PRESS
+
+        _press(args.press or DEFAULT_PRESS, args.ratio, args.max_tokens)
 
 
 def _check_counts(args: argparse.Namespace) -> None:

@@ -246,7 +246,8 @@ class PressInstallation:
         whole prompt (see the class docstring)."""
         q = new_tokens(args, kwargs).shape[1]
         fresh = all(getattr(layer, "seen", 0) == 0 for layer in cache.layers)
-        if self.press is None or not self.press.needs_whole_context or not fresh or q < 2 or self._frozen():
+        frozen = not self.intercept.compressing()
+        if self.press is None or not self.press.needs_whole_context or not fresh or q < 2 or frozen:
             return forward(*args, **kwargs)
         (head_args, head_kwargs), tail = split_inputs(args, kwargs, q - 1)
         recorder = QueryRecorder()
@@ -271,9 +272,6 @@ class PressInstallation:
         if self.press is None or not evict_now or self.press.needs_whole_context:
             return None  # a whole-context press evicts once, at the end of the prefill (`run_forward`)
         return evict(self.press, within_window(obs), self._rerank if self.press.rerotate else None)
-
-    def _frozen(self) -> bool:
-        return not self.intercept.compressing()
 
     def after_headwise(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
         if torch.is_grad_enabled():

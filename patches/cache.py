@@ -344,7 +344,7 @@ class PressedLayer(DynamicLayer):
         """A sliding-window layer drops the held slots the next token cannot see: real tokens older than the
         last `window - 1` of their row (each head its own; rows with fewer keep holes, marked not valid).
         The slots kept stay in their order, so the newest slots stay last."""
-        if self.window is None or self.n == 0:
+        if self.window is None or self.seen < self.window:  # every token seen is in the window (the hot path)
             return
         stay = self.pos >= (self.real_seen - (self.window - 1)).to(self.keys.device)[:, None, None]
         if self.valid is not None:

@@ -180,7 +180,7 @@ class HeadwiseLayer(DynamicLayer):
 
     def trim_window(self) -> None:
         """A sliding-window layer drops, per head, the slots older than the last `window - 1` real tokens."""
-        if self.window is None:
+        if self.window is None or self.seen < self.window:  # every token seen is in the window
             return
         low = (self.real_seen - (self.window - 1)).tolist()
         for i, n in enumerate(self.lengths):

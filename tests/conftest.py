@@ -8,6 +8,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
+@pytest.fixture(scope="session")
+def tokenized():
+    """SmolLM2's tokenizer over a tiny random 3-layer Llama of its vocabulary (no weights loaded)."""
+    from transformers import AutoTokenizer
+
+    from kvpress.models import resolve_model_path
+    from tiny import tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(), local_files_only=True)
+    return tiny_model("llama", num_hidden_layers=3, vocab_size=len(tokenizer)), tokenizer
+
+
 @pytest.fixture(autouse=True)
 def _inference():
     with torch.inference_mode():

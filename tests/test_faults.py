@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from test_install import _registered, _snapshot
-from transformers import AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 
 import kvpress
 from kvpress import (
@@ -37,14 +37,13 @@ from kvpress import (
 from kvpress.eval import sweep as sweep_module
 from kvpress.eval import tasks as task_module
 from kvpress.eval.sweep import run_sweep
-from kvpress.models import resolve_model_path
 from kvpress.patches import intercept
 from kvpress.patterns import config_hash
 from kvpress.pipeline import split_prompt
 from kvpress.recording import record_prefill
-from tiny import prompt, tiny_model
+from tiny import CONTEXT, QUESTION, prompt, tiny_model
 
-LAYERS = 3  # a middle layer too: a fault there leaves layers fed on both sides of it
+LAYERS = 3  # a middle layer too: a fault there leaves layers fed on both sides of it (`tokenized`'s model has 3)
 # (seed, what is raised): seeds whose draws hit a middle layer (0), before the first layer's attention (2), after
 # the last one's (5) and after the first one's (8), so faults that leave the cache torn and faults that leave
 # every layer alike are both met, with either exception
@@ -261,16 +260,10 @@ def test_a_keyboard_interrupt_in_a_plain_forward_does_not_stall_another_threads_
     assert took[0] < 0.5
 
 
-# ----- (c), (d), (f) use a real tokenizer (SmolLM2's) over a tiny random model of its vocabulary -------------------
-@pytest.fixture(scope="module")
-def tokenized():
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(), local_files_only=True)
-    return tiny_model("llama", num_hidden_layers=LAYERS, vocab_size=len(tokenizer)), tokenizer
+# ----- (c), (d), (f) use a real tokenizer (SmolLM2's) over a tiny random model of its vocabulary (`tokenized`) ---
 
 
 # ----- (c): KVzip's whole-context scoring pass in kvpress.generate ----------------------------------------------
-CONTEXT = "Ada keeps her bicycle in the blue shed. The code of its lock is 48213. Tomorrow it will rain again."
-QUESTION = "What is the code of the lock?"
 
 
 def _kvzip() -> KVzipPress:

@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+from test_equivalence import _left_padded
 from transformers import DynamicCache
 
 from kvpress.patches.cache import PressedLayer
@@ -74,13 +75,7 @@ def _case(i: int) -> dict:
 
 def _inputs(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of these lengths, left-padded to the longest."""
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n :] = prompt(1, n, seed=seed + row)[0]
-        mask[row, width - n :] = 1
-    return ids, mask
+    return _left_padded([prompt(1, n, seed=seed + row)[0] for row, n in enumerate(lengths)])
 
 
 def _generate(model, ids, mask, press=None, cache=None):

@@ -3,21 +3,13 @@ share one compressed context, each answered as if alone."""
 
 import pytest
 import torch
-from transformers import AutoTokenizer, DynamicCache, pipeline
+from transformers import DynamicCache, pipeline
 
 import kvpress
 from kvpress import SnapKVPress
-from kvpress.models import resolve_model_path
-from tiny import tiny_model
+from tiny import CONTEXT, QUESTION
 
-CONTEXT = "Ada keeps her bicycle in the blue shed. The code of its lock is 48213. Tomorrow it will rain again."
-QUESTIONS = ["What is the code of the lock?", "Where is the bicycle?"]
-
-
-@pytest.fixture(scope="module")
-def tokenized():
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(), local_files_only=True)
-    return tiny_model("llama", num_hidden_layers=3, vocab_size=len(tokenizer)), tokenizer
+QUESTIONS = [QUESTION, "Where is the bicycle?"]
 
 
 def test_one_question_is_kvpress_generate_and_many_share_the_context(tokenized):

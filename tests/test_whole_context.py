@@ -4,29 +4,19 @@ the first token is decoded, with the same tokens as `kvpress.generate(..., query
 
 import pytest
 import torch
-from transformers import AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 
 import kvpress
 from kvpress import AdaKVPress, KVzipPress, LookaheadPress, SnapKVPress
-from kvpress.models import resolve_model_path
 from kvpress.pipeline import split_prompt
-from tiny import tiny_model
+from tiny import CONTEXT, QUESTION
 
-CONTEXT = "Ada keeps her bicycle in the blue shed. The code of its lock is 48213. Tomorrow it will rain again."
-QUESTION = "What is the code of the lock?"
 PRESSES = {
     "kvzip": lambda: KVzipPress(0.5, reconstruction_chunk=8, window_size=4),
     "adakv-kvzip": lambda: AdaKVPress(KVzipPress(0.5, window_size=4)),
     "lookahead": lambda: LookaheadPress(0.5, window_size=4, lookahead=3),
     "default": lambda: kvpress.press_from_name(kvpress.DEFAULT_PRESS, compression_ratio=0.5),
 }
-
-
-@pytest.fixture(scope="module")
-def tokenized():
-    """SmolLM2's tokenizer over a tiny random model of its vocabulary (no weights loaded)."""
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(), local_files_only=True)
-    return tiny_model("llama", num_hidden_layers=3, vocab_size=len(tokenizer)), tokenizer
 
 
 def _prompt(tokenizer) -> torch.Tensor:

@@ -52,6 +52,10 @@ CONFIGS = {
 }
 
 
+# a short document and a question about it, for tests that tokenize real text (the `tokenized` fixture)
+CONTEXT = "Ada keeps her bicycle in the blue shed. The code of its lock is 48213. Tomorrow it will rain again."
+QUESTION = "What is the code of the lock?"
+
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
