@@ -9,13 +9,15 @@ refused; KVzip's reconstruction pass runs once per example and serves every rati
 
 Writes, under `--out`: `results.jsonl` (one line per example and configuration, appended as it goes:
 an interrupted sweep resumes where it stopped), `summary.json` / `summary.csv` (mean score, its
-retention against the full cache, and kept KV bytes per task, press, ratio), `table.md` and `plot.png`
-(score vs kept KV memory per press). A score is the task's: mostly the fraction of expected strings
-in the answer (see `eval/tasks/`). An answer row records its budget (`answer_tokens`, the task's
-`ANSWER_TOKENS`) and whether that budget cut it (`cut`); when a task's budget changes, a resumed sweep
-(or `--refresh`, which re-measures every such row in the directory and nothing else) answers again
-only where the new budget could change the row (`is_final`); the old row is dropped once its new one
-is written. A resumed sweep refuses a directory measured with another model, length, seed or mode.
+retention against the full cache, and kept KV bytes per task, press, ratio), `table.md`, `plot.png`
+(score vs kept KV memory per press) and, with several tasks, `heatmap.png` (retention per press and task,
+one panel per ratio); `python -m kvpress.eval.plots DIR` redraws both from a finished sweep (`plots.py`).
+A score is the task's: mostly the fraction of expected strings in the answer (see `eval/tasks/`). An
+answer row records its budget (`answer_tokens`, the task's `ANSWER_TOKENS`) and whether that budget cut
+it (`cut`); when a task's budget changes, a resumed sweep (or `--refresh`, which re-measures every such
+row in the directory and nothing else) answers again only where the new budget could change the row
+(`is_final`); the old row is dropped once its new one is written. A resumed sweep refuses a directory
+measured with another model, length, seed or mode.
 
 Perplexity tasks cannot share a prefill: each token is predicted from the cache compressed so far.
 They run one live chunked pass per (document, configuration) (`tasks/perplexity.py`); a row records
@@ -48,6 +50,7 @@ from transformers import DynamicCache
 
 import kvpress
 from kvpress.eval.memory import full_cache_bytes, peak_memory, reset_cuda_peak
+from kvpress.eval.plots import plot_sweep
 from kvpress.eval.tasks import ANSWER_TOKENS, SCORE_GROWS_WITH_TEXT, TASKS, Document, task_examples
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import PACKAGED_MODELS, cache_dir
@@ -347,7 +350,7 @@ def _shard():
 
 
 def write_summary(out: Path) -> list[dict]:
-    """Aggregate `results.jsonl` into summary.json / summary.csv / table.md / plot.png."""
+    """Aggregate `results.jsonl` into summary.json / summary.csv / table.md / plot.png (+ heatmap.png)."""
     rows = list(current_rows(out).values())
     groups: dict = {}
     for r in rows:
@@ -370,7 +373,7 @@ def write_summary(out: Path) -> list[dict]:
         writer.writeheader()
         writer.writerows(summary)
     (out / "table.md").write_text(_table(summary))
-    _plot(summary, out / "plot.png")
+    plot_sweep(summary, rows, out)
     return summary
 
 
@@ -396,37 +399,6 @@ def _table(summary: list[dict]) -> str:
             cells.append("" if s is None else f"{value} ({s['kept_bytes_ratio']:.3f})")
         lines.append(f"| {'full cache' if press == 'none' else press} | {ratio} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _plot(summary: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'kvpress[plot]'): no plot written", file=sys.stderr)
-        return
-    tasks = sorted({s["task"] for s in summary})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
-    for ax, task in zip(axes[0], tasks, strict=True):
-        rows = [s for s in summary if s["task"] == task]
-        key = "ppl" if rows[0]["ppl"] is not None else "score"
-        full = next((s for s in rows if s["press"] == "none"), None)
-        for press in sorted({s["press"] for s in rows} - {"none"}):
-            points = sorted((s["kept_bytes_ratio"], s[key]) for s in rows if s["press"] == press)
-            if full:
-                points.append((full["kept_bytes_ratio"], full[key]))
-            ax.plot(*zip(*points, strict=True), marker="o", label=press)
-        if key == "ppl":
-            ax.set(title=task, xlabel="kept KV bytes / full", ylabel="perplexity (lower is better)", yscale="log")
-        else:
-            ax.set(title=task, xlabel="kept KV bytes / full", ylabel="score", ylim=(-0.02, 1.02))
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -471,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.query_aware)  # fmt: skip
     if summary:  # process 0 (or the only one)
         print(_table(summary))
-        print(f"wrote {args.out}/results*.jsonl, summary.json, summary.csv, table.md, plot.png")
+        print(f"wrote {args.out}/results*.jsonl, summary.json, summary.csv, table.md, plot.png (+ heatmap.png)")
     return 0
 
 

@@ -288,3 +288,30 @@ def test_a_torn_last_row_is_measured_again(default_model, tmp_path, capsys):
     path.write_text("{not json\n" + "\n".join(again) + "\n")  # not a torn write: named, not guessed
     with pytest.raises(ValueError, match=r"results.jsonl, line 1, is not a result row"):
         run_sweep(model, tokenizer, **kwargs)
+
+
+def test_plots_give_each_press_its_own_style_and_write_both_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    from kvpress.eval.plots import intervals, is_default, plot_sweep, press_styles
+    from kvpress.presses import DEFAULT_PRESS, press_names
+
+    names = [f"{n}{extra}" for n in press_names() for extra in ("", ":window_size=16", ":inner=kvzip")]
+    styles = press_styles([*names, DEFAULT_PRESS, "none"])
+    pairs = [(s["color"], s["marker"]) for s in styles.values()]
+    assert len(styles) == len(names) + 2 and len(set(pairs)) == len(pairs)  # no two presses look alike
+    assert is_default("adakv:value_norm=true:inner=kvzip:normalize=true") and not is_default("adakv")
+    assert styles[DEFAULT_PRESS]["label"].endswith("(default)") and styles["none"]["color"] == "black"
+
+    rows = [{"task": t, "example": i, "press": p, "ratio": r, "score": s, "kept_bytes": 1, "full_bytes": 1}
+            for t in ("needle_noise", "arithmetic") for i, s in enumerate((0.5, 1, 0.5, 1))
+            for p, r in (("none", 0.0), ("snapkv", 0.5), (DEFAULT_PRESS, 0.5))]  # fmt: skip
+    lo, hi = intervals(rows)[("arithmetic", "snapkv", 0.5)]
+    assert lo == pytest.approx(0.75 - 1.96 * math.sqrt(1 / 12) / 2) and hi == 1.0  # normal, clipped to [0, 1]
+    summary = [{"task": t, "press": p, "ratio": r, "examples": 4, "score": 0.75, "ppl": None, "retention": 1.0,
+                "kept_bytes_ratio": 1 - r} for t in ("needle_noise", "arithmetic")
+               for p, r in (("none", 0.0), ("snapkv", 0.5), (DEFAULT_PRESS, 0.5))]  # fmt: skip
+    written = plot_sweep(summary, rows, tmp_path)
+    assert written == [tmp_path / "plot.png", tmp_path / "heatmap.png"]
+    assert all(p.stat().st_size > 0 for p in written)
+    plot_sweep([s for s in summary if s["task"] == "arithmetic"], rows, tmp_path)  # one task: no heatmap
+    assert (tmp_path / "plot.png").exists() and not (tmp_path / "heatmap.png").exists()
