@@ -299,3 +299,61 @@ def test_query_agnostic_runs_name_the_question_by_field_or_regex(default_model):
         KVPressLM(**ask, question_key="query", query_aware=True)
     with pytest.raises(ValueError, match="is not a regular expression"):
         KVPressLM(**ask, question_regex="(")
+
+
+def test_an_lm_eval_task_without_a_question_field_runs_query_agnostic(default_model, monkeypatch):
+    """lm-eval's own `infinitebench_longbook_qa_en`, fed from local documents (`eval/tasks/data/`), holds its
+    question in `input`, not in a `question` field: with `question_key=input` each prompt is compressed up to its
+    question, and the question and answer follow uncompressed, for every document lm-eval runs."""
+    import inspect
+    from pathlib import Path
+
+    import lm_eval
+    import lm_eval.tasks
+    import torch
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    from kvpress.eval.lm_eval_bridge import TASKS_DIR
+
+    task = "infinitebench_longbook_qa_en_local"
+    local = load_yaml(Path(TASKS_DIR) / f"{task}.yaml")
+    own = load_yaml(Path(lm_eval.tasks.__file__).parent / "infinitebench" / "infinitebench_longbook_qa_en.yaml")
+    assert "question" not in own["doc_to_text"] and "{{input}}" in own["doc_to_text"]
+    for key in own.keys() - {"task", "dataset_path", "dataset_kwargs", "metadata"}:  # lm-eval's task, local data
+        if callable(own[key]):  # the scoring function: lm-eval's own, from its own file
+            files = {Path(inspect.getfile(f)).resolve() for f in (local[key], own[key])}
+            assert len(files) == 1 and local[key].__name__ == own[key].__name__, key
+        else:
+            assert local[key] == own[key], key
+    monkeypatch.chdir(Path(TASKS_DIR).parents[1])  # the YAML's data_files are relative to the repository root
+    manager = TaskManager(include_path=TASKS_DIR, include_defaults=False)
+    model, tokenizer = default_model
+    ask = dict(pretrained=model, tokenizer=tokenizer, press="snapkv", compression_ratio=0.5, window_size=8)
+    run = dict(tasks=[task], task_manager=manager, limit=2, bootstrap_iters=0, log_samples=True)
+    with torch.inference_mode(False):  # lm-eval generates under no_grad only, not inference mode
+        with pytest.raises(ValueError, match="no 'question' field in its documents; name the field with question_key="):
+            lm_eval.simple_evaluate(model=KVPressLM(**ask), **run)
+        lm = KVPressLM(**ask, question_key="input")
+        prefills, original = [], lm._prefill
+
+        def prefill(prefix, following=None):
+            cache = original(prefix, following)
+            prefills.append((prefix, cache.layers[0].n))
+            return cache
+
+        lm._prefill = prefill
+        out = lm_eval.simple_evaluate(model=lm, **run)
+    samples = out["samples"][task]
+    assert out["n-samples"][task]["effective"] == len(samples) == len(prefills) == len(lm.kv_records) == 2
+    assert 0 <= out["results"][task]["score,none"] <= 1
+    heads = {tokenizer.decode(prefix): (len(prefix), kept) for prefix, kept in prefills}
+    for sample in samples:
+        prompt, question = sample["arguments"][0][0], sample["doc"]["input"]
+        head = prompt[: prompt.rindex(question)].rstrip(" ")  # " What": a token across the boundary stays whole
+        assert head.endswith(f"{sample['doc']['context']}\n\nQuestion:") and head in heads
+        n, kept = heads[head]  # compressed: the prompt up to its question, and no further
+        assert len(tokenizer(prompt).input_ids) - n == len(tokenizer(prompt[len(head) :]).input_ids) > 10
+        assert kept == n - int(n * 0.5) and n > 150
+    for record in lm.kv_records:  # half the context kept, then the question and answer in full
+        assert record["kept_bytes"] < 0.75 * record["full_bytes"]
