@@ -140,7 +140,7 @@ def watershed(model, tokenizer, examples: list[ChatExample]) -> list[float]:
             model(input_ids=ids, cache=session.cache, use_cache=True, logits_to_keep=1)
         for idx, (module, query) in recorder.queries.items():
             layer = session.cache.layers[idx]
-            obs = Observation(module, query, layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n], layer)
+            obs = Observation(module, query, *layer.held_kv(), layer)
             relevance = round_relevance(obs, spans, queries)
             hits[idx] += int(max(range(len(spans)), key=relevance.__getitem__) == example.fact_round)
     return [h / len(examples) for h in hits]

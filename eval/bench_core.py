@@ -29,7 +29,8 @@ from kvpress.engine import maybe_installed
 from kvpress.patches.model_access import attention_modules
 from kvpress.recording import record_prefill
 
-PRESSES = ("snapkv", "h2o", "sink-window", "knorm", "random", "adakv", "duo-attention")
+PRESSES = ("snapkv", "h2o", "sink-window", "knorm", "random", "adakv", "duo-attention", "snapkv:kv_bits=4",
+           "adakv:kv_bits=4")
 
 
 def long_ids(tokenizer, n_tokens: int) -> torch.Tensor:
@@ -155,8 +156,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "core.json"))
     args = parser.parse_args(argv)
     for name in args.presses:
-        if name not in kvpress.PRESSES:
-            parser.error(f"unknown press {name!r}; choose from {', '.join(sorted(kvpress.PRESSES))}")
+        try:
+            kvpress.press_from_name(name, compression_ratio=args.ratio)
+        except (TypeError, ValueError) as err:
+            parser.error(f"--presses {name!r}: {err}")
     result = run(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -16,13 +16,11 @@ tokens, and the band exp(r +- 1.96 se). A cell of one example has no band. With 
 presses in a figure, only the default press and the full cache get bands (a dozen overlapping bands hide
 the curves); the heatmap then reads better than the curves.
 
-Replot existing sweeps without running them again: `python -m kvpress.eval.plots eval/results/sweep-*`.
+Replot an existing sweep without running it again: `python -m kvpress.eval.sweep --replot --out DIR`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import statistics
 import sys
@@ -245,35 +243,3 @@ def _heatmap(plt, summary: list[dict], path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
-def replot(out: str | Path) -> list[Path]:
-    """Redraw the plots of the sweep in `out` from its summary.json and result rows, measuring nothing."""
-    from kvpress.eval.sweep import current_rows
-
-    out = Path(out)
-    path = out / "summary.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{out} holds no sweep summary (no summary.json)")
-    return plot_sweep(json.loads(path.read_text()), list(current_rows(out).values()), out)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvpress.eval.plots", description="Redraw plot.png and "
-                                     "heatmap.png of existing sweep directories (nothing is measured).")  # fmt: skip
-    parser.add_argument("dirs", nargs="+", help="sweep directories (each with summary.json)")
-    args = parser.parse_args(argv)
-    status = 0
-    for d in args.dirs:
-        try:
-            written = replot(d)
-        except FileNotFoundError as err:  # said, and the other directories are still drawn
-            print(f"kvpress plots: {err}", file=sys.stderr)
-            status = 2
-            continue
-        print("wrote " + ", ".join(map(str, written)))
-    return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

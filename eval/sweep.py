@@ -11,7 +11,7 @@ Writes, under `--out`: `results.jsonl` (one line per example and configuration, 
 an interrupted sweep resumes where it stopped), `summary.json` / `summary.csv` (mean score, its
 retention against the full cache, and kept KV bytes per task, press, ratio), `table.md`, `plot.png`
 (score vs kept KV memory per press) and, with several tasks, `heatmap.png` (retention per press and task,
-one panel per ratio); `python -m kvpress.eval.plots DIR` redraws both from a finished sweep (`plots.py`).
+one panel per ratio); `--replot` redraws both from a finished sweep's rows (`plots.py`).
 A score is the task's: mostly the fraction of expected strings in the answer (see `eval/tasks/`). An
 answer row records its budget (`answer_tokens`, the task's `ANSWER_TOKENS`) and whether that budget cut
 it (`cut`); when a task's budget changes, a resumed sweep (or `--refresh`, which re-measures every such
@@ -60,15 +60,20 @@ from kvpress.recording import compress_recording, record_prefill
 
 
 def configurations(presses: list[str], ratios: list[float]) -> list[tuple[str, float]]:
-    """("none", 0.0) (the full cache: every press at r = 0) plus every (press, r > 0)."""
+    """("none", 0.0) (the full cache: every press at r = 0) plus every (press, r > 0); a press that quantizes
+    (`kv_bits`) also at r = 0 when the ratios include it (quantization alone)."""
+    quantized = set()
     for name in presses:
         _, params = parse_press_spec(name)  # a press name, optionally with parameters: snapkv:window_size=16
         if {"compression_ratio", "max_tokens"} & set(params):
             raise ValueError(f"{name!r}: a sweep sets the budget from --ratios; leave it out of the press name")
+        if params.get("kv_bits") is not None:
+            quantized.add(name)
     for ratio in ratios:
         if not 0 <= ratio < 1:
             raise ValueError(f"ratios must be in [0, 1), got {ratio}")
-    return [("none", 0.0)] + [(name, ratio) for name in presses for ratio in ratios if ratio > 0]
+    return [("none", 0.0)] + [(name, ratio) for name in presses for ratio in ratios
+                              if ratio > 0 or name in quantized]  # fmt: skip
 
 
 def check_tasks(tasks: list[str]) -> None:
@@ -418,9 +423,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--refresh", action="store_true",
                         help="only re-measure the answers in --out that a changed answer budget could change, "
                              "with its settings and model")  # fmt: skip
+    parser.add_argument("--replot", action="store_true", help="only redraw the plots of --out (nothing measured)")
     args = parser.parse_args(argv)
     chosen = [f"--{name.replace('_', '-')}" for name in (*defaults, "query_aware")
               if getattr(args, name) is not None and getattr(args, name) is not False]  # fmt: skip
+    if args.replot:
+        summary = Path(args.out) / "summary.json"
+        if chosen or args.refresh or args.model or not summary.exists():
+            print(f"kvpress sweep: --replot takes --out only, a directory with a summary.json ({args.out})",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        written = plot_sweep(json.loads(summary.read_text()), list(current_rows(Path(args.out)).values()), args.out)
+        print("wrote " + ", ".join(map(str, written)))
+        return 0
     if args.refresh:
         if chosen:
             print(f"kvpress sweep: --refresh takes --out and --model only, not {', '.join(chosen)}", file=sys.stderr)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from kvpress.patches import kv_quantization as quant
 from kvpress.patches import model_access, rope
 from kvpress.patches.cache import PressedLayer
 from kvpress.patches.head_cache import HeadwiseLayer
@@ -98,8 +99,7 @@ def within_window(obs: Observation) -> Observation:
         return obs
     layer.trim_window()
     held = min(obs.q_len, layer.n)  # the newest slots stay last
-    return Observation(obs.module, obs.query[:, :, obs.q_len - held :], layer.keys[:, :, : layer.n],
-                       layer.values[:, :, : layer.n], layer)  # fmt: skip
+    return Observation(obs.module, obs.query[:, :, obs.q_len - held :], *layer.held_kv(), layer)
 
 
 class QueryRecorder:
@@ -332,7 +332,7 @@ def compress_layers(press, cache: DynamicCache, queries: dict[int, tuple[nn.Modu
     moved = []
     for idx, (module, query) in queries.items():
         layer = cache.layers[idx]
-        obs = Observation(module, query, layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n], layer)
+        obs = Observation(module, query, *layer.held_kv(), layer)
         replacement = evict(press, within_window(obs))  # what the live intercept calls after this layer's attention
         if replacement is not None:
             cache.layers[idx] = replacement
@@ -353,13 +353,20 @@ def maybe_installed(press: Installable | None, model: nn.Module, tokenizer=None)
 def evict(press, obs: Observation, rerank: Callable[[PressedLayer], None] | None = None) -> HeadwiseLayer | None:
     """Let `press` observe `obs`, then evict what exceeds each row's budget in `obs.layer`. A per-head press
     returns the `HeadwiseLayer` that replaces the layer (or None while nothing is evicted). `rerank`
-    re-rotates the kept keys (rerotate=True)."""
+    re-rotates the kept keys (rerotate=True). A press with `kv_bits` then stores what the layer keeps, and what
+    it appends from now on, in that many bits (decided on the exact keys, so a live prefill and a recorded
+    one keep the same codes)."""
     press.observe(obs)
     if press.per_head:
-        return _to_headwise(press, obs)
+        replacement = _to_headwise(press, obs)
+        if press.kv_bits is not None:
+            (replacement or obs.layer).quantize(press.kv_bits)
+        return replacement
     _evict_rows(press, obs)
     if rerank is not None:
         rerank(obs.layer)
+    if press.kv_bits is not None:
+        obs.layer.quantize(press.kv_bits)
     return None
 
 
@@ -413,6 +420,11 @@ def _check_press(model: nn.Module, press: Installable) -> None:
             f"{sorted(set(model_access.layer_types(model)))}), so nothing would be compressed"
         )
     press.check_model(model)
+    if press.kv_bits is not None:
+        quant.check_bits(press.kv_bits, model_access.head_dim(model))
+        if press.rerotate:
+            raise ValueError(f"{type(press).__name__}: rerotate=True re-rotates held keys in place, which quantized "
+                             "keys (kv_bits) cannot take without losing precision at every step")  # fmt: skip
     if press.rerotate and press.needs_whole_context:
         raise ValueError(f"{type(press).__name__} scores the whole context once it is cached: rerotate=True is not "
                          "supported there (its keys are evicted after the prefill, not re-rotated)")  # fmt: skip

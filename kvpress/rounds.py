@@ -117,8 +117,9 @@ class RoundPolicy:
             if not isinstance(self.inner, BasePress) or self.inner.per_head:
                 kind = type(self.inner).__name__
                 raise TypeError(f"inner must be a token-level press (SnapKV, H2O, ...), got {kind}")
-            if self.inner.rerotate:
-                raise ValueError("inner presses compress a round in place: rerotate=True is not supported there")
+            if self.inner.rerotate or self.inner.kv_bits is not None:
+                raise ValueError("inner presses compress a round in place: rerotate=True and kv_bits are not "
+                                 "supported there")  # fmt: skip
         self._turn: _Turn | None = None
         self._queries: dict[int, tuple[nn.Module, torch.Tensor]] = {}
         self.watershed: int | None = None
@@ -149,6 +150,9 @@ class RoundPolicy:
                    queries: tuple[int, int]) -> None:  # fmt: skip
         """Called by `ChatSession` before a turn: the cache, the finished rounds' spans, the store and
         where the user's text lies among the turn's first new tokens (its queries rank the rounds)."""
+        if any(getattr(layer, "kv_bits", None) is not None for layer in cache.layers):
+            raise ValueError("this chat's cache holds quantized layers (a press with kv_bits): a round policy moves "
+                             "and recompresses dense slots, so it cannot continue it")  # fmt: skip
         self._turn = _Turn(cache, list(rounds), store if self.offload == "cpu" else None, queries)
         self._queries = {}
 

@@ -10,6 +10,13 @@ Storage, all of it counted by `cache_bytes`:
   whatever state a press keeps per token (for example H2O's accumulated attention).
 - `real_seen` / `shift`: per row, real (non-padding) tokens seen and real tokens evicted.
 
+Quantized (`quantize(bits)`, once a press has decided on the layer, when it has `kv_bits`): `keys` and
+`values` hold `uint8` codes, one row per slot (`kvpress.patches.kv_quantization`), with each key channel's
+centre and range in `key_stats` `[batch, kv_heads, 2, head_dim]`; new tokens are encoded
+as they are appended and the attention gets the held slots decoded plus the forward's own tokens exact.
+Every slot operation (eviction, trimming, rewinding) moves codes as it moves dense slots. `held_kv()`
+gives the held keys and values dense in either case.
+
 `get_seq_length()` returns the tokens seen, so positions keep counting; `get_mask_sizes()` describes
 the slots held, so transformers' own masks stay right for unpadded continuation.
 
@@ -29,9 +36,14 @@ from contextlib import contextmanager
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kvpress.patches import kv_quantization as quant
+
 
 class PressedLayer(DynamicLayer):
     """A `DynamicLayer` whose slots a press can evict; see the module docstring for its storage."""
+
+    kv_bits: int | None = None  # class defaults: a layer saved before quantization existed loads as dense
+    key_stats: torch.Tensor | None = None
 
     @property
     def is_croppable(self) -> bool:
@@ -52,6 +64,8 @@ class PressedLayer(DynamicLayer):
         self.padded = False  # some row has seen a padding token (else every row holds `n` of `seen`)
         self.rotated = False  # True once keys were re-rotated to positions inside the cache
         self.torn = False  # a forward that raised left this cache's layers at different points
+        self.kv_bits: int | None = None  # set by `quantize`: keys and values are stored as codes of this width
+        self.key_stats: torch.Tensor | None = None  # each key channel's centre and half-range (`kv_quantization`)
 
     @property
     def is_sliding(self) -> bool:
@@ -100,18 +114,26 @@ class PressedLayer(DynamicLayer):
                 "this sliding-window layer was compressed; transformers' own window mask would misplace its "
                 "slots in a forward of several tokens: continue it inside `with press(model):`"
             )
+        new_keys, new_values = key_states, value_states
+        if self.kv_bits is not None:
+            new_keys = quant.encode(key_states, self.key_stats, self.kv_bits)
+            new_values = quant.encode(value_states, None, self.kv_bits)
         capacity = self.keys.shape[-2] if self.keys.dim() == 4 else 0
         if self.n + q <= capacity:
-            self.keys[:, :, self.n : self.n + q] = key_states
-            self.values[:, :, self.n : self.n + q] = value_states
+            self.keys[:, :, self.n : self.n + q] = new_keys
+            self.values[:, :, self.n : self.n + q] = new_values
         else:
-            self.keys = torch.cat([self.keys[:, :, : self.n], key_states], dim=-2) if self.n else key_states
-            self.values = torch.cat([self.values[:, :, : self.n], value_states], dim=-2) if self.n else value_states
+            self.keys = torch.cat([self.keys[:, :, : self.n], new_keys], dim=-2) if self.n else new_keys
+            self.values = torch.cat([self.values[:, :, : self.n], new_values], dim=-2) if self.n else new_values
             self.keys, self.values = self.keys.contiguous(), self.values.contiguous()
         self.n += q
         self.seen += q
         self.pending = q
-        keys, values = self.keys[:, :, : self.n], self.values[:, :, : self.n]
+        if self.kv_bits is None:
+            keys, values = self.keys[:, :, : self.n], self.values[:, :, : self.n]
+        else:  # the held slots decoded, this forward's own tokens exact
+            old_keys, old_values = self._decoded(self.n - q)
+            keys, values = torch.cat([old_keys, key_states], dim=-2), torch.cat([old_values, value_states], dim=-2)
         if not self.driven:
             self.commit(None)
             self.trim_window()  # the attention still gets every slot (views of the storage trimming replaces)
@@ -137,6 +159,7 @@ class PressedLayer(DynamicLayer):
         self.seen = self.n = self.pending = 0
         self.slots, self.real_seen, self.shift, self.rotated, self.padded = {}, None, None, False, False
         self.torn = False
+        self.kv_bits, self.key_stats = None, None  # dense again until a press quantizes the next prompt
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -169,6 +192,12 @@ class PressedLayer(DynamicLayer):
         vars(self).update(point)
 
     # ----- what a press reads ---------------------------------------------------------------------
+    def held_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held keys and values `[B, H, n, D]`, dense (decoded when the layer is quantized)."""
+        if self.kv_bits is None:
+            return self.keys[:, :, : self.n], self.values[:, :, : self.n]
+        return self._decoded(self.n)
+
     @property
     def valid(self) -> torch.Tensor | None:
         """`[B, H, n]` bool, or None when every held slot is a real token."""
@@ -357,6 +386,24 @@ class PressedLayer(DynamicLayer):
         index = order[..., self.n - k :]  # leaving slots first (as holes where a head keeps fewer), then those staying
         self.keep(index, torch.arange(k, device=stay.device) >= (k - counts)[..., None])
 
+    def quantize(self, bits: int) -> None:
+        """Store the held slots, and every slot appended from now on, as `bits`-bit codes (the channels'
+        ranges fitted to the slots held now). A layer already quantized keeps its codes; another width is refused."""
+        if self.kv_bits is not None:
+            if self.kv_bits != bits:
+                raise ValueError(f"this cache layer holds {self.kv_bits}-bit keys and values; kv_bits={bits} "
+                                 "cannot continue it")  # fmt: skip
+            return
+        if self.rotated:
+            raise ValueError("keys re-rotated in the cache (rerotate=True) cannot be quantized")
+        keys, values = self.keys[:, :, : self.n], self.values[:, :, : self.n]
+        quant.check_bits(bits, keys.shape[-1])
+        self.key_stats = quant.fit(keys, self.valid)  # padding and holes do not widen the ranges
+        self.dtype = keys.dtype
+        self.keys = quant.encode(keys, self.key_stats, bits)
+        self.values = quant.encode(values, None, bits)
+        self.kv_bits = bits
+
     def set_rotation(self, rot: torch.Tensor) -> None:
         """Record the positions `[B, H, n]` the held keys are now rotated to."""
         self.rotated = True
@@ -385,6 +432,11 @@ class PressedLayer(DynamicLayer):
             return False
         return bool((self.pos == torch.arange(self.seen - self.n, self.seen, device=self.keys.device)).all())
 
+    def _decoded(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `n` held slots' keys and values, decoded."""
+        return (quant.decode(self.keys[:, :, :n], self.key_stats, self.kv_bits, self.dtype),
+                quant.decode(self.values[:, :, :n], None, self.kv_bits, self.dtype))  # fmt: skip
+
     def _truncate_slots(self, n: int) -> None:
         self.slots = {name: t[..., :n] for name, t in self.slots.items()}
 
@@ -398,6 +450,8 @@ class PressedLayer(DynamicLayer):
     def _map_all(self, fn) -> None:
         self.keys, self.values = fn(self.keys), fn(self.values)
         self.slots = {name: fn(t) for name, t in self.slots.items()}
+        if self.kv_bits is not None:
+            self.key_stats = fn(self.key_stats)
 
 
 def tensor_bytes(tensors) -> int:

@@ -11,6 +11,11 @@ Storage, all of it counted by `cache_bytes`: per pair `i = row * kv_heads + head
 `values_h[i]`, and per-slot tensors `slots_h[name][i]` (`"pos"`: int32 token positions among the
 row's real tokens; press state such as H2O's accumulated attention). Slots stay in position order.
 
+Quantized (`kv_bits`, from a quantized `PressedLayer` or by `quantize`): each pair's `keys_h[i]` /
+`values_h[i]` hold `uint8` codes, one row per slot (`kvpress.patches.kv_quantization`), normalised by
+the key channels' `key_stats` `[batch, kv_heads, 2, head_dim]`; `pair()` decodes them (the forward's own
+tokens exact until a press evicts in the layer).
+
 Attention over it needs the kvpress intercept (`patches/headwise_attention.py`), so such a cache can
 only be continued inside `with press(model):` with a head-wise press; elsewhere `update` refuses.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from kvpress.patches import kv_quantization as quant
 from kvpress.patches.cache import PressedLayer
 
 
@@ -27,6 +33,9 @@ class HeadwiseLayer(DynamicLayer):
     """Per-(row, KV head) variable-length storage; see the module docstring."""
 
     is_croppable = False  # evicted tokens are gone: transformers' rollback paths must not pick crop()
+    kv_bits: int | None = None  # class defaults: a layer saved before quantization existed loads as dense
+    key_stats: torch.Tensor | None = None
+    _fresh: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, batch: int, heads: int, like: torch.Tensor) -> None:
         super().__init__()
@@ -47,6 +56,9 @@ class HeadwiseLayer(DynamicLayer):
         self.made_by = ""  # the class name of the press that made this layer (only it can continue it)
         self.head_budget: torch.Tensor | None = None  # [B, H] per-head budgets a press may record (-1: none)
         self.window: int | None = None  # a sliding-window layer's window
+        self.kv_bits: int | None = None  # keys and values stored as codes of this width (`quantize`)
+        self.key_stats: torch.Tensor | None = None
+        self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None  # the last commit's tokens, exact
 
     @property
     def is_sliding(self) -> bool:
@@ -63,7 +75,9 @@ class HeadwiseLayer(DynamicLayer):
         """The slots of `layer` marked by `keep` `[B, H, n]` (padding must be unmarked), per head in
         position order, each head in tensors of exactly its size."""
         b, h = layer.keys.shape[:2]
-        new = cls(b, h, layer.keys)
+        like = layer.keys if layer.kv_bits is None else layer.key_stats.to(layer.dtype)  # dtype and head size
+        new = cls(b, h, like)
+        new.kv_bits, new.key_stats = layer.kv_bits, layer.key_stats
         order = layer.position_order()
         keep = keep.gather(-1, order)
         names = [name for name in layer.slots if name not in ("valid", "rot")]
@@ -108,12 +122,14 @@ class HeadwiseLayer(DynamicLayer):
 
     def reset(self) -> None:
         """Empty every head (the layer then takes a new prompt, appended to every head)."""
-        empty = self.keys.new_empty(0, self.keys.shape[-1])
+        width = self.keys.shape[-1] if self.kv_bits is None else quant.code_width(self.kv_bits, self.keys.shape[-1])
+        empty = self.keys.new_empty(0, width, dtype=self.keys.dtype if self.kv_bits is None else torch.uint8)
         self.keys_h = [empty for _ in range(self.batch * self.heads)]
         self.values_h = list(self.keys_h)
         self.slots_h = {"pos": [torch.zeros(0, dtype=torch.int32, device=empty.device)] * len(self.keys_h)}
         self.lengths = [0] * len(self.keys_h)
-        self.seen, self.pending, self._new, self.torn = 0, 0, None, False
+        self.seen, self.pending, self._new, self.torn, self._fresh = 0, 0, None, False, None
+        self.key_stats = None  # a quantized layer fits the next prompt's ranges on its first commit
         self.real_seen = torch.zeros(self.batch, dtype=torch.long, device=empty.device)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -136,12 +152,46 @@ class HeadwiseLayer(DynamicLayer):
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer keeps (for `cache_bytes`)."""
         out = self.keys_h + self.values_h + [t for ts in self.slots_h.values() for t in ts] + [self.real_seen]
-        return out if self.head_budget is None else out + [self.head_budget]
+        out += [t for t in (self.head_budget, self.key_stats) if t is not None]
+        return out
+
+    @property
+    def value_dim(self) -> int | None:
+        """The size of one head's values (None while no head holds any storage)."""
+        if not self.values_h:
+            return None
+        width = self.values_h[0].shape[-1]
+        return width if self.kv_bits is None else quant.head_size(width, self.kv_bits)
 
     def pair(self, row: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The held keys and values `[n, D]` of one (row, KV head)."""
+        """The held keys and values `[n, D]` of one (row, KV head), dense."""
         i = row * self.heads + head
-        return self.keys_h[i][: self.lengths[i]], self.values_h[i][: self.lengths[i]]
+        n = self.lengths[i]
+        if self.kv_bits is None:
+            return self.keys_h[i][:n], self.values_h[i][:n]
+        q = 0 if self._fresh is None else self._fresh[0].shape[2]
+        keys = quant.decode(self.keys_h[i][: n - q], self.key_stats[row, head], self.kv_bits, self.dtype)
+        values = quant.decode(self.values_h[i][: n - q], None, self.kv_bits, self.dtype)
+        if q:
+            keys = torch.cat([keys, self._fresh[0][row, head]])
+            values = torch.cat([values, self._fresh[1][row, head]])
+        return keys, values
+
+    def quantize(self, bits: int) -> None:
+        """Store every pair's slots, and those appended from now on, as `bits`-bit codes (each pair's channel
+        ranges fitted to the slots it holds now); see `PressedLayer.quantize`."""
+        if self.kv_bits is not None:
+            if self.kv_bits != bits:
+                raise ValueError(f"this cache layer holds {self.kv_bits}-bit keys and values; kv_bits={bits} "
+                                 "cannot continue it")  # fmt: skip
+            return
+        quant.check_bits(bits, self.keys.shape[-1])
+        pairs = [self.pair(row, head) for row in range(self.batch) for head in range(self.heads)]
+        stats = [quant.fit(k) for k, _ in pairs]
+        self.key_stats = torch.stack(stats).view(self.batch, self.heads, 2, -1)
+        self.keys_h = [quant.encode(k, ks, bits) for (k, _), ks in zip(pairs, stats, strict=True)]
+        self.values_h = [quant.encode(v, None, bits) for _, v in pairs]
+        self.kv_bits, self._fresh = bits, None
 
     def slot(self, name: str, row: int, head: int) -> torch.Tensor:
         i = row * self.heads + head
@@ -156,6 +206,13 @@ class HeadwiseLayer(DynamicLayer):
         keys, values = self._new
         q = self.pending
         self._new, self.pending = None, 0
+        self._fresh = None
+        if self.kv_bits is not None:  # stored as codes; attended exact (`pair`) until a press evicts here
+            self._fresh = (keys, values)
+            if self.key_stats is None:  # the first tokens after `reset`
+                self.key_stats = quant.fit(keys)
+            keys = quant.encode(keys, self.key_stats, self.kv_bits)
+            values = quant.encode(values, None, self.kv_bits)
         pos = (self.real_seen[:, None] + torch.arange(q, device=self.real_seen.device)).to(torch.int32)
         self.real_seen = self.real_seen + q
         for row in range(self.batch):
@@ -168,10 +225,15 @@ class HeadwiseLayer(DynamicLayer):
                     ts[i] = self._append(ts[i], self.lengths[i], new)
                 self.lengths[i] += q
 
+    def settle(self) -> None:
+        """The forward is over: its tokens are read from their codes from now on."""
+        self._fresh = None
+
     def keep(self, row: int, head: int, index: torch.Tensor) -> None:
         """Keep the slots `index` (sorted) of one (row, KV head), in tensors of exactly that size."""
         i = row * self.heads + head
         n = self.lengths[i]
+        self._fresh = None  # which of the held slots are this forward's is no longer known
         self.keys_h[i] = self.keys_h[i][:n].index_select(0, index)
         self.values_h[i] = self.values_h[i][:n].index_select(0, index)
         for ts in self.slots_h.values():
@@ -229,8 +291,9 @@ class HeadwiseLayer(DynamicLayer):
         self.slots_h = {name: pick(ts) for name, ts in self.slots_h.items()}
         self.lengths = [self.lengths[r * self.heads + h] for r in rows for h in range(self.heads)]
         self.real_seen = self.real_seen[rows]
-        if self.head_budget is not None:
-            self.head_budget = self.head_budget[rows]
+        for name in ("head_budget", "key_stats"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name)[rows])
         self.batch = len(rows)
         self.keys = self.keys.new_empty(self.batch, self.heads, 0, self.keys.shape[-1])
         self.values = self.keys
@@ -238,3 +301,5 @@ class HeadwiseLayer(DynamicLayer):
     def _map(self, fn) -> None:
         self.keys_h, self.values_h = [fn(t) for t in self.keys_h], [fn(t) for t in self.values_h]
         self.slots_h = {name: [fn(t) for t in ts] for name, ts in self.slots_h.items()}
+        if self.kv_bits is not None:
+            self.key_stats = fn(self.key_stats)

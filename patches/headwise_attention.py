@@ -26,7 +26,7 @@ def headwise_attention(module: nn.Module, query: torch.Tensor, layer: HeadwiseLa
     g = hq // layer.heads
     scale = float(module.scaling)
     softcap = getattr(module, "attn_logit_softcapping", None)
-    out = query.new_empty(b, hq, q, layer.values_h[0].shape[-1] if layer.values_h else d)
+    out = query.new_empty(b, hq, q, layer.value_dim or d)
     causal = None
     for row in range(b):
         for head in range(layer.heads):

@@ -256,6 +256,7 @@ class Intercept:
             layer.trim_window()
             if call.compressing:
                 self.handler.after_headwise(module, query, layer)
+            layer.settle()
             return out, None
         if layer.adopted and info is not None and info.padding is not None:
             layer.adopt_padding(info.padding[:, : layer.seen - q_len])

@@ -46,6 +46,12 @@ def text_config(model: nn.Module):
     return model.config.get_text_config(decoder=True)
 
 
+def head_dim(model: nn.Module) -> int:
+    """The size of one attention head's keys."""
+    config = text_config(model)
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def cache_keyword(model: nn.Module) -> str:
     """The keyword this transformers version's forward takes the cache under."""
     params = inspect.signature(model.forward).parameters

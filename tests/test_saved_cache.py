@@ -18,6 +18,8 @@ from tiny import prompt, tiny_model
 PRESSES = {
     "snapkv": lambda: SnapKVPress(0.5, window_size=4),
     "adakv": lambda: AdaKVPress(SnapKVPress(0.5, window_size=4)),  # per-head storage
+    "adakv-4bit": lambda: AdaKVPress(SnapKVPress(0.5, window_size=4, kv_bits=4)),  # per-head codes
+    "snapkv-8bit": lambda: SnapKVPress(0.5, window_size=4, kv_bits=8),
 }
 FAMILIES = {"llama": {}, "gemma3": {}}  # gemma3: sliding-window layers past their window
 TESTS = Path(__file__).resolve().parent

@@ -9,7 +9,8 @@ from transformers import DynamicCache
 
 import kvpress
 from kvpress import AdaKVPress, DuoAttentionPress, HeavyHitterPress, PyramidKVPress, SnapKVPress
-from kvpress.eval.sweep import main, run_sweep
+from kvpress.eval.paired import paired_rows
+from kvpress.eval.sweep import configurations, main, run_sweep
 from kvpress.patterns import config_hash
 from kvpress.recording import compress_recording, record_prefill
 from tiny import prompt, tiny_model
@@ -315,3 +316,16 @@ def test_plots_give_each_press_its_own_style_and_write_both_pngs(tmp_path):
     assert all(p.stat().st_size > 0 for p in written)
     plot_sweep([s for s in summary if s["task"] == "arithmetic"], rows, tmp_path)  # one task: no heatmap
     assert (tmp_path / "plot.png").exists() and not (tmp_path / "heatmap.png").exists()
+
+
+def test_a_quantizing_press_is_also_measured_at_ratio_zero():
+    configs = configurations(["snapkv", "snapkv:kv_bits=4"], [0.0, 0.75])
+    assert configs == [("none", 0.0), ("snapkv", 0.75), ("snapkv:kv_bits=4", 0.0), ("snapkv:kv_bits=4", 0.75)]
+
+
+def test_paired_differences_count_only_examples_both_answered():
+    rows = [{"task": "t", "ratio": 0.75, "example": i, "press": p, "score": s}
+            for i, p, s in [(0, "a", 1.0), (0, "b", 0.0), (1, "a", 1.0), (1, "b", 1.0), (2, "a", 1.0)]]  # fmt: skip
+    cell, pooled = paired_rows(rows, "a", "b")[1], paired_rows(rows, "a", "b")[0]
+    assert pooled["task"] == "all" and cell["task"] == "t" and cell["n"] == 2  # example 2 has no "b"
+    assert cell["difference"] == -0.5 and cell["low"] < -0.5 < cell["high"]

@@ -16,6 +16,7 @@ PRESSES = {
     "adakv-kvzip": lambda: AdaKVPress(KVzipPress(0.5, window_size=4)),
     "lookahead": lambda: LookaheadPress(0.5, window_size=4, lookahead=3),
     "default": lambda: kvpress.press_from_name(kvpress.DEFAULT_PRESS, compression_ratio=0.5),
+    "default-4bit": lambda: kvpress.press_from_name(kvpress.DEFAULT_PRESS, compression_ratio=0.5, kv_bits=4),
 }
 
 

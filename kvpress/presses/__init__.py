@@ -109,7 +109,7 @@ def aliases(name: str) -> list[str]:
     return [other for other, factory in PRESSES.items() if factory is PRESSES[name] and other != name]
 
 
-BUDGET_PARAMETERS = ("compression_ratio", "max_tokens", "rerotate", "decode_slack", "layer_scales")  # BasePress's
+BUDGET_PARAMETERS = ("compression_ratio", "max_tokens", "rerotate", "decode_slack", "layer_scales", "kv_bits")
 
 
 def press_class(name: str) -> type:

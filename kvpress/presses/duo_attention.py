@@ -63,6 +63,11 @@ class DuoAttentionPress(HeadwisePress):
                                  "what the press keeps at its own budget), not compression_ratio")  # fmt: skip
             if self.press.rerotate or self.press.layer_scales is not None:
                 raise ValueError("DuoAttentionPress's press cannot re-rotate keys or set layer_scales")
+            if self.press.kv_bits is not None:  # the whole layer is stored at one width: the inner press's
+                if self.kv_bits not in (None, self.press.kv_bits):
+                    raise ValueError(f"DuoAttentionPress has kv_bits={self.kv_bits}, its press "
+                                     f"kv_bits={self.press.kv_bits}: give it once")  # fmt: skip
+                self.kv_bits = self.press.kv_bits
         if self.max_tokens is not None:
             raise ValueError("DuoAttentionPress takes compression_ratio or retrieval_fraction, not max_tokens")
         if (self.compression_ratio is None) == (self.retrieval_fraction is None):

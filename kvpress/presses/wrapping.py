@@ -20,13 +20,14 @@ class WrapsPress:
             raise TypeError(f"{name} wraps a token-level press such as SnapKVPress, got {self.press!r}")
         if self.compression_ratio is not None or self.max_tokens is not None:
             raise ValueError(f"{name} takes its budget from the wrapped press; set it there")
-        own = {"rerotate": self.rerotate, "decode_slack": self.decode_slack, "layer_scales": self.layer_scales}
-        defaults = {"rerotate": False, "decode_slack": 0.02, "layer_scales": None}
+        own = {"rerotate": self.rerotate, "decode_slack": self.decode_slack, "layer_scales": self.layer_scales,
+               "kv_bits": self.kv_bits}  # fmt: skip
+        defaults = {"rerotate": False, "decode_slack": 0.02, "layer_scales": None, "kv_bits": None}
         changed = sorted(key for key, value in own.items() if value != defaults[key])
         if changed:
             raise ValueError(f"{name} takes {', '.join(changed)} from the wrapped press; set it there")
         self.compression_ratio, self.max_tokens = self.press.compression_ratio, self.press.max_tokens
-        self.decode_slack = self.press.decode_slack
+        self.decode_slack, self.kv_bits = self.press.decode_slack, self.press.kv_bits
 
     @property
     def needs_whole_context(self) -> bool:

@@ -1,0 +1,83 @@
+"""Paired differences between configurations of one sweep: what a variant of a press changes, example by example.
+
+    python -m kvpress.eval.paired --out eval/results/sweep-quantized --pair snapkv snapkv:kv_bits=4
+
+For each `--pair A B`, each task and each ratio both were measured at, on the examples both answered: the mean
+score of A and of B and the mean of B - A with its 95% interval (normal, sd / sqrt(n)), then the same pooled
+over tasks (every example of every task counted once). Scores are the sweep's (0 to 1; points = 100 x).
+Prints a Markdown table; `--json` writes the rows too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from kvpress.eval.sweep import current_rows
+
+
+def paired_rows(rows: list[dict], base: str, variant: str) -> list[dict]:
+    """One row per (task, ratio) and per ratio over all tasks ("all"): n, mean A, mean B, mean B - A and its
+    95% interval, for the examples both `base` and `variant` answered."""
+    scores: dict[tuple, dict[str, float]] = {}
+    for row in rows:
+        if row["press"] in (base, variant):
+            scores.setdefault((row["task"], row["ratio"], row["example"]), {})[row["press"]] = row["score"]
+    cells: dict[tuple, list[tuple[float, float]]] = {}
+    for (task, ratio, _), pair in sorted(scores.items()):
+        if base in pair and variant in pair:
+            cells.setdefault((task, ratio), []).append((pair[base], pair[variant]))
+            cells.setdefault(("all", ratio), []).append((pair[base], pair[variant]))
+    return [_stats(task, ratio, pairs, base, variant) for (task, ratio), pairs in sorted(cells.items())]
+
+
+def _stats(task: str, ratio: float, pairs: list[tuple[float, float]], base: str, variant: str) -> dict:
+    diffs = [b - a for a, b in pairs]
+    n = len(diffs)
+    half = 1.96 * statistics.stdev(diffs) / math.sqrt(n) if n > 1 else float("nan")
+    mean = statistics.fmean(diffs)
+    return {"base": base, "variant": variant, "task": task, "ratio": ratio, "n": n,
+            "base_score": statistics.fmean(a for a, _ in pairs), "variant_score": statistics.fmean(b for _, b in pairs),
+            "difference": mean, "low": mean - half, "high": mean + half}  # fmt: skip
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| A | B | task | r | n | A | B | B - A (95% interval) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        interval = f"{r['difference']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}]"
+        lines.append(f"| {r['base']} | {r['variant']} | {r['task']} | {r['ratio']} | {r['n']} | "
+                     f"{r['base_score']:.3f} | {r['variant_score']:.3f} | {interval} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvpress.eval.paired", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--out", required=True, help="a sweep directory")
+    parser.add_argument("--pair", nargs=2, action="append", required=True, metavar=("A", "B"),
+                        help="a press and its variant, named as the sweep wrote them (repeatable)")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    rows = list(current_rows(Path(args.out)).values())
+    if not rows:
+        print(f"kvpress paired: {args.out} holds no result rows", file=sys.stderr)
+        return 2
+    result = []
+    for base, variant in args.pair:
+        found = paired_rows(rows, base, variant)
+        if not found:
+            print(f"kvpress paired: no example of {args.out} has both {base!r} and {variant!r}", file=sys.stderr)
+            return 2
+        result += found
+    print(table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
