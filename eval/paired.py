@@ -3,8 +3,9 @@
     python -m kvpress.eval.paired --out eval/results/sweep-quantized --pair snapkv snapkv:kv_bits=4
 
 For each `--pair A B`, each task and each ratio both were measured at, on the examples both answered: the mean
-score of A and of B and the mean of B - A with its 95% interval (normal, sd / sqrt(n)), then the same pooled
-over tasks (every example of every task counted once). Scores are the sweep's (0 to 1; points = 100 x).
+score of A and of B, the mean of B - A with its 95% interval (normal, sd / sqrt(n); [0, 0] when no score
+changed) and how many examples' scores changed, then the same pooled over tasks (every example of every task
+counted once). Scores are the sweep's (0 to 1; points = 100 x).
 Prints a Markdown table; `--json` writes the rows too.
 """
 
@@ -41,16 +42,19 @@ def _stats(task: str, ratio: float, pairs: list[tuple[float, float]], base: str,
     half = 1.96 * statistics.stdev(diffs) / math.sqrt(n) if n > 1 else float("nan")
     mean = statistics.fmean(diffs)
     return {"base": base, "variant": variant, "task": task, "ratio": ratio, "n": n,
-            "base_score": statistics.fmean(a for a, _ in pairs), "variant_score": statistics.fmean(b for _, b in pairs),
+            "changed": sum(d != 0 for d in diffs),
+            "base_score": statistics.fmean(a for a, _ in pairs),
+            "variant_score": statistics.fmean(b for _, b in pairs),
             "difference": mean, "low": mean - half, "high": mean + half}  # fmt: skip
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| A | B | task | r | n | A | B | B - A (95% interval) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| A | B | task | r | n | A | B | B - A (95% interval) | scores changed |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         interval = f"{r['difference']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}]"
         lines.append(f"| {r['base']} | {r['variant']} | {r['task']} | {r['ratio']} | {r['n']} | "
-                     f"{r['base_score']:.3f} | {r['variant_score']:.3f} | {interval} |")  # fmt: skip
+                     f"{r['base_score']:.3f} | {r['variant_score']:.3f} | {interval} | {r['changed']} |")  # fmt: skip
     return "\n".join(lines)
 
 
