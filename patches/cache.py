@@ -389,10 +389,7 @@ class PressedLayer(DynamicLayer):
     def quantize(self, bits: int) -> None:
         """Store the held slots, and every slot appended from now on, as `bits`-bit codes (the channels'
         ranges fitted to the slots held now). A layer already quantized keeps its codes; another width is refused."""
-        if self.kv_bits is not None:
-            if self.kv_bits != bits:
-                raise ValueError(f"this cache layer holds {self.kv_bits}-bit keys and values; kv_bits={bits} "
-                                 "cannot continue it")  # fmt: skip
+        if quant.already_at(self.kv_bits, bits):
             return
         if self.rotated:
             raise ValueError("keys re-rotated in the cache (rerotate=True) cannot be quantized")

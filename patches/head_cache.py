@@ -180,10 +180,7 @@ class HeadwiseLayer(DynamicLayer):
     def quantize(self, bits: int) -> None:
         """Store every pair's slots, and those appended from now on, as `bits`-bit codes (each pair's channel
         ranges fitted to the slots it holds now); see `PressedLayer.quantize`."""
-        if self.kv_bits is not None:
-            if self.kv_bits != bits:
-                raise ValueError(f"this cache layer holds {self.kv_bits}-bit keys and values; kv_bits={bits} "
-                                 "cannot continue it")  # fmt: skip
+        if quant.already_at(self.kv_bits, bits):
             return
         quant.check_bits(bits, self.keys.shape[-1])
         pairs = [self.pair(row, head) for row in range(self.batch) for head in range(self.heads)]

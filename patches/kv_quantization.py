@@ -34,6 +34,14 @@ def check_bits(bits: int, head_dim: int | None = None) -> None:
         raise ValueError(f"kv_bits=4 packs two codes a byte and needs an even head size, got {head_dim}")
 
 
+def already_at(current: int | None, bits: int) -> bool:
+    """Whether a layer holding `current`-bit codes (None: dense) is already quantized at `bits`; another width
+    is refused (a layer's codes are never re-quantized)."""
+    if current is not None and current != bits:
+        raise ValueError(f"this cache layer holds {current}-bit keys and values; kv_bits={bits} cannot continue it")
+    return current is not None
+
+
 def code_width(bits: int, head_dim: int) -> int:
     """Bytes of one encoded slot."""
     return head_dim * bits // 8 + _SCALE_BYTES

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvpress.presses.base import BasePress
 
 
@@ -20,10 +22,9 @@ class WrapsPress:
             raise TypeError(f"{name} wraps a token-level press such as SnapKVPress, got {self.press!r}")
         if self.compression_ratio is not None or self.max_tokens is not None:
             raise ValueError(f"{name} takes its budget from the wrapped press; set it there")
-        own = {"rerotate": self.rerotate, "decode_slack": self.decode_slack, "layer_scales": self.layer_scales,
-               "kv_bits": self.kv_bits}  # fmt: skip
-        defaults = {"rerotate": False, "decode_slack": 0.02, "layer_scales": None, "kv_bits": None}
-        changed = sorted(key for key, value in own.items() if value != defaults[key])
+        defaults = {f.name: f.default for f in dataclasses.fields(BasePress)
+                    if f.name in ("rerotate", "decode_slack", "layer_scales", "kv_bits")}  # fmt: skip
+        changed = sorted(key for key, default in defaults.items() if getattr(self, key) != default)
         if changed:
             raise ValueError(f"{name} takes {', '.join(changed)} from the wrapped press; set it there")
         self.compression_ratio, self.max_tokens = self.press.compression_ratio, self.press.max_tokens
