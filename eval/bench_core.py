@@ -3,7 +3,9 @@
 Every ratio is measured side by side in one run (runs alternate, medians taken), because the machine
 is shared and noisy. Writes `eval/results/core.json`:
 
-    {"prefill_overhead": {press: t_press / t_none}, "decode_step_ratio": {press: step time at
+    {"prefill_overhead": {press: t_press / t_none}, "generate_prefill_overhead": {press: t / t_none of
+     `model.generate` of one token inside the press, whole-context presses (KVzip's pass) included},
+     "decode_step_ratio": {press: step time at
      4K context with r=0.75 / full-cache step time}, "kept_bytes_ratio": {press: kept / full bytes},
      "varlen_vs_dense_decode": AdaKV(SnapKV) step time / SnapKV step time (same tokens kept per layer:
      per-head variable-length storage and attention vs one dense tensor), "kvzip_scoring_peak_ratio": the
@@ -29,6 +31,7 @@ from kvpress.engine import maybe_installed
 from kvpress.patches.model_access import attention_modules
 from kvpress.recording import record_prefill
 
+FAST_DEFAULT = "adakv:normalize=true:inner=kvzap:value_norm=true"  # the default press over KVzap's scores
 PRESSES = ("snapkv", "h2o", "sink-window", "knorm", "random", "adakv", "duo-attention", "snapkv:kv_bits=4",
            "adakv:kv_bits=4")
 
@@ -55,6 +58,16 @@ def timed_forward(model, ids: torch.Tensor, cache: DynamicCache, press=None) -> 
 def prefill(model, ids: torch.Tensor, press=None) -> tuple[DynamicCache, float]:
     cache = DynamicCache(config=model.config)
     return cache, timed_forward(model, ids, cache, press)
+
+
+def timed_generate(model, tokenizer, ids: torch.Tensor, press=None) -> float:
+    """Seconds of `model.generate` of one token after the prompt `ids` (its prefill, and the press's eviction or
+    scoring pass), inside `press(model, tokenizer=tokenizer)` when given: the user's main road."""
+    start = time.perf_counter()
+    with maybe_installed(press, model, tokenizer):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                       pad_token_id=tokenizer.eos_token_id)  # fmt: skip
+    return time.perf_counter() - start
 
 
 def kvzip_scoring_peak(model, tokenizer, ids: torch.Tensor) -> float:
@@ -86,6 +99,7 @@ def run(args: argparse.Namespace) -> dict:
         "decode_steps": args.decode_steps,
         "threads": torch.get_num_threads(),
         "prefill_overhead": {},
+        "generate_prefill_overhead": {},
         "decode_step_ratio": {},
         "kept_bytes_ratio": {},
         "seconds": {},
@@ -103,6 +117,18 @@ def run(args: argparse.Namespace) -> dict:
         result["seconds"][f"prefill_{name}"] = round(statistics.median(pressed), 3)
         result["seconds"][f"prefill_none_vs_{name}"] = round(statistics.median(base), 3)
         print(f"prefill {args.prefill_tokens} tokens  {name:12s} overhead x{result['prefill_overhead'][name]}")
+
+    # the main road: model.generate's prefill inside the press (whole-context presses included), alternating
+    for name in map(lambda spec: kvpress.resolve_default(spec, model), args.generate_presses):
+        press = kvpress.press_from_name(name, compression_ratio=args.ratio)
+        timed_generate(model, tokenizer, ids[:, :64], press)  # warm-up (a scorer's first load)
+        base, pressed = [], []
+        for _ in range(args.repeats):
+            base.append(timed_generate(model, tokenizer, ids))
+            pressed.append(timed_generate(model, tokenizer, ids, press))
+        ratio = round(statistics.median(pressed) / statistics.median(base), 3)
+        result["generate_prefill_overhead"][name] = ratio
+        print(f"model.generate, {args.prefill_tokens} tokens  {name} overhead x{ratio}")
 
     # decode: one full cache and one compressed cache per press; steps alternate between them
     ids = long_ids(tokenizer, args.decode_context)
@@ -148,6 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model name or local directory (default: SmolLM2-135M)")
     parser.add_argument("--presses", default=",".join(PRESSES), type=lambda s: s.split(","))
+    parser.add_argument("--generate-presses", default=f"default,{FAST_DEFAULT}", type=lambda s: s.split(","),
+                        help="presses timed inside model.generate's prefill, whole-context ones included "
+                             "(default: the model's default press and AdaKV over KVzap)")
     parser.add_argument("--ratio", type=float, default=0.75)
     parser.add_argument("--prefill-tokens", type=int, default=1024)
     parser.add_argument("--decode-context", type=int, default=4096)
@@ -155,11 +184,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "core.json"))
     args = parser.parse_args(argv)
-    for name in args.presses:
-        try:
-            kvpress.press_from_name(name, compression_ratio=args.ratio)
-        except (TypeError, ValueError) as err:
-            parser.error(f"--presses {name!r}: {err}")
+    for flag, names in (("--presses", args.presses), ("--generate-presses", args.generate_presses)):
+        for name in names:
+            try:
+                kvpress.press_from_name(name, compression_ratio=args.ratio)
+            except (TypeError, ValueError) as err:
+                parser.error(f"{flag} {name!r}: {err}")
     result = run(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -48,7 +48,7 @@ from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import resolve_model_path
 from kvpress.patches.model_access import cache_keyword
 from kvpress.pipeline import prefill_context
-from kvpress.presses import BasePress, all_press_parameters, press_from_name
+from kvpress.presses import BasePress, all_press_parameters, press_from_name, resolve_default
 
 
 @register_model("kvpress")
@@ -128,6 +128,8 @@ class KVPressLM(HFLM):
         if cpu_processes:  # torchrun --nproc_per_node N on CPUs: accelerate must join them over gloo
             os.environ["ACCELERATE_USE_CPU"] = "true"
         super().__init__(pretrained=pretrained, **kwargs)
+        if isinstance(press, str) and resolve_default(press) != press:  # `default`: this model's default press
+            self.press = press_from_name(press, self.model, **budget, **press_kwargs)
         self.kv_records: list[dict] = []
         if cpu_processes and self._world_size == 1:  # HFLM shards data only across GPUs: shard it here
             from accelerate import Accelerator

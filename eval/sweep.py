@@ -55,7 +55,7 @@ from kvpress.eval.tasks import ANSWER_TOKENS, SCORE_GROWS_WITH_TEXT, TASKS, Docu
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import PACKAGED_MODELS, cache_dir
 from kvpress.pipeline import answer_ids_from_cache, split_prompt
-from kvpress.presses import parse_press_spec
+from kvpress.presses import parse_press_spec, resolve_default
 from kvpress.recording import compress_recording, record_prefill
 
 
@@ -64,7 +64,7 @@ def configurations(presses: list[str], ratios: list[float]) -> list[tuple[str, f
     (`kv_bits`) also at r = 0 when the ratios include it (quantization alone)."""
     quantized = set()
     for name in presses:
-        _, params = parse_press_spec(name)  # a press name, optionally with parameters: snapkv:window_size=16
+        _, params = parse_press_spec(resolve_default(name))  # a press name, optionally with parameters
         if {"compression_ratio", "max_tokens"} & set(params):
             raise ValueError(f"{name!r}: a sweep sets the budget from --ratios; leave it out of the press name")
         if params.get("kv_bits") is not None:
@@ -454,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpress sweep: {err}", file=sys.stderr)
         return 2
     model, tokenizer = kvpress.load_model(args.model)
+    presses = [resolve_default(name, model) for name in presses]  # `default`: the model's own, named in the rows
     summary = run_sweep(model, tokenizer, presses, ratios, tasks, args.out, args.examples, args.length, args.seed,
                         args.query_aware)  # fmt: skip
     if summary:  # process 0 (or the only one)

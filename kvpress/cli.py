@@ -1,4 +1,5 @@
-"""The `kvpress` command: `demo` (the main job), `generate`, `presses`, `calibrate-heads`, `lm-eval`, `sweep`."""
+"""The `kvpress` command: `demo` (the main job), `generate`, `presses`, `calibrate-heads`, `train-scorer`, `lm-eval`,
+`sweep`."""
 
 from __future__ import annotations
 
@@ -21,14 +22,15 @@ def demo_document(n_words: int = 600, depth: float = 0.7) -> str:
     return " ".join(words[:cut]) + "\n\n" + DEMO_FACT + "\n\n" + " ".join(words[cut:])
 
 
-def _press(name: str | None, ratio: float | None, max_tokens: int | None):
+def _press(name: str | None, ratio: float | None, max_tokens: int | None, model=None):
+    """The press `name` names at this budget (`default`: `model`'s default press), None for `none`."""
     import kvpress
 
     if name is None or name == "none":
         return None
     if ratio is None and max_tokens is None:
         ratio = 0.5
-    return kvpress.press_from_name(name, compression_ratio=ratio, max_tokens=max_tokens)
+    return kvpress.press_from_name(name, model, compression_ratio=ratio, max_tokens=max_tokens)
 
 
 def _answer(
@@ -54,7 +56,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     n_tokens = sum(t.shape[1] for t in kvpress.pipeline.split_prompt(tokenizer, context, DEMO_QUESTION))
     print(f"document: {n_tokens} tokens of Python documentation; hidden fact: {DEMO_FACT!r}")
     print(f"question: {DEMO_QUESTION}\n")
-    names = args.presses.split(",")
+    names = [kvpress.resolve_default(name, model) for name in args.presses.split(",")]
     w = max(len(name) for name in ["press", *names])
     print(f"{'press':{w}s} {'ratio':>5s} {'KV bytes':>12s} {'kept':>6s} {'seconds':>7s}  answer")
     full_text, full_bytes, seconds = _answer(model, tokenizer, context, DEMO_QUESTION, None, args.max_new_tokens)
@@ -91,15 +93,16 @@ def _generate_inside(model, tokenizer, context: str, press, max_new_tokens: int)
     return text, kvpress.cache_bytes(cache), time.perf_counter() - start
 
 
-def _spec(args: argparse.Namespace) -> str:
-    """The press spec `--press`, `--ratio` and `--max-tokens` name, budget included (what a saved cache records)."""
-    from kvpress.presses import DEFAULT_PRESS
+def _spec(args: argparse.Namespace, model=None) -> str:
+    """The press spec `--press`, `--ratio` and `--max-tokens` name, budget included (what a saved cache records);
+    no `--press` (or `default`) is `model`'s default press."""
+    from kvpress.presses import resolve_default
 
     if args.press == "none":
         return "none"
     ratio = 0.5 if args.ratio is None else args.ratio
     budget = f"max_tokens={args.max_tokens}" if args.max_tokens is not None else f"compression_ratio={ratio}"
-    return f"{args.press or DEFAULT_PRESS}:{budget}"
+    return resolve_default(f"{args.press or 'default'}:{budget}", model)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -109,11 +112,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not path.is_file():
         print(f"kvpress generate: --context-file {path} does not exist", file=sys.stderr)
         return 2
-    spec = _spec(args)
+    model, tokenizer = kvpress.load_model(args.model)
+    spec = _spec(args, model)
     if args.load_cache:
         spec = kvpress.saved_cache.read_metadata(args.load_cache)["press"] or "none"  # continued by its own press
     press = None if spec == "none" else kvpress.press_from_name(spec)
-    model, tokenizer = kvpress.load_model(args.model)
     if args.save_cache or args.load_cache:
         text, kv_bytes, seconds = _answer_saved(model, tokenizer, path.read_text(), args, press, spec)
     else:
@@ -165,6 +168,29 @@ def cmd_calibrate_heads(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_scorer(args: argparse.Namespace) -> int:
+    import kvpress
+    from kvpress.scorers import load_scorer, save_scorer
+    from kvpress.train_scorer import PROFILE_RATIOS, PROFILE_TEXTS, profile_scorer, train_scorer
+
+    model, tokenizer = kvpress.load_model(args.model)
+    name = args.model or kvpress.models.DEFAULT_MODEL
+    if args.update_profile:
+        scorer = profile_scorer(model, tokenizer, load_scorer(args.out))
+        save_scorer(scorer, args.out)
+        print(f"wrote {args.out}: layer profile at ratios {list(PROFILE_RATIOS)} on {PROFILE_TEXTS} training texts")
+        return 0
+    scorer = train_scorer(model, tokenizer, name, texts=args.texts, held_out=args.held_out, tokens=args.tokens,
+                          seed=args.seed)  # fmt: skip
+    save_scorer(scorer, args.out)
+    fit = scorer.training["test"]
+    print(f"wrote {args.out}: {scorer.weight.shape[0]} layers x {scorer.weight.shape[2]} KV heads; on "
+          f"{args.held_out} test texts: R^2 of log scores {fit['r2_log_score']:.3f}, Spearman {fit['spearman']:.3f}, "
+          f"KVzip's kept tokens kept at r = 0.5: {fit['kept_agreement_r0.5']:.1%}, at r = 0.75: "
+          f"{fit['kept_agreement_r0.75']:.1%}")  # fmt: skip
+    return 0
+
+
 def cmd_presses(args: argparse.Namespace) -> int:
     from kvpress.presses import press_table
 
@@ -186,14 +212,13 @@ def _check_generate(args: argparse.Namespace) -> None:
 
         read_metadata(args.load_cache)  # a missing or foreign file is named before the model loads
     elif args.press != "none":
-        from kvpress.presses import DEFAULT_PRESS
-
-        _press(args.press or DEFAULT_PRESS, args.ratio, args.max_tokens)
+        _press(args.press or "default", args.ratio, args.max_tokens)
 
 
 def _check_counts(args: argparse.Namespace) -> None:
     """Refuse counts no command can run with, naming the flag and the allowed values."""
-    least = {"max_new_tokens": 1, "max_tokens": 1, "examples": 1, "length": 100, "seed": 0}
+    least = {"max_new_tokens": 1, "max_tokens": 1, "examples": 1, "length": 100, "seed": 0, "texts": 1, "held_out": 1,
+             "tokens": 64}
     for name, bound in least.items():
         value = getattr(args, name, None)
         if value is not None and value < bound:
@@ -202,7 +227,6 @@ def _check_counts(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     import kvpress
-    from kvpress.presses import DEFAULT_PRESS
 
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("lm-eval", "sweep"):  # the eval bridge's commands parse their own arguments
@@ -221,14 +245,16 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = sub.add_parser("demo", help="answer a question about a long document with and without compression")
     demo.add_argument("--model", default=None, help="packaged model name or local directory (default SmolLM2-135M)")
-    demo.add_argument("--presses", default=f"{DEFAULT_PRESS},snapkv,h2o,sink-window,knorm,random")
+    demo.add_argument("--presses", default="default,snapkv,h2o,sink-window,knorm,random",
+                      help="comma-separated press names (default: the model's default press)")
     demo.add_argument("--ratio", type=float, default=0.5)
     demo.add_argument("--max-new-tokens", type=int, default=16)
     demo.set_defaults(fn=cmd_demo)
 
     gen = sub.add_parser("generate", help="answer --question about --context-file with a press")
     gen.add_argument("--press", default=None,
-                     help=f"one of: none, {', '.join(sorted(kvpress.PRESSES))} (default: {DEFAULT_PRESS})")  # fmt: skip
+                     help=f"one of: none, default, {', '.join(sorted(kvpress.PRESSES))} (default: the model's "
+                          "default press, kvpress/presses/defaults.json)")  # fmt: skip
     gen.add_argument("--query-aware", action="store_true",
                      help="compress the context with the question (it guides the scores; the cache serves it alone)")
     gen.add_argument("--ratio", type=float, default=None, help="compression ratio in [0, 1) (default 0.5)")
@@ -254,6 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--length", type=int, default=1024, help="tokens per passkey prompt")
     cal.add_argument("--seed", type=int, default=0)
     cal.set_defaults(fn=cmd_calibrate_heads)
+    train = sub.add_parser("train-scorer", help="fit KVzapPress's per-layer scorers to KVzip's scores on offline text")
+    train.add_argument("--model", default=None, help="packaged model name or local directory (default SmolLM2-135M)")
+    train.add_argument("--out", required=True, help="the safetensors file to write")
+    train.add_argument("--texts", type=int, default=48, help="training texts")
+    train.add_argument("--held-out", type=int, default=4, help="validation texts, and as many test texts")
+    train.add_argument("--tokens", type=int, default=1024, help="tokens per text")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--update-profile", action="store_true",
+                       help="only measure again the layer profile of the scorer in --out, on its own training texts")
+    train.set_defaults(fn=cmd_train_scorer)
 
     args = parser.parse_args(argv)
     try:

@@ -41,6 +41,8 @@ class Observation:
     keys: torch.Tensor  # [B, Hkv, n, D] every held key, the q new ones last
     values: torch.Tensor  # [B, Hkv, n, Dv]
     layer: PressedLayer
+    hidden: torch.Tensor | None = None  # [B, q, d] the attention module's input hidden states of the new tokens
+    kv_heads: slice = field(default_factory=lambda: slice(None))  # the KV heads `keys` holds (one: a head-wise view)
 
     @property
     def q_len(self) -> int:
@@ -99,18 +101,22 @@ def within_window(obs: Observation) -> Observation:
         return obs
     layer.trim_window()
     held = min(obs.q_len, layer.n)  # the newest slots stay last
-    return Observation(obs.module, obs.query[:, :, obs.q_len - held :], *layer.held_kv(), layer)
+    hidden = None if obs.hidden is None else obs.hidden[:, obs.q_len - held :]
+    return Observation(obs.module, obs.query[:, :, obs.q_len - held :], *layer.held_kv(), layer, hidden)
 
 
 class QueryRecorder:
-    """An observer (`kvpress.engine.observe`) that keeps each layer's attention module and the queries of the
-    forwards it sees (the latest forward's per layer)."""
+    """An observer (`kvpress.engine.observe`) that keeps each layer's attention module, the queries and the
+    input hidden states of the forwards it sees (the latest forward's per layer)."""
 
     def __init__(self) -> None:
         self.queries: dict[int, tuple[nn.Module, torch.Tensor]] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
 
     def __call__(self, obs: Observation) -> None:
         self.queries[obs.layer_idx] = (obs.module, obs.query)
+        if obs.hidden is not None:
+            self.hidden[obs.layer_idx] = obs.hidden
 
 
 @dataclass
@@ -126,6 +132,7 @@ class Recording:
     ids: torch.Tensor
     next_ids: torch.Tensor | None = None
     memo: dict = field(default_factory=dict)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer, the attention's input hidden states
 
     @property
     def tokens(self) -> int:
@@ -141,6 +148,7 @@ class Installable:
 
     per_head: ClassVar[bool] = False
     needs_whole_context: ClassVar[bool] = False  # scores the whole prompt with a pass of its own (`prepare`)
+    needs_hidden: ClassVar[bool] = False  # scores from `Observation.hidden` (the layer's input hidden states)
 
     def __call__(self, model: nn.Module, tokenizer=None) -> PressInstallation:
         """`with press(model):` installs the press for the caller; the model is restored on exit, even on error.
@@ -254,32 +262,32 @@ class PressInstallation:
         with self.observing(recorder):
             forward(*head_args, **{**head_kwargs, "logits_to_keep": 1})
         ids = new_tokens(args, kwargs)
-        recording = Recording(cache, recorder.queries, ids[:, :-1], next_ids=ids[:, -1:])
+        recording = Recording(cache, recorder.queries, ids[:, :-1], next_ids=ids[:, -1:], hidden=recorder.hidden)
         self.press.prepare(self.model, recording, self.tokenizer)
-        for layer in compress_layers(self.press, cache, recorder.queries):
+        for layer in compress_layers(self.press, cache, recorder.queries, recorder.hidden):
             layer.driven = True  # a layer moved to per-head storage: the rest of the forward drives it too
         return forward(*tail[0], **tail[1])
 
     def after_attention(
-        self, module: nn.Module, query, key, value, layer: PressedLayer, evict_now: bool = True
+        self, module: nn.Module, query, key, value, layer: PressedLayer, evict_now: bool = True, hidden=None
     ) -> HeadwiseLayer | None:
         if torch.is_grad_enabled():  # what stays is decided, not learned: no autograd history in what is kept
             with torch.no_grad():  # (generate runs without grad already: this step costs it nothing)
-                return self.after_attention(module, query, key, value, layer, evict_now)
-        obs = Observation(module, query, key, value, layer)
+                return self.after_attention(module, query, key, value, layer, evict_now, hidden)
+        obs = Observation(module, query, key, value, layer, hidden)
         for observer in (*self.observers, *(_OBSERVING.get() or {}).get(self, ())):  # see every slot attended to
             observer(obs)
         if self.press is None or not evict_now or self.press.needs_whole_context:
             return None  # a whole-context press evicts once, at the end of the prefill (`run_forward`)
         return evict(self.press, within_window(obs), self._rerank if self.press.rerotate else None)
 
-    def after_headwise(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
+    def after_headwise(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden=None) -> None:
         if torch.is_grad_enabled():
             with torch.no_grad():
-                return self.after_headwise(module, query, layer)
+                return self.after_headwise(module, query, layer, hidden)
         if self.press.needs_whole_context:
             return  # it evicted once, at the end of the prefill
-        self.press.observe_heads(module, query, layer)
+        self.press.observe_heads(module, query, layer, hidden)
         self.press.evict_heads(module, query, layer)
 
     def _check_headwise(self, cache: DynamicCache, args: tuple, kwargs: dict) -> None:
@@ -325,14 +333,17 @@ def observe(model: nn.Module, *observers: Observer):
     return PressInstallation(model, None, observers)
 
 
-def compress_layers(press, cache: DynamicCache, queries: dict[int, tuple[nn.Module, torch.Tensor]]) -> list:
+def compress_layers(
+    press, cache: DynamicCache, queries: dict[int, tuple[nn.Module, torch.Tensor]], hidden: dict | None = None
+) -> list:
     """Apply `press` to every layer of a prefilled `cache`, given each layer's attention module and the queries of
-    its prefill (a recording): the eviction a live prefill under the press would have made. Returns the layers
-    that moved to per-head storage (they replace the dense ones in `cache`)."""
+    its prefill (a recording), and its input hidden states where recorded: the eviction a live prefill under the
+    press would have made. Returns the layers that moved to per-head storage (they replace the dense ones in
+    `cache`)."""
     moved = []
     for idx, (module, query) in queries.items():
         layer = cache.layers[idx]
-        obs = Observation(module, query, *layer.held_kv(), layer)
+        obs = Observation(module, query, *layer.held_kv(), layer, (hidden or {}).get(idx))
         replacement = evict(press, within_window(obs))  # what the live intercept calls after this layer's attention
         if replacement is not None:
             cache.layers[idx] = replacement

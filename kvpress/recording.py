@@ -31,7 +31,7 @@ def record_prefill(
     cache = DynamicCache(config=model.config) if cache is None else cache
     with observe(model, recorder):
         model(ids, cache=cache, use_cache=True)
-    return Recording(cache, recorder.queries, ids, next_ids)
+    return Recording(cache, recorder.queries, ids, next_ids, hidden=recorder.hidden)
 
 
 @torch.no_grad()
@@ -46,5 +46,5 @@ def compress_recording(
     press(model)  # validates the press for this model (a head pattern for another model is refused here)
     press.prepare(model, recording, tokenizer)
     cache = recording.cache if in_place else copy.deepcopy(recording.cache)
-    compress_layers(press, cache, recording.queries)
+    compress_layers(press, cache, recording.queries, recording.hidden)
     return cache

@@ -24,10 +24,15 @@ object with:
 
 - `before_forward(cache, args, kwargs)`: before the forward runs (it may refuse it, or set `position_ids`);
 - `run_forward(forward, cache, args, kwargs)`: runs the forward (`forward(*args, **kwargs)`, or in parts);
-- `after_attention(module, query, key, value, layer, evict)`: after a dense layer's attention (before a
-  sliding layer's `trim_window`; `evict` False while the caller is `frozen()`); returns a layer that
-  replaces it (per-head storage), or None;
-- `after_headwise(module, query, layer)`: after a head-wise layer's attention.
+- `after_attention(module, query, key, value, layer, evict, hidden)`: after a dense layer's attention (before a
+  sliding layer's `trim_window`; `evict` False while the caller is `frozen()`; `hidden` the attention module's
+  input hidden states of the new tokens, `[B, q, d]`); returns a layer that replaces it (per-head storage), or
+  None;
+- `after_headwise(module, query, layer, hidden)`: after a head-wise layer's attention.
+
+The hidden states reach the attention function through a forward pre-hook on each attention module,
+registered with the intercept and removed with it; it keeps them in the caller's state only until that
+layer's attention ran.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class _Call:
     def __init__(self) -> None:
         self.cache: DynamicCache | None = None
         self.compressing = True
+        self.hidden: dict[int, torch.Tensor] = {}  # layer -> input hidden states of its attention, until it ran
 
 
 # the intercepts active in this context, each with its caller's state (a new dict on every change)
@@ -82,6 +88,7 @@ class Intercept:
         self._own_forward: Callable | None = None  # the instance's own `forward` attribute it replaced, if any
         self._original: str | None = None
         self._inner: dict[int, object] = {}
+        self._hooks: list = []  # the forward pre-hooks that hand the attention its module's hidden states
         self._compressible: set[int] = set()  # the layers whose cache a press takes over
         self._flight = threading.Condition()
         self._forwards: dict[int, int] = {}  # thread id -> forwards of the model it is inside
@@ -108,6 +115,7 @@ class Intercept:
             self._own_forward = self.model.__dict__.get("forward")  # accelerate's hooks set one, for example
             self._forward = self._wrap(self.model.forward)
             self.model.forward = self._forward
+            self._hooks = [m.register_forward_pre_hook(self._keep_hidden, with_kwargs=True) for m in modules.values()]
             self.model.set_attn_implementation(self.name)
         except BaseException:
             self.uninstall()
@@ -127,6 +135,9 @@ class Intercept:
                 else:
                     self.model.forward = self._own_forward
             self._forward = self._own_forward = None
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
             if self.model.config._attn_implementation == self.name:
                 self.model.set_attn_implementation(self._original)
             unregister(self.name)
@@ -233,10 +244,16 @@ class Intercept:
         call.cache = cache
         self._caches.add(cache)
 
+    def _keep_hidden(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        call = self._call()
+        if call is not None:
+            call.hidden[module.layer_idx] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
     def _attention(self, module: nn.Module, query, key, value, attention_mask, **kwargs):
         info = attention_mask if isinstance(attention_mask, MaskInfo) else None
         inner = self._inner[module.layer_idx]
         call = self._call()
+        hidden = call.hidden.pop(module.layer_idx, None) if call is not None else None
         layer = call.cache.layers[module.layer_idx] if call is not None and call.cache is not None else None
         if not isinstance(layer, _DRIVEN):  # another caller's forward, or a layer the press leaves alone
             return inner(module, query, key, value, info.standard() if info else attention_mask, **kwargs)
@@ -255,7 +272,7 @@ class Intercept:
             out = headwise_attention(module, query, layer)
             layer.trim_window()
             if call.compressing:
-                self.handler.after_headwise(module, query, layer)
+                self.handler.after_headwise(module, query, layer, hidden)
             layer.settle()
             return out, None
         if layer.adopted and info is not None and info.padding is not None:
@@ -272,7 +289,7 @@ class Intercept:
             n_rep = query.shape[1] // key.shape[1]
             mask = layer_mask(layer, q_len, n_rep, query.dtype, additive=fn == "eager")
         out = inner(module, query, key, value, mask, **kwargs)
-        replacement = self.handler.after_attention(module, query, key, value, layer, call.compressing)
+        replacement = self.handler.after_attention(module, query, key, value, layer, call.compressing, hidden)
         if replacement is not None:  # the layer moved to per-head storage
             replacement.driven = True
             call.cache.layers[module.layer_idx] = replacement

@@ -12,6 +12,7 @@ from kvpress import (
     SnapKVPress,
     cache_bytes,
 )
+from kvpress.patches import model_access
 from kvpress.patches.cache import tensor_bytes
 from tiny import live_presses, prompt, tiny_model
 
@@ -141,3 +142,24 @@ def test_budget_values(press, seen, expected):
     scale = press.layer_scale(0, 2) if press.layer_scales else 1.0
     assert press.budget(torch.tensor(seen), scale).tolist() == expected
     assert [press.budget_of(n, scale) for n in seen] == expected
+
+
+@pytest.mark.parametrize("name", list(PRESSES))
+def test_chunked_prefill_holds_the_budget_after_every_chunk(name):
+    """transformers' `prefill_chunk_size` inside model.generate: each chunk's forward evicts, so the cache never
+    holds more than the budget of the tokens seen plus one chunk (and after each forward, the budget itself)."""
+    model = _model()
+    budget, chunk = 24, 16
+    press = live_presses(window_size=8)[name](max_tokens=budget)
+    cache = DynamicCache(config=model.config)
+    held = []
+    module = model_access.attention_modules(model)[0]
+    hook = module.register_forward_hook(lambda *_: held.append((cache.layers[0].n, cache.layers[0].seen)))
+    try:
+        with press(model):
+            model.generate(prompt(1, 100), cache=cache, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                           prefill_chunk_size=chunk)  # fmt: skip
+    finally:
+        hook.remove()
+    assert [seen for _, seen in held[:7]] == [16, 32, 48, 64, 80, 96, 100]  # 7 chunks, then decoding
+    assert all(n <= min(seen, budget) for n, seen in held)  # evicted within each chunk's forward

@@ -90,3 +90,16 @@ def live_presses(**settings) -> dict:
         own = {k: v for k, v in settings.items() if params.get(k, None) is not None}
         out[name] = lambda name=name, own=own, **budget: press_from_name(name, **own, **budget)
     return out
+
+
+def tiny_scorer(model: torch.nn.Module, seed: int = 0):
+    """A random linear KVzap scorer fitted to nothing, for `model`'s architecture."""
+    from kvpress.patterns import config_hash
+    from kvpress.scorers import Scorer
+
+    config = model.config.get_text_config(decoder=True)
+    g = torch.Generator().manual_seed(seed)
+    shape = (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads)
+    weight, bias = torch.randn(shape, generator=g) * 0.3, torch.zeros(shape[0], shape[2])
+    profile = torch.ones(2, shape[0])  # every layer the same share: layer budgets stay even
+    return Scorer("tiny", config_hash(model), weight, bias, {}, profile, torch.tensor([0.5, 0.75]))

@@ -4,14 +4,18 @@
 import inspect
 import re
 
+from torch import nn
+
 from kvpress.presses.adakv import AdaKVPress
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.chunk import ChunkPress
+from kvpress.presses.defaults import DEFAULT_PRESS, default_press, resolve_default
 from kvpress.presses.duo_attention import DuoAttentionPress
 from kvpress.presses.head_budget import HeadwisePress
 from kvpress.presses.heavy_hitter import H2OPress, HeavyHitterPress
 from kvpress.presses.keydiff import KeyDiffPress
 from kvpress.presses.knorm import KnormPress
+from kvpress.presses.kvzap import KVzapPress
 from kvpress.presses.kvzip import KVzipPress
 from kvpress.presses.lookahead import LookaheadPress
 from kvpress.presses.pyramidkv import PyramidKVPress
@@ -58,17 +62,13 @@ PRESSES = {
     "knorm": KnormPress,
     "keydiff": KeyDiffPress,
     "kvzip": KVzipPress,
+    "kvzap": KVzapPress,
     "lookahead": LookaheadPress,
     "pyramidkv": _pyramidkv,
     "random": RandomPress,
 }
 
 
-# What a user gets without choosing (`kvpress generate`, `kvpress demo`): the query-agnostic press with the
-# best worst case over the tuning seeds (SmolLM2 needles: seeds 1, 2, 3; Qwen2.5-0.5B: seed 1), reported on
-# seed 0 in eval/results/README.md ("Fidelity"). Per-head budgets over head-normalized KVzip scores kept both
-# needle haystacks of SmolLM2 where ChunkKV(KVzip) lost the prose needle and AdaKV(KVzip) the noise one.
-DEFAULT_PRESS = "adakv:normalize=true:inner=kvzip:value_norm=true"
 
 
 def press_parameters(name: str, inner: str | None = None) -> dict[str, object]:
@@ -146,7 +146,8 @@ def parse_press_spec(spec: str) -> tuple[str, dict]:
         raise TypeError(f"a press is named by a string such as 'snapkv' or 'snapkv:window_size=16', got {spec!r}")
     name, *pairs = spec.split(":")
     if name not in PRESSES:
-        raise ValueError(f"unknown press {name!r}; choose one of: {', '.join(sorted(PRESSES))}")
+        raise ValueError(f"unknown press {name!r}; choose one of: {', '.join(sorted(PRESSES))} (or default, the "
+                         "model's default press)")  # fmt: skip
     params = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
@@ -167,9 +168,10 @@ def _value(text: str):
     return {"true": True, "false": False, "none": None}.get(text.lower(), text)
 
 
-def press_from_name(name: str, **kwargs) -> BasePress:
-    """Build a press by its CLI name (see `PRESSES`), optionally with parameters: `"snapkv:window_size=16"`."""
-    name, params = parse_press_spec(name)
+def press_from_name(name: str, model: nn.Module | None = None, **kwargs) -> BasePress:
+    """Build a press by its CLI name (see `PRESSES`), optionally with parameters: `"snapkv:window_size=16"`;
+    `"default"` is `model`'s default press (`kvpress.presses.defaults`; without a model, the one for any model)."""
+    name, params = parse_press_spec(resolve_default(name, model))
     kwargs = {key: value for key, value in kwargs.items() if not (key in params and value is None)}
     both = sorted(set(params) & set(kwargs))
     if both:
@@ -196,10 +198,12 @@ __all__ = sorted({press_class(name).__name__ for name in PRESSES}) + [
     "StreamingLLMPress",
     "aliases",
     "all_press_parameters",
+    "default_press",
     "parse_press_spec",
     "press_class",
     "press_from_name",
     "press_names",
     "press_parameters",
     "press_table",
+    "resolve_default",
 ]

@@ -60,9 +60,6 @@ class AdaKVPress(WrapsPress, HeadwisePress):
             raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
         super().__post_init__()
 
-    def observe(self, obs: Observation) -> None:
-        self.press.observe(obs)
-
     def score(self, obs: Observation) -> torch.Tensor:
         return self.press.score(obs)
 
@@ -80,12 +77,12 @@ class AdaKVPress(WrapsPress, HeadwisePress):
         return allocate(scores, per_head * heads, (per_head * self.alpha_safeguard).long())
 
     # ----- afterwards: every head grows; rows over budget are re-allocated ------------------------------
-    def observe_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
+    def observe_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden=None) -> None:
         if type(self.press).observe is BasePress.observe:
             return
         for row in range(layer.batch):
             for head in range(layer.heads):
-                obs, view = head_observation(module, query, layer, row, head)
+                obs, view = head_observation(module, query, layer, row, head, hidden)
                 self.press.observe(obs)
                 layer.absorb(row, head, view)
 

@@ -39,12 +39,6 @@ class ChunkPress(WrapsPress, BasePress):
         self.rerotate, self.layer_scales = self.press.rerotate, self.press.layer_scales
         super().__post_init__()
 
-    def check_model(self, model) -> None:
-        self.press.check_model(model)
-
-    def observe(self, obs: Observation) -> None:
-        self.press.observe(obs)
-
     def score(self, obs: Observation) -> torch.Tensor:
         # float64: the tokens' own order within a chunk (1e-6 of their scores) must survive the chunk's mean,
         # which float32 rounds away (ties then fall to slot order, and a padded batch would differ from a row alone)

@@ -35,15 +35,22 @@ class HeadwisePress(BasePress):
         """`[B, H]` a budget each head of the new head-wise layer keeps to afterwards (-1: none), or None."""
         return None
 
-    def observe_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
+    def observe_heads(
+        self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden: torch.Tensor | None = None
+    ) -> None:
         """Per-head `observe` for presses that accumulate state over a head-wise layer (default: none)."""
 
 
-def head_observation(module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, row: int, head: int):
-    """An `Observation` of one (row, KV head) of a head-wise layer, and the one-head view it reads."""
+def head_observation(
+    module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, row: int, head: int, hidden=None
+):
+    """An `Observation` of one (row, KV head) of a head-wise layer, and the one-head view it reads (`hidden`: the
+    layer's input hidden states of the new tokens, `[B, q, d]`, or None)."""
     g = query.shape[1] // layer.heads
     view = layer.view(row, head)
-    obs = Observation(module, query[row : row + 1, head * g : (head + 1) * g], view.keys, view.values, view)
+    hidden = None if hidden is None else hidden[row : row + 1]
+    obs = Observation(module, query[row : row + 1, head * g : (head + 1) * g], view.keys, view.values, view,
+                      hidden, slice(head, head + 1))  # fmt: skip
     return obs, view
 
 

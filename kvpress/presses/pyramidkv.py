@@ -60,12 +60,6 @@ class PyramidKVPress(WrapsPress, BasePress):
         self.rerotate = self.press.rerotate
         super().__post_init__()
 
-    def check_model(self, model) -> None:
-        self.press.check_model(model)
-
-    def observe(self, obs) -> None:
-        self.press.observe(obs)
-
     def score(self, obs):
         return self.press.score(obs)
 

@@ -38,8 +38,18 @@ class WrapsPress:
     def needs_question(self) -> bool:
         return self.press.needs_question
 
+    @property
+    def needs_hidden(self) -> bool:
+        return self.press.needs_hidden
+
     def prepare(self, model, recording, tokenizer=None) -> None:
         self.press.prepare(model, recording, tokenizer)
+
+    def check_model(self, model) -> None:
+        self.press.check_model(model)
+
+    def observe(self, obs) -> None:
+        self.press.observe(obs)
 
     def sink_count(self) -> int:
         return self.press.sink_count()

@@ -1,0 +1,124 @@
+"""KVzap: KVzip's scores predicted from the hidden states, in the forward that caches them.
+
+Jeblick et al. 2026, "KVzap: Fast, Adaptive, and Faithful KV Cache Pruning" (arXiv:2601.07891): KVzip
+(arXiv:2505.23416) scores a cached token by the attention the model pays it while repeating the context,
+which costs a second pass and cannot score tokens generated later. KVzap trains, once per model, a small
+model per layer that reads the hidden state entering a layer's attention and predicts the log of that
+token's KVzip score for each KV head; at run time the prediction is one matrix product per layer, for the
+prompt's tokens and for every generated one (the paper: 2-4x compression with negligible loss on Qwen3-8B,
+Llama-3.1-8B and Qwen3-32B; its linear and 2-layer models score alike). The scorers here are linear, trained
+by `kvpress train-scorer` on text no task here uses and shipped per model with its architecture hash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from kvpress.patches import model_access
+from kvpress.presses.base import BasePress, Observation
+from kvpress.scorers import Scorer, find_scorer, load_scorer
+
+_SCORE = "kvzap"
+
+
+@dataclass
+class KVzapPress(BasePress):
+    """Keep the tokens a learned per-layer model predicts KVzip would keep, scored as they are cached.
+
+    Parameters:
+        compression_ratio / max_tokens: the budget (see `BasePress`); enforced at the prefill and while
+            decoding, so long generations are compressed by the same rule.
+        scorer: "auto" (default: the packaged scorer trained for the model's architecture), a packaged
+            scorer's model name ("smollm2-135m", "qwen2.5-0.5b"), a safetensors path, or a `Scorer`.
+        n_sink: leading tokens always kept (default 0, as KVzipPress).
+        window_size: last tokens always kept (default 16, as KVzipPress).
+        value_norm: weight each predicted score by the L2 norm of the token's value (default False), as
+            `KVzipPress(value_norm=True)` does.
+        global_budget: the fraction g in [0, 1] of the budget spread across layers as KVzip's `global_budget`
+            spreads it (default 0: every layer keeps the same number; KVzipPress's default is 0.5): each layer
+            keeps (1 - g) + g x its share of KVzip's ranking of all layers' scores together, read from the
+            scorer's layer profile (measured at training, per compression ratio, interpolated between), since a
+            live prefill evicts each layer before the next one has scores. Needs compression_ratio (the profile
+            is per ratio), not max_tokens.
+
+    A token's score is fixed when it is cached (a prediction from its own hidden state), so the press needs
+    the hidden states the intercept hands it: live forwards and recorded prefills have them; RoundPolicy's
+    rounds, compressed at the end of their turn, do not (refused as its `inner`).
+    """
+
+    needs_hidden: ClassVar[bool] = True
+
+    scorer: str | Scorer = "auto"
+    n_sink: int = 0
+    window_size: int = 16
+    value_norm: bool = False
+    global_budget: float = 0.0
+    _weights: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _shares: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scorer, (str, Scorer)) or (isinstance(self.scorer, str) and not self.scorer):
+            raise ValueError(f"scorer must be 'auto', a packaged scorer's name, a path or a Scorer, got "
+                             f"{self.scorer!r}")  # fmt: skip
+        for name in ("n_sink", "window_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if not isinstance(self.value_norm, bool):
+            raise ValueError(f"value_norm must be true or false, got {self.value_norm!r}")
+        g = self.global_budget
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g <= 1:
+            raise ValueError(f"global_budget must be a fraction in [0, 1], got {g!r}")
+        if g and self.max_tokens is not None:
+            raise ValueError("KVzapPress's global_budget spreads a compression ratio's budget across layers by the "
+                             "scorer's profile, measured per ratio: use compression_ratio, or global_budget=0 with "
+                             "max_tokens")  # fmt: skip
+        if g and self.layer_scales is not None:
+            raise ValueError("KVzapPress sets layer budgets from its scorer (global_budget > 0); pass global_budget=0 "
+                             "to give layer_scales yourself")  # fmt: skip
+        super().__post_init__()
+
+    def sink_count(self) -> int:
+        return self.n_sink
+
+    def recent_count(self, budget):
+        return self.window_size
+
+    def check_model(self, model: nn.Module) -> None:
+        scorer = find_scorer(model) if self.scorer == "auto" else load_scorer(self.scorer)
+        scorer.check(model)
+        for idx, module in model_access.attention_modules(model).items():  # one press may serve several models
+            self._weights[module] = (scorer.weight[idx], scorer.bias[idx])
+        if self.global_budget:  # layer budgets: of the model it was installed on last
+            g = self.global_budget
+            self._shares = (1 - g) + g * scorer.layer_shares(self.compression_ratio)
+
+    def layer_scale(self, layer_idx: int, n_layers: int) -> float:
+        if self._shares is None:
+            return super().layer_scale(layer_idx, n_layers)
+        return float(self._shares[layer_idx] * len(self._shares) / self._shares.sum())
+
+    def observe(self, obs: Observation) -> None:
+        """Predict the scores of the new tokens (the last `hidden.shape[1]` held slots) from their hidden states."""
+        if obs.hidden is None:
+            raise ValueError("KVzapPress scores tokens from the hidden states entering each layer's attention, which "
+                             "this path does not give (RoundPolicy's rounds): use another press there")  # fmt: skip
+        if obs.module not in self._weights:
+            raise RuntimeError("KVzapPress was not installed on this model: enter `with press(model):` first")
+        weight, bias = self._weights[obs.module]
+        hidden = obs.hidden.to(obs.keys.device, torch.float32)
+        if weight.device != hidden.device:
+            weight, bias = weight.to(hidden.device), bias.to(hidden.device)
+            self._weights[obs.module] = (weight, bias)
+        predicted = (hidden @ weight + bias).exp().transpose(1, 2)[:, obs.kv_heads]  # [B, H, q]
+        q = predicted.shape[-1]
+        slot = obs.layer.slot(_SCORE)
+        slot[..., slot.shape[-1] - q :] = predicted
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        scores = obs.layer.slot(_SCORE)
+        return scores * obs.values.float().norm(dim=-1) if self.value_norm else scores

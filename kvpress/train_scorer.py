@@ -1,0 +1,222 @@
+"""`kvpress train-scorer`: fit KVzapPress's per-layer linear scorers to KVzip's scores on offline text.
+
+Method (KVzap, arXiv:2601.07891, with this project's KVzip): each training text is prefilled as a chat
+context (the form `kvpress.generate` caches), the hidden state entering every layer's attention is recorded,
+and KVzip's reconstruction pass scores every cached token per layer and KV head. A ridge regression per
+layer maps the hidden state to the log of the score; its penalty is chosen per layer on validation texts,
+and the fit is reported on test texts nobody chose anything on: R^2 of the log score, Spearman's rank
+correlation per (text, layer, KV head), and the share of KVzip's kept tokens the prediction keeps too. On the
+first training texts it also measures the layer profile (`layer_profile`): how KVzip's ranking of all layers'
+scores together spreads a budget across layers, per compression ratio, which a live prefill cannot rank
+(each layer evicts before the next has scores).
+
+Text: windows of the Markdown READMEs of lm-eval's task folders (English prose about benchmarks, installed
+with lm-eval) and of the Python standard library's modules (code and docstrings), alternately. No task of
+`kvpress.eval` uses either, so a sweep measures the scorer on text it never saw.
+"""
+
+from __future__ import annotations
+
+import random
+import sysconfig
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvpress.patterns import config_hash
+from kvpress.pipeline import split_prompt
+from kvpress.presses.kvzip import REPEAT_PROMPT, reconstruction_scores
+from kvpress.recording import record_prefill
+from kvpress.scorers import Scorer
+
+PENALTIES = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge penalties tried, relative to the mean variance of the inputs
+PROFILE_RATIOS = (0.25, 0.5, 0.75, 0.9)  # compression ratios at which the layer profile is measured
+PROFILE_TEXTS = 8  # the first training texts, on which the layer profile is measured
+KEEP_RATIOS = (0.5, 0.75)  # compression ratios at which the kept-token agreement is reported
+_FLOOR = 1e-8  # scores below it count as it (the log of an attention weight of 0)
+
+
+def corpus() -> tuple[str, str]:
+    """(prose, code): lm-eval's task READMEs and the standard library's top-level modules, each concatenated in
+    sorted file order."""
+    import lm_eval
+
+    tasks = Path(lm_eval.__file__).parent / "tasks"
+    prose = "\n\n".join(p.read_text(errors="replace") for p in sorted(tasks.glob("**/README.md")))
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    code = "\n\n".join(p.read_text(errors="replace") for p in sorted(stdlib.glob("*.py")))
+    if len(prose) < 100_000 or len(code) < 100_000:
+        raise RuntimeError(f"training text too short ({len(prose)} characters of prose, {len(code)} of code)")
+    return prose, code
+
+
+def training_texts(tokenizer, count: int, tokens: int, seed: int) -> list[str]:
+    """`count` windows of about `tokens` tokens, prose and code alternately, at offsets drawn from `seed`."""
+    rng = random.Random(seed)
+    sources = corpus()
+    texts = []
+    for i in range(count):
+        source = sources[i % 2]
+        start = rng.randrange(0, len(source) - 8 * tokens)
+        ids = tokenizer(source[start : start + 8 * tokens], add_special_tokens=False).input_ids[:tokens]
+        texts.append(tokenizer.decode(ids).strip())
+    return texts
+
+
+@torch.no_grad()
+def scored_text(model: nn.Module, tokenizer, text: str, chunk: int = 2048):
+    """Per compressible layer, the hidden states `[n, d]` entering its attention and the log KVzip scores
+    `[n, H]` of the tokens of `text` cached as a chat context."""
+    ids, _ = split_prompt(tokenizer, text, "Question.")
+    ids = ids.to(model.device)
+    recording = record_prefill(model, ids)
+    prompt = tokenizer(REPEAT_PROMPT, add_special_tokens=False, return_tensors="pt").input_ids.to(ids.device)
+    scores = reconstruction_scores(model, recording.cache, ids, prompt, chunk)
+    return {
+        idx: (recording.hidden[idx][0].float().cpu(), scores[idx][0].T.float().clamp_min(_FLOOR).log().cpu())
+        for idx in scores
+    }
+
+
+def layer_counts(data: dict, ratio: float) -> dict[int, float]:
+    """Per layer of one text's `scored_text`, how many of its scores KVzip's global ranking keeps at `ratio` (the
+    top-k of every layer's and head's scores together, k = the budget of every layer and head)."""
+    n, heads = next(iter(data.values()))[1].shape
+    flat = torch.cat([y.flatten() for _, y in data.values()])
+    k = min(flat.numel(), (n - int(n * ratio)) * heads * len(data))
+    threshold = flat.topk(k).values[-1]
+    return {idx: float((y >= threshold).sum()) for idx, (_, y) in data.items()}
+
+
+def layer_profile(texts_data: list[dict], layers: int) -> torch.Tensor:
+    """`[R, L]` each layer's count over the average layer's (at least 1 token: KVzip's `max(c, 1)`), averaged over
+    texts, at each of `PROFILE_RATIOS` (layers never scored: 1)."""
+    profile = torch.ones(len(PROFILE_RATIOS), layers)
+    for row, ratio in enumerate(PROFILE_RATIOS):
+        shares = []
+        for data in texts_data:
+            counts = layer_counts(data, ratio)
+            mean = sum(counts.values()) / len(counts)
+            shares.append({idx: max(c, 1.0) / mean for idx, c in counts.items()})
+        for idx in shares[0]:
+            profile[row, idx] = sum(s[idx] for s in shares) / len(shares)
+    return profile
+
+
+def profile_scorer(model: nn.Module, tokenizer, scorer: Scorer, log=print) -> Scorer:
+    """`scorer` with its layer profile measured again on the first `PROFILE_TEXTS` of its training texts (what
+    `train_scorer` measures while it trains; `kvpress train-scorer --update-profile`)."""
+    t = scorer.training
+    texts = training_texts(tokenizer, t["texts"] + 2 * t["held_out"], t["tokens"], t["seed"])
+    texts = texts[: min(PROFILE_TEXTS, t["texts"])]
+    data = []
+    for i, text in enumerate(texts):
+        data.append(scored_text(model, tokenizer, text))
+        log(f"  profile text {i + 1}/{len(texts)}")
+    scorer.layer_profile = layer_profile(data, scorer.weight.shape[0])
+    scorer.profile_ratios = torch.tensor(PROFILE_RATIOS)
+    scorer.training = {**t, "profile_texts": len(texts)}
+    scorer.__post_init__()
+    return scorer
+
+
+def _with_bias(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x.double(), torch.ones(x.shape[0], 1, dtype=torch.float64)], dim=1)
+
+
+def _solve(gram: torch.Tensor, cross: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Ridge weights `[d + 1, H]` (the bias last, unpenalised) from X^T X and X^T Y."""
+    d = gram.shape[0] - 1
+    ridge = torch.zeros_like(gram)
+    ridge[range(d), range(d)] = penalty * gram.diagonal()[:d].mean()
+    return torch.linalg.solve(gram + ridge, cross)
+
+
+def _spearman(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Rank correlation of the columns of `a` and `b` `[n, H]`, `[H]`."""
+    ra, rb = (x.argsort(0).argsort(0).double() for x in (a, b))
+    ra, rb = ra - ra.mean(0), rb - rb.mean(0)
+    return (ra * rb).sum(0) / (ra.norm(dim=0) * rb.norm(dim=0)).clamp_min(1e-12)
+
+
+def _kept_agreement(predicted: torch.Tensor, target: torch.Tensor, ratio: float) -> torch.Tensor:
+    """`[H]` share of the tokens `target`'s top-k keeps (k = the budget at `ratio`) that `predicted`'s keeps too."""
+    k = max(1, predicted.shape[0] - int(predicted.shape[0] * ratio))
+    a = torch.zeros_like(predicted, dtype=torch.bool).scatter_(0, predicted.topk(k, dim=0).indices, True)
+    b = torch.zeros_like(target, dtype=torch.bool).scatter_(0, target.topk(k, dim=0).indices, True)
+    return (a & b).sum(0).double() / k
+
+
+def train_scorer(
+    model: nn.Module,
+    tokenizer,
+    name: str,
+    texts: int = 48,
+    held_out: int = 4,
+    tokens: int = 1024,
+    seed: int = 0,
+    log=print,
+) -> Scorer:
+    """Fit a `Scorer` for `model` on `texts` training windows, choose each layer's penalty on `held_out`
+    validation windows and report on `held_out` test windows (`training` holds the settings and the fit)."""
+    if texts < 1 or held_out < 1 or tokens < 64:
+        raise ValueError(f"need texts >= 1, held_out >= 1 and tokens >= 64, got {texts}, {held_out}, {tokens}")
+    windows = training_texts(tokenizer, texts + 2 * held_out, tokens, seed)
+    train, val, test = windows[:texts], windows[texts : texts + held_out], windows[texts + held_out :]
+    gram: dict[int, torch.Tensor] = {}
+    cross: dict[int, torch.Tensor] = {}
+    profiled = []
+    for i, text in enumerate(train):
+        data = scored_text(model, tokenizer, text)
+        if i < PROFILE_TEXTS:
+            profiled.append(data)
+        for idx, (x, y) in data.items():
+            xb = _with_bias(x)
+            gram[idx] = gram.get(idx, 0) + xb.T @ xb
+            cross[idx] = cross.get(idx, 0) + xb.T @ y.double()
+        log(f"  training text {i + 1}/{len(train)}")
+    val_data = [scored_text(model, tokenizer, text) for text in val]
+    weights, chosen = {}, {}
+    for idx in gram:
+        errors = {}
+        for penalty in PENALTIES:
+            w = _solve(gram[idx], cross[idx], penalty)
+            errors[penalty] = sum(float(((_with_bias(d[idx][0]) @ w - d[idx][1]) ** 2).mean()) for d in val_data)
+        chosen[idx] = min(errors, key=errors.get)
+        weights[idx] = _solve(gram[idx], cross[idx], chosen[idx])
+    config = model.config.get_text_config(decoder=True)
+    layers, hidden, heads = config.num_hidden_layers, config.hidden_size, config.num_key_value_heads
+    weight = torch.zeros(layers, hidden, heads)
+    bias = torch.full((layers, heads), 0.0)
+    for idx, w in weights.items():
+        weight[idx], bias[idx] = w[:-1].float(), w[-1].float()
+    fit = _report([scored_text(model, tokenizer, text) for text in test], weights)
+    training = {
+        "method": "ridge regression of log KVzip scores on the hidden states entering each layer's attention",
+        "texts": texts, "held_out": held_out, "tokens": tokens, "seed": seed,
+        "penalties": {str(k): v for k, v in chosen.items()}, "test": fit, "profile_texts": len(profiled),
+        "command": f"kvpress train-scorer --model {name} --texts {texts} --held-out {held_out} --tokens {tokens} "
+                   f"--seed {seed}",
+    }  # fmt: skip
+    profile = layer_profile(profiled, layers)
+    return Scorer(name, config_hash(model), weight, bias, training, profile, torch.tensor(PROFILE_RATIOS))
+
+
+def _report(test_data: list[dict], weights: dict[int, torch.Tensor]) -> dict:
+    """The fit on test texts: R^2 of the log scores (all layers), mean Spearman, kept-token agreement."""
+    residual = total = 0.0
+    spearman, agree = [], {r: [] for r in KEEP_RATIOS}
+    for data in test_data:
+        for idx, (x, y) in data.items():
+            predicted = (_with_bias(x) @ weights[idx]).float()
+            residual += float(((predicted - y) ** 2).sum())
+            total += float(((y - y.mean(0)) ** 2).sum())
+            spearman.append(_spearman(predicted, y))
+            for r in KEEP_RATIOS:
+                agree[r].append(_kept_agreement(predicted, y, r))
+    return {
+        "r2_log_score": round(1 - residual / total, 4),
+        "spearman": round(float(torch.cat(spearman).mean()), 4),
+        **{f"kept_agreement_r{r}": round(float(torch.cat(agree[r]).mean()), 4) for r in KEEP_RATIOS},
+    }

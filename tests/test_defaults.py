@@ -1,0 +1,53 @@
+"""The default press per model: one file says which, `default` names it everywhere a press is named."""
+
+import json
+
+import pytest
+
+import kvpress
+from kvpress.cli import main as cli_main
+from kvpress.patterns import load_pattern
+from kvpress.presses import DEFAULT_PRESS, default_press, press_from_name, resolve_default
+from kvpress.presses.defaults import _FILE
+from tiny import tiny_model
+
+
+def test_every_entry_names_a_press_that_builds_and_a_packaged_model_by_its_hash():
+    table = json.loads(_FILE.read_text())
+    assert table["any"]["press"] == DEFAULT_PRESS and table["any"]["why"] and table["any"]["evidence"]
+    assert not press_from_name(DEFAULT_PRESS, compression_ratio=0.5).needs_hidden  # it needs no file per model
+    for name, entry in table["models"].items():
+        press_from_name(entry["press"], compression_ratio=0.5)
+        assert entry["why"] and entry["evidence"]
+        assert entry["config_hash"] == load_pattern(name)["config_hash"]  # the hash of that packaged model
+
+
+def test_default_resolves_per_model_and_keeps_its_parameters(monkeypatch):
+    model, _ = kvpress.load_model()
+    tiny = tiny_model("llama")
+    assert default_press(tiny) == DEFAULT_PRESS and default_press() == DEFAULT_PRESS
+    table = json.loads(_FILE.read_text())
+    table["models"]["smollm2-135m"]["press"] = "snapkv:window_size=8"
+    monkeypatch.setattr("kvpress.presses.defaults._table", lambda: table)
+    assert default_press(model) == "snapkv:window_size=8"
+    assert resolve_default("default:kv_bits=4", model) == "snapkv:window_size=8:kv_bits=4"
+    assert resolve_default("snapkv", model) == "snapkv"
+    press = press_from_name("default", model, compression_ratio=0.5)
+    assert isinstance(press, kvpress.SnapKVPress) and press.window_size == 8
+    assert isinstance(press_from_name("default", tiny, compression_ratio=0.5), kvpress.AdaKVPress)
+
+
+def test_the_cli_names_the_press_it_resolved(tmp_path, capsys, monkeypatch):
+    table = json.loads(_FILE.read_text())
+    table["models"]["smollm2-135m"]["press"] = "knorm"
+    monkeypatch.setattr("kvpress.presses.defaults._table", lambda: table)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The code of the lock is 48213. " + "The grass is green. " * 30)
+    assert cli_main(["generate", "--context-file", str(doc), "--question", "What is the code?",
+                     "--max-new-tokens", "2"]) == 0  # fmt: skip
+    assert "[knorm:compression_ratio=0.5:" in capsys.readouterr().err
+
+
+def test_an_unknown_name_mentions_default():
+    with pytest.raises(ValueError, match="or default"):
+        press_from_name("snap", compression_ratio=0.5)

@@ -1,0 +1,176 @@
+"""KVzapPress: scores predicted from the hidden states entering each layer's attention, at prefill and while
+decoding; the scorer files, their architecture check, and `kvpress train-scorer`."""
+
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvpress
+from kvpress import AdaKVPress, KVzapPress
+from kvpress.patches import model_access
+from kvpress.recording import compress_recording, record_prefill
+from kvpress.scorers import Scorer, load_scorer, packaged, save_scorer
+from kvpress.train_scorer import train_scorer
+from tiny import prompt, tiny_model, tiny_scorer
+
+
+def _hidden_states(model, ids):
+    """The hidden states entering each attention module, `{layer: [B, n, d]}`, from plain forward hooks."""
+    seen, handles = {}, []
+    for idx, module in model_access.attention_modules(model).items():
+        hook = lambda m, args, kwargs, idx=idx: seen.__setitem__(idx, kwargs["hidden_states"])  # noqa: E731
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def test_keeps_the_top_predicted_scores_of_each_head():
+    model = tiny_model("llama")
+    ids = prompt(1, 40)
+    scorer = tiny_scorer(model)
+    hidden = _hidden_states(model, ids)
+    cache = DynamicCache(config=model.config)
+    with KVzapPress(compression_ratio=0.5, window_size=0, scorer=scorer)(model):
+        model(ids, cache=cache)
+    for idx, layer in enumerate(cache.layers):
+        predicted = (hidden[idx][0] @ scorer.weight[idx] + scorer.bias[idx]).T  # [H, n]
+        expected = predicted.topk(20, dim=-1).indices.sort(dim=-1).values
+        assert torch.equal(layer.pos[0, :, : layer.n].long(), expected)
+
+
+def test_a_recorded_prefill_keeps_what_a_live_one_keeps():
+    model = tiny_model("qwen2")
+    ids = prompt(1, 40, seed=2)
+    press = KVzapPress(compression_ratio=0.6, window_size=4)
+    live = DynamicCache(config=model.config)
+    with press(model):
+        model(ids, cache=live)
+    recorded = compress_recording(model, record_prefill(model, ids), press)
+    for a, b in zip(live.layers, recorded.layers, strict=True):
+        assert torch.equal(a.keys[..., : a.n, :], b.keys[..., : b.n, :])
+
+
+@pytest.mark.parametrize("make", [lambda: KVzapPress(max_tokens=24, window_size=4),
+                                  lambda: AdaKVPress(KVzapPress(max_tokens=24, window_size=4))])  # fmt: skip
+def test_generated_tokens_are_scored_and_the_budget_holds_while_decoding(make):
+    model = tiny_model("llama")
+    ids = prompt(1, 30)
+    press = make()
+    cache = DynamicCache(config=model.config)
+    with press(model):
+        model.generate(ids, cache=cache, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    for layer in cache.layers:
+        held = layer.held() if isinstance(layer, kvpress.HeadwiseLayer) else torch.tensor([layer.n] * 2)
+        assert int(held.sum()) <= 24 * 2 and layer.seen == 59
+        if isinstance(layer, kvpress.HeadwiseLayer):
+            newest = torch.stack([layer.slot("kvzap", 0, h)[-1] for h in range(layer.heads)])
+        else:
+            newest = layer.slot("kvzap")[0, :, -1]
+        assert bool((newest > 0).all())  # the last generated token has its predicted score (exp of a log score)
+
+
+def test_a_path_without_hidden_states_is_refused_by_name():
+    model = tiny_model("llama")
+    press = KVzapPress(compression_ratio=0.5)
+    press.check_model(model)
+    layer = kvpress.PressedLayer()
+    keys = torch.zeros(1, 2, 4, 16)
+    layer.lazy_initialization(keys, keys)
+    obs = kvpress.Observation(model_access.attention_modules(model)[0], torch.zeros(1, 4, 4, 16), keys, keys, layer)
+    with pytest.raises(ValueError, match="hidden states"):
+        press.observe(obs)
+
+
+def test_scorer_files_round_trip_and_refuse_another_architecture(tmp_path):
+    model = tiny_model("llama")
+    scorer = tiny_scorer(model)
+    scorer.training = {"texts": 3}
+    path = tmp_path / "s.safetensors"
+    save_scorer(scorer, path)
+    back = load_scorer(path)
+    assert torch.equal(back.weight, scorer.weight) and back.training == {"texts": 3} and back.model == "tiny"
+    KVzapPress(compression_ratio=0.5, scorer=str(path)).check_model(model)
+    with pytest.raises(ValueError, match="not for this Qwen2ForCausalLM"):
+        KVzapPress(compression_ratio=0.5, scorer=str(path)).check_model(tiny_model("qwen2"))
+    with pytest.raises(FileNotFoundError, match="neither a safetensors file nor a packaged scorer"):
+        load_scorer(tmp_path / "missing.safetensors")
+    (tmp_path / "bad.safetensors").write_text(json.dumps({"not": "tensors"}))
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load_scorer(tmp_path / "bad.safetensors")
+    with pytest.raises(ValueError, match=r"weight must be \[layers, hidden, kv_heads\]"):
+        Scorer("x", "y", torch.zeros(2, 3), torch.zeros(2, 3))
+
+
+def test_packaged_scorers_fit_their_models():
+    assert {"smollm2-135m", "qwen2.5-0.5b"} <= set(packaged())
+    for name in packaged():
+        scorer = load_scorer(name)
+        fit = scorer.training["test"]
+        assert scorer.model == name and fit["spearman"] > 0.5 and fit["kept_agreement_r0.5"] > 0.7
+        assert scorer.layer_profile.shape == (4, scorer.weight.shape[0])
+        assert scorer.training["command"].startswith(f"kvpress train-scorer --model {name}")
+
+
+def test_the_default_model_finds_its_packaged_scorer_and_answers():
+    model, tokenizer = kvpress.load_model()
+    context = "The pass key is 71432. Remember it. " + "The grass is green. The sky is blue. " * 40
+    question = "What is the pass key? The pass key is"
+    press = KVzapPress(compression_ratio=0.5)
+    answer = kvpress.generate(model, tokenizer, context, question, press=press, chat_template=False,
+                              max_new_tokens=6)  # fmt: skip
+    assert "71432" in answer
+
+
+def test_training_fits_kvzip_scores_better_than_chance(tokenized):
+    model, tokenizer = tokenized
+    scorer = train_scorer(model, tokenizer, "tiny", texts=3, held_out=1, tokens=96, log=lambda _: None)
+    fit = scorer.training["test"]
+    assert scorer.weight.shape == (3, 64, 2) and bool(scorer.weight.abs().sum() > 0)
+    assert fit["spearman"] > 0.2 and fit["kept_agreement_r0.5"] > 0.55  # chance: 0 and 0.5
+    assert scorer.layer_profile.shape == (4, 3) and bool((scorer.layer_profile > 0).all())
+    assert not torch.allclose(scorer.layer_profile, torch.ones(4, 3))  # layers differ, more so at higher ratios
+    scorer.check(model)
+
+
+@pytest.mark.parametrize("inner", [lambda: KVzapPress(compression_ratio=0.5),
+                                   lambda: kvpress.ChunkPress(KVzapPress(compression_ratio=0.5))])  # fmt: skip
+def test_a_round_policy_refuses_it_as_inner_press(inner):
+    with pytest.raises(ValueError, match="scores tokens from their hidden states"):
+        kvpress.RoundPolicy(inner=inner())
+
+
+def test_layer_budgets_follow_the_scorers_profile_at_the_press_ratio():
+    model = tiny_model("llama")
+    scorer = tiny_scorer(model)
+    scorer.layer_profile = torch.tensor([[1.5, 0.5], [1.8, 0.2]])  # at r = 0.5 and 0.75
+    assert torch.allclose(scorer.layer_shares(0.0), torch.ones(2))
+    assert torch.allclose(scorer.layer_shares(0.25), torch.tensor([1.25, 0.75]))  # halfway from r = 0
+    assert torch.allclose(scorer.layer_shares(0.625), torch.tensor([1.65, 0.35]))
+    assert torch.allclose(scorer.layer_shares(0.9), torch.tensor([1.8, 0.2]))  # the last ratio's beyond it
+    held = {}
+    for g in (0.0, 0.5, 1.0):
+        cache = DynamicCache(config=model.config)
+        with KVzapPress(compression_ratio=0.5, window_size=0, scorer=scorer, global_budget=g)(model):
+            model(prompt(1, 40), cache=cache)
+        held[g] = [layer.n for layer in cache.layers]
+    assert held[0.0] == [20, 20] and held[0.5] == [25, 15] and held[1.0] == [30, 10]  # (1 - g) + g x share
+
+
+def test_layer_budgets_need_a_ratio_and_leave_layer_scales_to_the_user():
+    with pytest.raises(ValueError, match="use compression_ratio, or global_budget=0 with max_tokens"):
+        KVzapPress(max_tokens=32, global_budget=0.5)
+    with pytest.raises(ValueError, match="pass global_budget=0 to give layer_scales yourself"):
+        KVzapPress(compression_ratio=0.5, layer_scales=(1.0, 2.0), global_budget=0.5)
+    KVzapPress(max_tokens=32)
+    model = tiny_model("llama")
+    bare = tiny_scorer(model)
+    bare.layer_profile = bare.profile_ratios = None
+    with pytest.raises(ValueError, match="has no layer profile"):
+        KVzapPress(compression_ratio=0.5, scorer=bare, global_budget=0.5).check_model(model)
+    KVzapPress(compression_ratio=0.5, scorer=bare).check_model(model)
