@@ -304,10 +304,12 @@ def answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_aware
 
     ctx, question = split_prompt(tokenizer, example.context, example.question, chat_template=False)
     ids = torch.cat([ctx, question], dim=-1).to(model.device)
+    hidden = any(kvpress.press_from_name(name, compression_ratio=0.5).needs_hidden for name, _ in todo
+                 if name != "none")  # fmt: skip
     if query_aware:  # the question too; the answer is generated from its last token
-        recording = record_prefill(model, ids[:, :-1], next_ids=ids[:, -1:])
+        recording = record_prefill(model, ids[:, :-1], next_ids=ids[:, -1:], keep_hidden=hidden)
     else:
-        recording = record_prefill(model, ctx.to(model.device))
+        recording = record_prefill(model, ctx.to(model.device), keep_hidden=hidden)
     full_bytes = kvpress.cache_bytes(recording.cache)
     for name, ratio in tqdm(todo, desc="configurations", leave=False, disable=not progress):
         reset_cuda_peak()

@@ -106,16 +106,18 @@ def within_window(obs: Observation) -> Observation:
 
 
 class QueryRecorder:
-    """An observer (`kvpress.engine.observe`) that keeps each layer's attention module, the queries and the
-    input hidden states of the forwards it sees (the latest forward's per layer)."""
+    """An observer (`kvpress.engine.observe`) that keeps each layer's attention module and the queries of the
+    forwards it sees (the latest forward's per layer), and with `keep_hidden` their input hidden states (for
+    presses that score from them, `needs_hidden`; a recorded 4K SmolLM2 prefill holds ~280 MB of them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_hidden: bool = False) -> None:
         self.queries: dict[int, tuple[nn.Module, torch.Tensor]] = {}
         self.hidden: dict[int, torch.Tensor] = {}
+        self.keep_hidden = keep_hidden
 
     def __call__(self, obs: Observation) -> None:
         self.queries[obs.layer_idx] = (obs.module, obs.query)
-        if obs.hidden is not None:
+        if self.keep_hidden and obs.hidden is not None:
             self.hidden[obs.layer_idx] = obs.hidden
 
 
@@ -258,7 +260,7 @@ class PressInstallation:
         if self.press is None or not self.press.needs_whole_context or not fresh or q < 2 or frozen:
             return forward(*args, **kwargs)
         (head_args, head_kwargs), tail = split_inputs(args, kwargs, q - 1)
-        recorder = QueryRecorder()
+        recorder = QueryRecorder(keep_hidden=self.press.needs_hidden)
         with self.observing(recorder):
             forward(*head_args, **{**head_kwargs, "logits_to_keep": 1})
         ids = new_tokens(args, kwargs)

@@ -23,11 +23,16 @@ __all__ = ["QueryRecorder", "Recording", "compress_recording", "record_prefill"]
 
 @torch.no_grad()
 def record_prefill(
-    model: nn.Module, ids: torch.Tensor, cache: DynamicCache | None = None, next_ids: torch.Tensor | None = None
+    model: nn.Module,
+    ids: torch.Tensor,
+    cache: DynamicCache | None = None,
+    next_ids: torch.Tensor | None = None,
+    keep_hidden: bool = False,
 ) -> Recording:
     """Prefill `ids` into `cache` (a new one by default) with nothing evicted, recording the queries
-    (`next_ids`: the prompt tokens that follow, see `Recording`)."""
-    recorder = QueryRecorder()
+    (`next_ids`: the prompt tokens that follow, see `Recording`) and, with `keep_hidden`, each layer's input
+    hidden states (what presses with `needs_hidden`, KVzap, score from)."""
+    recorder = QueryRecorder(keep_hidden)
     cache = DynamicCache(config=model.config) if cache is None else cache
     with observe(model, recorder):
         model(ids, cache=cache, use_cache=True)
@@ -44,6 +49,9 @@ def compress_recording(
     if press.rerotate:
         raise ValueError("presses applied to a recorded prefill cannot re-rotate keys; rerotate=True needs a live one")
     press(model)  # validates the press for this model (a head pattern for another model is refused here)
+    if press.needs_hidden and not recording.hidden:
+        raise ValueError(f"{type(press).__name__} scores from the hidden states, which this recording did not keep: "
+                         "record it with record_prefill(..., keep_hidden=True)")  # fmt: skip
     press.prepare(model, recording, tokenizer)
     cache = recording.cache if in_place else copy.deepcopy(recording.cache)
     compress_layers(press, cache, recording.queries, recording.hidden)

@@ -70,7 +70,7 @@ def scored_text(model: nn.Module, tokenizer, text: str, chunk: int = 2048):
     `[n, H]` of the tokens of `text` cached as a chat context."""
     ids, _ = split_prompt(tokenizer, text, "Question.")
     ids = ids.to(model.device)
-    recording = record_prefill(model, ids)
+    recording = record_prefill(model, ids, keep_hidden=True)
     prompt = tokenizer(REPEAT_PROMPT, add_special_tokens=False, return_tensors="pt").input_ids.to(ids.device)
     scores = reconstruction_scores(model, recording.cache, ids, prompt, chunk)
     return {

@@ -51,7 +51,9 @@ def test_a_recorded_prefill_keeps_what_a_live_one_keeps():
     live = DynamicCache(config=model.config)
     with press(model):
         model(ids, cache=live)
-    recorded = compress_recording(model, record_prefill(model, ids), press)
+    with pytest.raises(ValueError, match=r"record it with record_prefill\(\.\.\., keep_hidden=True\)"):
+        compress_recording(model, record_prefill(model, ids), press)  # the hidden states were not kept
+    recorded = compress_recording(model, record_prefill(model, ids, keep_hidden=True), press)
     for a, b in zip(live.layers, recorded.layers, strict=True):
         assert torch.equal(a.keys[..., : a.n, :], b.keys[..., : b.n, :])
 
