@@ -3,10 +3,10 @@ sweep has several tasks, `heatmap.png` (retention of the full cache's score, pre
 ratio, each cell annotated with its number).
 
 Styles: each press gets its own colour and marker, assigned over the sorted names of the presses in the
-figure (`press_styles`: no two share both); the default press (`DEFAULT_PRESS`) is red, thick (beneath
-the others, which stay visible where they match it) and labelled "(default)"; the full cache is black: a
-star at its kept bytes and a dashed line at its score. The legend sits below the panels, never over the
-data.
+figure (`press_styles`: no two share both); the default press (the sweep's model's, `default_for`) is red,
+thick (beneath the others, which stay visible where they match it) and labelled "(default)"; the full cache
+is black: a star at its kept bytes and a dashed line at its score. The legend sits below the panels, never
+over the data.
 
 Bands are 95% intervals over a cell's examples, from the rows in `results*.jsonl` (summary.json holds only
 means): a normal interval, mean +- 1.96 sd / sqrt(n), clipped to [0, 1] (scores are fractions, not all 0
@@ -21,6 +21,7 @@ Replot an existing sweep without running it again: `python -m kvpress.eval.sweep
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import sys
@@ -28,6 +29,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kvpress.presses import DEFAULT_PRESS
+from kvpress.presses.defaults import default_for
 
 FULL = "none"  # the full cache's press name in a sweep
 DEFAULT_COLOUR = "#d62728"
@@ -42,9 +44,9 @@ Z = 1.96  # two-sided 95%, normal
 BANDS_FOR_ALL = 6  # up to this many presses in a figure, each gets its band; beyond, the emphasised ones only
 
 
-def is_default(press: str) -> bool:
-    """Whether the spec `press` names `DEFAULT_PRESS` (its parameters in any order)."""
-    return _canonical(press) == _canonical(DEFAULT_PRESS)
+def is_default(press: str, default: str = DEFAULT_PRESS) -> bool:
+    """Whether the spec `press` names `default` (its parameters in any order)."""
+    return _canonical(press) == _canonical(default)
 
 
 def _canonical(spec: str) -> tuple[str, frozenset]:
@@ -52,12 +54,12 @@ def _canonical(spec: str) -> tuple[str, frozenset]:
     return name, frozenset(pairs)
 
 
-def press_styles(presses: Iterable[str]) -> dict[str, dict]:
+def press_styles(presses: Iterable[str], default: str = DEFAULT_PRESS) -> dict[str, dict]:
     """Line style (colour, marker, width, label...) of each press: the default press red and thick, the full
     cache black with a star, the others the i-th colour and marker in sorted order (distinct pairs)."""
     presses = list(presses)
     styles = {}
-    others = sorted({p for p in presses if p != FULL and not is_default(p)})
+    others = sorted({p for p in presses if p != FULL and not is_default(p, default)})
     for i, press in enumerate(others):
         styles[press] = dict(color=COLOURS[i % len(COLOURS)], marker=MARKERS[i % len(MARKERS)], linewidth=1.4,
                              markersize=5, zorder=3, label=press)  # fmt: skip
@@ -65,7 +67,7 @@ def press_styles(presses: Iterable[str]) -> dict[str, dict]:
         if press == FULL:
             styles[press] = dict(color=FULL_COLOUR, marker="*", linewidth=1.2, markersize=13, zorder=6,
                                  label="full cache (none)")  # fmt: skip
-        elif is_default(press):
+        elif is_default(press, default):
             styles[press] = dict(color=DEFAULT_COLOUR, marker="o", linewidth=3.2, markersize=8, zorder=2.5,
                                  label=f"{press} (default)")  # fmt: skip
     return styles
@@ -97,7 +99,8 @@ def intervals(rows: list[dict]) -> dict[tuple[str, str, float], tuple[float, flo
 
 def plot_sweep(summary: list[dict], rows: list[dict], out: str | Path) -> list[Path]:
     """Write `plot.png` and, with several tasks, `heatmap.png` into `out`; the paths written (none without
-    matplotlib). `rows` are the example rows, for the bands (may be empty)."""
+    matplotlib). `rows` are the example rows, for the bands (may be empty). The default press marked is the
+    sweep's model's (its settings.json), else `DEFAULT_PRESS`."""
     try:
         import matplotlib
 
@@ -107,18 +110,21 @@ def plot_sweep(summary: list[dict], rows: list[dict], out: str | Path) -> list[P
         print("matplotlib is not installed (pip install 'kvpress[plot]'): no plot written", file=sys.stderr)
         return []
     out = Path(out)
-    written = [_curves(plt, summary, intervals(rows), out / "plot.png")]
+    settings = out / "settings.json"
+    model = json.loads(settings.read_text()).get("model") if settings.exists() else None
+    default = default_for(model) or DEFAULT_PRESS
+    written = [_curves(plt, summary, intervals(rows), out / "plot.png", default)]
     heatmap = out / "heatmap.png"
     if len({s["task"] for s in summary}) > 1:
-        written.append(_heatmap(plt, summary, heatmap))
+        written.append(_heatmap(plt, summary, heatmap, default))
     elif heatmap.exists():
         heatmap.unlink()  # left by an earlier sweep of this directory with more tasks
     return written
 
 
-def _order(presses: Iterable[str]) -> list[str]:
+def _order(presses: Iterable[str], default: str) -> list[str]:
     """Legend order: full cache, default press, the others sorted."""
-    return sorted(set(presses), key=lambda p: (p != FULL, not is_default(p), p))
+    return sorted(set(presses), key=lambda p: (p != FULL, not is_default(p, default), p))
 
 
 def _wrap(label: str, width: int = 44) -> str:
@@ -133,12 +139,12 @@ def _wrap(label: str, width: int = 44) -> str:
     return "\n".join(lines)
 
 
-def _curves(plt, summary: list[dict], bands: dict, path: Path) -> Path:
+def _curves(plt, summary: list[dict], bands: dict, path: Path, default: str) -> Path:
     import matplotlib.ticker
 
     tasks = sorted({s["task"] for s in summary})
-    presses = _order(s["press"] for s in summary)
-    styles = press_styles(presses)
+    presses = _order((s["press"] for s in summary), default)
+    styles = press_styles(presses, default)
     labels = [_wrap(styles[p]["label"]) for p in presses]
     label_inches = 0.075 * max(len(line) for label in labels for line in label.splitlines()) + 0.6
     across = len(tasks) if len(tasks) <= 3 else math.ceil(len(tasks) / 2)  # 4 tasks: 2 x 2, 5 or 6: 2 x 3
@@ -151,7 +157,7 @@ def _curves(plt, summary: list[dict], bands: dict, path: Path) -> Path:
     for ax in axes.flat[len(tasks) :]:
         ax.set_visible(False)
     handles = {}
-    banded = {p for p in presses if len(presses) - 1 <= BANDS_FOR_ALL or p == FULL or is_default(p)}
+    banded = {p for p in presses if len(presses) - 1 <= BANDS_FOR_ALL or p == FULL or is_default(p, default)}
     for ax, task in zip(axes.flat, tasks, strict=False):  # more axes than tasks: the rest are hidden
         cells = {s["press"]: [] for s in summary if s["task"] == task}
         for s in summary:
@@ -178,7 +184,8 @@ def _curves(plt, summary: list[dict], bands: dict, path: Path) -> Path:
                 if press == FULL:
                     ax.axhspan(lows[0], highs[0], color=FULL_COLOUR, alpha=0.05, linewidth=0, zorder=0)
                 else:
-                    ax.fill_between(xs, lows, highs, color=style["color"], alpha=0.15 if is_default(press) else 0.06,
+                    alpha = 0.15 if is_default(press, default) else 0.06
+                    ax.fill_between(xs, lows, highs, color=style["color"], alpha=alpha,
                                     linewidth=0, zorder=style["zorder"] - 1)  # fmt: skip
         examples = max(s["examples"] for rows in cells.values() for s in rows)
         ax.set_title(f"{task} ({examples} examples)")
@@ -201,7 +208,7 @@ def _curves(plt, summary: list[dict], bands: dict, path: Path) -> Path:
     return path
 
 
-def _heatmap(plt, summary: list[dict], path: Path) -> Path:
+def _heatmap(plt, summary: list[dict], path: Path, default: str) -> Path:
     import matplotlib
     import numpy as np
 
@@ -211,7 +218,7 @@ def _heatmap(plt, summary: list[dict], path: Path) -> Path:
     presses = sorted({s["press"] for s in summary} - {FULL})
     kept = {p: [v for (q, _, _), v in cell.items() if q == p and v is not None] for p in presses}
     presses.sort(key=lambda p: (-statistics.fmean(kept[p]) if kept[p] else 0.0, p))  # best first
-    names = [_wrap(f"{p} (default)" if is_default(p) else p, 60) for p in presses]
+    names = [_wrap(f"{p} (default)" if is_default(p, default) else p, 60) for p in presses]
     name_inches = 0.07 * max(len(line) for name in names for line in name.splitlines()) + 0.3
     height = 1.6 + 0.3 * sum(name.count("\n") + 1 for name in names)
     width = name_inches + len(ratios) * (0.75 * len(tasks) + 0.4) + 1
@@ -234,7 +241,7 @@ def _heatmap(plt, summary: list[dict], path: Path) -> Path:
         ax.tick_params(length=0)
     axes[0][0].set_yticks(range(len(presses)), names, fontsize=8)
     for label, press in zip(axes[0][0].get_yticklabels(), presses, strict=True):
-        if is_default(press):
+        if is_default(press, default):
             label.set_fontweight("bold")
             label.set_color(DEFAULT_COLOUR)
     fig.colorbar(image, ax=axes[0].tolist(), label="retention (score / full cache's)", shrink=0.8)

@@ -151,6 +151,9 @@ class Installable:
     per_head: ClassVar[bool] = False
     needs_whole_context: ClassVar[bool] = False  # scores the whole prompt with a pass of its own (`prepare`)
     needs_hidden: ClassVar[bool] = False  # scores from `Observation.hidden` (the layer's input hidden states)
+    # scores each token once, as it is cached: it observes forwards inside `frozen()` too (nothing is evicted
+    # there), so tokens cached while frozen (a question read before decoding) have their scores when eviction resumes
+    observes_frozen: ClassVar[bool] = False
 
     def __call__(self, model: nn.Module, tokenizer=None) -> PressInstallation:
         """`with press(model):` installs the press for the caller; the model is restored on exit, even on error.
@@ -166,7 +169,9 @@ class PressInstallation:
     A press that scores the whole context (`needs_whole_context`: KVzip, Lookahead, AdaKV over them) compresses
     the prompt at the end of the prefill: the first forward of a new cache runs on all the prompt's tokens but
     its last, the press scores them (its own pass over the cache) and evicts, then the last token runs over the
-    compressed cache and gives the forward's output; later tokens are kept. This is what `kvpress.generate(...,
+    compressed cache and gives the forward's output; generated tokens are kept. A later forward of several tokens
+    while the press evicts (a chunk of `prefill_chunk_size`, a new turn) is refused: nothing would score it, so
+    the budget would not hold (read it inside `frozen()` to keep it whole). This is what `kvpress.generate(...,
     query_aware=True)` does for a context and its question."""
 
     def __init__(
@@ -257,8 +262,17 @@ class PressInstallation:
         q = new_tokens(args, kwargs).shape[1]
         fresh = all(getattr(layer, "seen", 0) == 0 for layer in cache.layers)
         frozen = not self.intercept.compressing()
-        if self.press is None or not self.press.needs_whole_context or not fresh or q < 2 or frozen:
+        if self.press is None or not self.press.needs_whole_context or q < 2 or frozen:
             return forward(*args, **kwargs)
+        if not fresh:
+            seen = max(getattr(layer, "seen", 0) for layer in cache.layers)
+            raise ValueError(
+                f"{type(self.press).__name__} compresses the first prompt of a cache, scored by a pass over all of it; "
+                f"this forward adds {q} tokens to a cache already holding {seen} seen (the next chunk of a chunked "
+                "prefill, or a new turn), which it cannot score, so the budget would not hold: feed the prompt in "
+                "one forward (no prefill_chunk_size), use KVzapPress (it scores tokens as they are cached), or read a "
+                "new turn inside `installed.frozen()` to keep it whole"
+            )
         (head_args, head_kwargs), tail = split_inputs(args, kwargs, q - 1)
         recorder = QueryRecorder(keep_hidden=self.press.needs_hidden)
         with self.observing(recorder):
@@ -279,18 +293,25 @@ class PressInstallation:
         obs = Observation(module, query, key, value, layer, hidden)
         for observer in (*self.observers, *(_OBSERVING.get() or {}).get(self, ())):  # see every slot attended to
             observer(obs)
-        if self.press is None or not evict_now or self.press.needs_whole_context:
+        if self.press is None or self.press.needs_whole_context:
             return None  # a whole-context press evicts once, at the end of the prefill (`run_forward`)
+        if not evict_now:
+            if self.press.observes_frozen:
+                self.press.observe(within_window(obs))
+            return None
         return evict(self.press, within_window(obs), self._rerank if self.press.rerotate else None)
 
-    def after_headwise(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden=None) -> None:
+    def after_headwise(
+        self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden=None, evict_now: bool = True
+    ) -> None:
         if torch.is_grad_enabled():
             with torch.no_grad():
-                return self.after_headwise(module, query, layer, hidden)
-        if self.press.needs_whole_context:
-            return  # it evicted once, at the end of the prefill
+                return self.after_headwise(module, query, layer, hidden, evict_now)
+        if self.press.needs_whole_context or not (evict_now or self.press.observes_frozen):
+            return  # a whole-context press evicted once, at the end of the prefill
         self.press.observe_heads(module, query, layer, hidden)
-        self.press.evict_heads(module, query, layer)
+        if evict_now:
+            self.press.evict_heads(module, query, layer)
 
     def _check_headwise(self, cache: DynamicCache, args: tuple, kwargs: dict) -> None:
         """Refuse, before any layer runs, a forward that a cache with head-wise layers cannot take."""

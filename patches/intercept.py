@@ -28,7 +28,7 @@ object with:
   sliding layer's `trim_window`; `evict` False while the caller is `frozen()`; `hidden` the attention module's
   input hidden states of the new tokens, `[B, q, d]`); returns a layer that replaces it (per-head storage), or
   None;
-- `after_headwise(module, query, layer, hidden)`: after a head-wise layer's attention.
+- `after_headwise(module, query, layer, hidden, evict)`: after a head-wise layer's attention.
 
 The hidden states reach the attention function through a forward pre-hook on each attention module,
 registered with the intercept and removed with it; it keeps them in the caller's state only until that
@@ -271,8 +271,7 @@ class Intercept:
             layer.commit()
             out = headwise_attention(module, query, layer)
             layer.trim_window()
-            if call.compressing:
-                self.handler.after_headwise(module, query, layer, hidden)
+            self.handler.after_headwise(module, query, layer, hidden, call.compressing)
             layer.settle()
             return out, None
         if layer.adopted and info is not None and info.padding is not None:

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 import kvpress
-from kvpress import AdaKVPress, KVzapPress
+from kvpress import AdaKVPress, DuoAttentionPress, KVzapPress
 from kvpress.patches import model_access
 from kvpress.recording import compress_recording, record_prefill
 from kvpress.scorers import Scorer, load_scorer, packaged, save_scorer
@@ -75,6 +75,43 @@ def test_generated_tokens_are_scored_and_the_budget_holds_while_decoding(make):
         else:
             newest = layer.slot("kvzap")[0, :, -1]
         assert bool((newest > 0).all())  # the last generated token has its predicted score (exp of a log score)
+
+
+@pytest.mark.parametrize("make", [lambda s: KVzapPress(max_tokens=24, window_size=2, scorer=s),
+                                  lambda s: AdaKVPress(KVzapPress(max_tokens=24, window_size=2, scorer=s)),
+                                  lambda s: DuoAttentionPress(retrieval_fraction=0.5, head_pattern=_pattern(s),
+                                                              press=KVzapPress(max_tokens=24, window_size=2, scorer=s),
+                                                              n_sink=1, window=4)])  # fmt: skip
+def test_tokens_cached_while_frozen_get_their_predicted_scores(make):
+    """A question read inside frozen() is scored as it is cached: once decoding evicts again, its tokens compete on
+    their predictions (before, they held score 0 and were the first evicted)."""
+    model = tiny_model("llama")
+    scorer = tiny_scorer(model)
+    context, question = prompt(1, 40), prompt(1, 10, seed=3)
+    hidden = _hidden_states(model, torch.cat([context, question], dim=-1))
+    press = make(scorer)
+    cache = DynamicCache(config=model.config)
+    with press(model) as installed:
+        model(context, cache=cache)
+        with installed.frozen():
+            model(question, cache=cache)
+    predicted = (hidden[0][0, 40:] @ scorer.weight[0] + scorer.bias[0]).exp().T  # [H, 10] (layer 0's input does
+    for idx, layer in enumerate(cache.layers):  # not depend on what the press evicted; later layers' do)
+        for head in range(predicted.shape[0]):
+            if isinstance(layer, kvpress.HeadwiseLayer):
+                if isinstance(press, DuoAttentionPress) and int(layer.head_budget[0, head]) >= 0:
+                    continue  # a streaming head keeps sinks and window: its press scores retrieval heads only
+                got = layer.slot("kvzap", 0, head)[-10:]
+            else:
+                got = layer.slot("kvzap")[0, head, -10:]
+            assert bool((got > 0).all())  # exp of a prediction: every question token was scored
+            if idx == 0:
+                torch.testing.assert_close(got, predicted[head])
+    assert press.needs_hidden and press.observes_frozen  # wrappers pass both on (recordings keep hidden states)
+
+
+def _pattern(scorer):
+    return {"model": "tiny", "config_hash": scorer.config_hash, "scores": [[0.3, 0.1], [0.2, 0.9]]}
 
 
 def test_a_path_without_hidden_states_is_refused_by_name():

@@ -329,3 +329,22 @@ def test_paired_differences_count_only_examples_both_answered():
     cell, pooled = paired_rows(rows, "a", "b")[1], paired_rows(rows, "a", "b")[0]
     assert pooled["task"] == "all" and cell["task"] == "t" and cell["n"] == 2  # example 2 has no "b"
     assert cell["difference"] == -0.5 and cell["low"] < -0.5 < cell["high"]
+
+
+def test_ranking_puts_the_best_worst_cell_first_and_leaves_out_tasks_at_chance():
+    from kvpress.eval.ranking import ranking
+
+    def rows(press, ratio, task, scores):
+        return [{"task": task, "ratio": ratio, "example": i, "press": press, "score": s} for i, s in enumerate(scores)]
+
+    full = rows("none", 0.0, "needle", [1, 1, 1, 1]) + rows("none", 0.0, "hard", [0, 0, 1, 1])
+    full += rows("none", 0.0, "floor", [0, 0, 0, 0])
+    steady = rows("steady", 0.5, "needle", [1, 1, 1, 0]) + rows("steady", 0.5, "hard", [0, 0, 1, 1])
+    spiky = rows("spiky", 0.5, "needle", [1, 1, 1, 1]) + rows("spiky", 0.5, "hard", [0, 0, 0, 0])
+    partial = rows("partial", 0.5, "needle", [1, 1, 1, 1])  # never measured on "hard": not ranked
+    result = ranking(full + steady + spiky + partial + rows("spiky", 0.5, "floor", [1, 1, 1, 1]))
+    assert result["left_out"] == {"floor": 0.0} and result["cells"] == [("hard", 0.5), ("needle", 0.5)]
+    assert [p["press"] for p in result["presses"]] == ["steady", "spiky"]  # worst -0.25 beats -0.5
+    steady_ = result["presses"][0]
+    assert steady_["worst"]["task"] == "needle" and steady_["worst"]["difference"] == -0.25
+    assert steady_["mean"] == -0.125 and steady_["mean_low"] < -0.125 < steady_["mean_high"]

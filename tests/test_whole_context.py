@@ -70,3 +70,30 @@ def test_a_padded_batch_is_refused_by_a_reconstruction_pass(tokenized):
     with pytest.raises(ValueError, match="no padding"), PRESSES["kvzip"]()(model, tokenizer=tokenizer):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("name", ["kvzip", "default"])
+def test_a_chunked_prefill_or_a_new_turn_is_refused_and_a_frozen_turn_kept_whole(tokenized, name):
+    """Nothing scores tokens fed after the compressed prompt in several-token forwards (the second chunk of
+    prefill_chunk_size, a new turn): refused by name rather than kept whole past the budget; inside frozen()
+    a new turn is kept whole, as asked."""
+    model, tokenizer = tokenized
+    ids = _prompt(tokenizer)
+    cache = DynamicCache(config=model.config)
+    with pytest.raises(ValueError, match=r"adds 16 tokens to a cache already holding 16 seen .*prefill_chunk_size"):
+        with PRESSES[name]()(model, tokenizer=tokenizer):
+            model.generate(ids[:, :32], cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                           prefill_chunk_size=16)  # fmt: skip
+    cache = DynamicCache(config=model.config)
+    with PRESSES[name]()(model, tokenizer=tokenizer) as installed:
+        model(ids[:, :-8], cache=cache)
+        held = [layer.get_seq_length() for layer in cache.layers]
+        with installed.frozen():
+            model(ids[:, -8:], cache=cache)
+        with pytest.raises(ValueError, match="a new turn"):
+            model(ids[:, -8:], cache=cache)
+    assert model.config._attn_implementation == "sdpa"
+    for layer in cache.layers:
+        n = sum(layer.lengths) / layer.heads if isinstance(layer, kvpress.HeadwiseLayer) else layer.n
+        assert n < ids.shape[1] - 8 and layer.seen == ids.shape[1]  # compressed prompt + the whole frozen turn
+    assert held == [ids.shape[1] - 8] * len(held)  # positions count tokens seen

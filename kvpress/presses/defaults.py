@@ -37,6 +37,12 @@ def default_press(model: nn.Module | None = None) -> str:
     return _table()["any"]["press"]
 
 
+def default_for(name: str | None) -> str | None:
+    """The default press spec of the packaged model `name` (as sweeps name models), None for another name."""
+    entry = _table()["models"].get(name)
+    return None if entry is None else entry["press"]
+
+
 def resolve_default(spec: str, model: nn.Module | None = None) -> str:
     """`spec` with a leading `default` replaced by `model`'s default press (parameters after it kept); any other
     spec unchanged."""

@@ -104,6 +104,14 @@ class DuoAttentionPress(HeadwisePress):
         for module in model_access.attention_modules(model).values():  # one press may serve several models
             self._plans[module] = plan
 
+    @property
+    def needs_hidden(self) -> bool:
+        return self.press is not None and self.press.needs_hidden
+
+    @property
+    def observes_frozen(self) -> bool:
+        return self.press is not None and self.press.observes_frozen
+
     def sink_count(self) -> int:
         return self.n_sink
 

@@ -51,6 +51,7 @@ class KVzapPress(BasePress):
     """
 
     needs_hidden: ClassVar[bool] = True
+    observes_frozen: ClassVar[bool] = True  # a question read inside frozen() gets its scores too
 
     scorer: str | Scorer = "auto"
     n_sink: int = 0

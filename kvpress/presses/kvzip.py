@@ -58,8 +58,10 @@ class KVzipPress(BasePress):
     (Qwen2.5-0.5B at r = 0.75: 0.29 -> 0.86 of the examples).
 
     The whole context must be cached before it is scored, so this press is applied right after the
-    prefill (`kvpress.generate` and `kvpress sweep` do so, through `kvpress.recording`); inside a
-    forward (`with press(model): model.generate(...)`, chat sessions, chunked feeding) it refuses.
+    prefill: `kvpress.generate` and `kvpress sweep` do so through `kvpress.recording`, and inside
+    `with press(model, tokenizer=tokenizer): model.generate(...)` the end of the prompt's forward triggers it
+    (`PressInstallation`); a later forward of several tokens while it evicts (a chunked prefill, a new turn)
+    is refused, since nothing would score it.
     Cost: one more forward of the prompt and the context over the cached context, which holds at most one
     pass more (the prompt and `reconstruction_chunk` tokens).
     """

@@ -42,6 +42,10 @@ class WrapsPress:
     def needs_hidden(self) -> bool:
         return self.press.needs_hidden
 
+    @property
+    def observes_frozen(self) -> bool:
+        return self.press.observes_frozen
+
     def prepare(self, model, recording, tokenizer=None) -> None:
         self.press.prepare(model, recording, tokenizer)
 

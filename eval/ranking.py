@@ -1,0 +1,98 @@
+"""Rank the presses of a sweep by their worst cell, then their mean: the rule that chooses the default press.
+
+    python -m kvpress.eval.ranking --out eval/results/sweep-4k-tuning --json ranking.json
+
+A cell is a (task, ratio) of the sweep. In each, a press's scores are paired example by example with the full
+cache's: the mean difference (press - full cache, in points of the sweep's 0-1 scores) and its 95% interval
+(normal, sd / sqrt(n), as `kvpress.eval.paired`). A task whose full cache scores below `NEAR_CHANCE` is left
+out (it has too few answers to lose; shown in the table's notes). A press's worst cell is its lowest mean
+difference, its mean the mean over the cells, whose interval adds the cells' variances (cells are disjoint
+examples or ratios of the same ones: treated as independent). Presses are ranked by worst cell, then mean;
+only presses measured in every cell are ranked. The model's default press (`kvpress/presses/defaults.json`)
+is marked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from kvpress.eval.fidelity import NEAR_CHANCE
+from kvpress.eval.paired import paired_rows
+from kvpress.eval.sweep import current_rows
+from kvpress.presses.defaults import default_for
+
+
+def ranking(rows: list[dict]) -> dict:
+    """{"cells": the informative (task, ratio) cells, "left_out": {task: full score} of the near-chance tasks,
+    "presses": one entry per ranked press (worst cell, mean, each cell's paired difference), best first}."""
+    full = [row for row in rows if row["press"] == "none"]
+    ratios = sorted({row["ratio"] for row in rows if row["press"] != "none"})
+    full_score = {task: _mean([r["score"] for r in full if r["task"] == task]) for task in {r["task"] for r in full}}
+    left_out = {task: score for task, score in sorted(full_score.items()) if score < NEAR_CHANCE}
+    kept = sorted(set(full_score) - set(left_out))
+    cells = [(task, ratio) for task in kept for ratio in ratios]
+    as_base = [{**row, "ratio": ratio} for row in full for ratio in ratios]  # the full cache, paired at every ratio
+    presses = []
+    for press in sorted({row["press"] for row in rows} - {"none"}):
+        found = {(s["task"], s["ratio"]): s for s in paired_rows(as_base + [r for r in rows if r["press"] == press],
+                                                                  "none", press)}  # fmt: skip
+        if not cells or any(cell not in found for cell in cells):
+            continue
+        stats = [found[cell] for cell in cells]
+        worst = min(stats, key=lambda s: s["difference"])
+        mean = _mean([s["difference"] for s in stats])
+        half = math.sqrt(sum(((s["high"] - s["low"]) / 2) ** 2 for s in stats if s["n"] > 1)) / len(stats)
+        presses.append({"press": press, "worst": worst, "mean": mean, "mean_low": mean - half,
+                        "mean_high": mean + half, "cells": stats})  # fmt: skip
+    presses.sort(key=lambda p: (-p["worst"]["difference"], -p["mean"], p["press"]))
+    return {"cells": cells, "left_out": left_out, "full": full_score, "presses": presses}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def table(result: dict, default: str | None = None) -> str:
+    """The ranking as Markdown: one line per press, its worst cell and mean with intervals."""
+    lines = ["| rank | press | worst cell | worst: press - full (95% interval) | n | mean of cells (95% interval) |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for rank, p in enumerate(result["presses"], 1):
+        w = p["worst"]
+        name = f"{p['press']} (default)" if p["press"] == default else p["press"]
+        lines.append(f"| {rank} | {name} | {w['task']}, r = {w['ratio']} | {w['difference']:+.3f} "
+                     f"[{w['low']:+.3f}, {w['high']:+.3f}] | {w['n']} | {p['mean']:+.3f} "
+                     f"[{p['mean_low']:+.3f}, {p['mean_high']:+.3f}] |")  # fmt: skip
+    full = ", ".join(f"{task} {score:.3f}" for task, score in sorted(result["full"].items()))
+    lines.append(f"\nfull cache: {full}; left out (full cache below {NEAR_CHANCE}): "
+                 f"{', '.join(result['left_out']) or 'none'}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvpress.eval.ranking", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--out", required=True, help="a sweep directory (with its full cache, ratio 0)")
+    parser.add_argument("--json", help="also write the ranking to this file")
+    args = parser.parse_args(argv)
+    rows = list(current_rows(Path(args.out)).values())
+    if not any(row["press"] == "none" for row in rows):
+        print(f"kvpress ranking: {args.out} holds no full-cache rows (ratio 0) to pair with", file=sys.stderr)
+        return 2
+    result = ranking(rows)
+    if not result["presses"]:
+        print(f"kvpress ranking: no press of {args.out} was measured in every informative cell", file=sys.stderr)
+        return 2
+    settings = Path(args.out) / "settings.json"
+    model = json.loads(settings.read_text()).get("model") if settings.exists() else None
+    print(table(result, default_for(model)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
