@@ -101,6 +101,15 @@ def inv_freq(model: nn.Module) -> torch.Tensor:
     return rotary_embedding(model).inv_freq
 
 
+def layer_inv_freq(model: nn.Module, layer_idx: int) -> torch.Tensor:
+    """The RoPE frequencies layer `layer_idx` rotates with: its layer type's where the rotary embedding keeps one
+    per type (Gemma3's local and global layers), else the shared ones."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    rotary = getattr(decoder, "rotary_emb", None)
+    per_type = getattr(rotary, f"{layer_types(model)[layer_idx]}_inv_freq", None)
+    return per_type if per_type is not None else inv_freq(model)
+
+
 def layer_types(model: nn.Module) -> list[str]:
     """Each decoder layer's attention kind as transformers' cache sees it: "full_attention" where the cache
     makes a plain `DynamicLayer`, "sliding_attention" where it makes a `DynamicSlidingWindowLayer` for a

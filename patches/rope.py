@@ -26,3 +26,16 @@ def rerotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) ->
     k_rot, k_pass = keys[..., :rot_dim], keys[..., rot_dim:]
     k_rot = k_rot * cos + rotate_half(k_rot) * sin
     return torch.cat((k_rot, k_pass), dim=-1) if k_pass.shape[-1] else k_rot
+
+
+def average_rotation(x: torch.Tensor, shifts: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """`x` `[..., D]` times the mean of the RoPE rotations by each of `shifts` (positions ahead): per frequency,
+    a rotation by the mean cosine and sine (transformers' half-split layout; with partial rotary embeddings
+    only the first `2 * len(inv_freq)` features rotate)."""
+    rot_dim = 2 * inv_freq.shape[-1]
+    angles = shifts.to(torch.float64)[:, None] * inv_freq.to(device=x.device, dtype=torch.float64)
+    cos, sin = angles.cos().mean(0), angles.sin().mean(0)
+    cos, sin = torch.cat((cos, cos)).to(x.dtype), torch.cat((sin, sin)).to(x.dtype)
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    x_rot = x_rot * cos + rotate_half(x_rot) * sin
+    return torch.cat((x_rot, x_pass), dim=-1) if x_pass.shape[-1] else x_rot

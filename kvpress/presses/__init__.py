@@ -9,19 +9,23 @@ from torch import nn
 from kvpress.presses.adakv import AdaKVPress
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.chunk import ChunkPress
+from kvpress.presses.cur import CURPress
 from kvpress.presses.defaults import DEFAULT_PRESS, default_press, resolve_default
 from kvpress.presses.duo_attention import DuoAttentionPress
+from kvpress.presses.expected_attention import ExpectedAttentionPress
 from kvpress.presses.head_budget import HeadwisePress
 from kvpress.presses.heavy_hitter import H2OPress, HeavyHitterPress
 from kvpress.presses.keydiff import KeyDiffPress
 from kvpress.presses.knorm import KnormPress
 from kvpress.presses.kvzap import KVzapPress
 from kvpress.presses.kvzip import KVzipPress
+from kvpress.presses.lagkv import LagKVPress
 from kvpress.presses.lookahead import LookaheadPress
 from kvpress.presses.pyramidkv import PyramidKVPress
 from kvpress.presses.random_press import RandomPress
 from kvpress.presses.sink_window import SinkWindowPress, StreamingLLMPress
 from kvpress.presses.snapkv import SnapKVPress
+from kvpress.presses.tova import TOVAPress
 
 
 def _adakv(alpha_safeguard: float = 0.2, normalize: bool = False, inner: str = "snapkv", **kwargs) -> AdaKVPress:
@@ -53,7 +57,9 @@ def _duo_attention(head_pattern: str = "auto", retrieval_fraction: float | None 
 PRESSES = {
     "adakv": _adakv,
     "chunkkv": _chunkkv,
+    "cur": CURPress,
     "duo-attention": _duo_attention,
+    "expected-attention": ExpectedAttentionPress,
     "snapkv": SnapKVPress,
     "h2o": HeavyHitterPress,
     "heavy-hitter": HeavyHitterPress,
@@ -63,9 +69,11 @@ PRESSES = {
     "keydiff": KeyDiffPress,
     "kvzip": KVzipPress,
     "kvzap": KVzapPress,
+    "lagkv": LagKVPress,
     "lookahead": LookaheadPress,
     "pyramidkv": _pyramidkv,
     "random": RandomPress,
+    "tova": TOVAPress,
 }
 
 

@@ -1,0 +1,75 @@
+"""CurDKV: keep the keys and values that span their head's space, by leverage scores (a CUR decomposition).
+
+Sengupta et al. 2025, "Value-Guided KV Compression for LLMs via Approximated CUR Decomposition"
+(arXiv:2509.15038): attention outputs are products with the keys and the values, so the tokens worth keeping
+are the rows a CUR decomposition of each would pick: those of high leverage (row i of K, n x d, has leverage
+k_i^T (K^T K)^-1 k_i, how much of the key space only it covers). A token's score is the product of its key's
+and its value's leverage, averaged over neighbouring positions. No attention is computed, so it runs with any
+attention kernel. Here the leverages are exact (a d x d Gram matrix per head), where the paper approximates
+them with random projections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpress.presses.base import BasePress, Observation
+from kvpress.presses.snapkv import pool_by_position
+
+KINDS = ("kv_product", "kv_mean", "key", "value")
+
+
+@dataclass
+class CURPress(BasePress):
+    """Keep the tokens whose keys and values have the highest leverage in their head.
+
+    Parameters:
+        compression_ratio / max_tokens: the budget (see `BasePress`).
+        leverage: "kv_product" (default: key leverage x value leverage), "kv_mean", "key" or "value".
+        kernel_size: width of the average over neighbouring positions (default 15, odd; 1: none).
+        n_sink: leading tokens always kept (default 4).
+    """
+
+    leverage: str = "kv_product"
+    kernel_size: int = 15
+    n_sink: int = 4
+
+    def __post_init__(self) -> None:
+        if self.leverage not in KINDS:
+            raise ValueError(f"leverage must be one of {', '.join(KINDS)}, got {self.leverage!r}")
+        if isinstance(self.kernel_size, bool) or not isinstance(self.kernel_size, int) or self.kernel_size < 1 \
+                or self.kernel_size % 2 == 0:  # fmt: skip
+            raise ValueError(f"kernel_size must be a positive odd integer, got {self.kernel_size!r}")
+        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise ValueError(f"n_sink must be a non-negative integer, got {self.n_sink!r}")
+        super().__post_init__()
+
+    def sink_count(self) -> int:
+        return self.n_sink
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        valid = obs.layer.valid
+        valid = None if valid is None else valid[..., : obs.keys.shape[2]]
+        if self.leverage == "key":
+            scores = leverage_scores(obs.keys, valid)
+        elif self.leverage == "value":
+            scores = leverage_scores(obs.values, valid)
+        else:
+            k, v = leverage_scores(obs.keys, valid), leverage_scores(obs.values, valid)
+            scores = k * v if self.leverage == "kv_product" else (k + v) / 2
+        return pool_by_position(scores, obs.layer, self.kernel_size)
+
+
+def leverage_scores(rows: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """`[B, H, n]` the leverage of each row of `rows` `[B, H, n, d]` among the `valid` ones (others score 0):
+    r_i^T (R^T R)^-1 r_i, by a Cholesky solve on the Gram matrix (a small ridge keeps it invertible)."""
+    x = rows.float()
+    if valid is not None:
+        x = x * valid[..., None]
+    gram = x.transpose(-1, -2) @ x
+    ridge = 1e-6 * gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)
+    gram = gram + ridge[..., None, None] * torch.eye(x.shape[-1], device=x.device)
+    solved = torch.cholesky_solve(x.transpose(-1, -2), torch.linalg.cholesky(gram))  # [B, H, d, n]
+    return (x * solved.transpose(-1, -2)).sum(-1)

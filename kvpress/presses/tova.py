@@ -1,0 +1,56 @@
+"""TOVA: keep the tokens the current query attends to most, decided afresh at every step.
+
+Oren et al. 2024, "Transformers are Multi-State RNNs" (arXiv:2401.06104): a decoder with a bounded cache is
+a multi-state RNN; Token Omission Via Attention evicts, whenever the cache is over its budget, the token with
+the lowest attention from the newest query, averaged over the layer's heads, so every head keeps the same
+tokens. Nothing accumulates (unlike H2O): a token the current query ignores can go even if it was once
+popular. The paper: ahead of H2O and sink-plus-window policies, and nearly on par with the full cache with
+in some cases 1/8 of it (language modelling and long-range tasks, LLaMA-2 and Mistral).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpress.presses.base import BasePress, Observation
+
+
+@dataclass
+class TOVAPress(BasePress):
+    """Keep the tokens the last query attends to most, averaged over the layer's heads.
+
+    Parameters:
+        compression_ratio / max_tokens: the budget (see `BasePress`); enforced at the prefill (scored by the
+            prompt's last query) and at every decoding step (by that step's query).
+        window_size: last tokens always kept (default 1: the newest token, whose own query decides).
+        n_sink: leading tokens always kept (default 0, as in the paper).
+
+    Heads share one decision while they hold the same tokens (the paper's policy, and what this press does
+    from an uncompressed cache); heads of a layer another press left holding different tokens are scored by
+    their own query heads only.
+    """
+
+    window_size: int = 1
+    n_sink: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("window_size", "n_sink"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        super().__post_init__()
+
+    def sink_count(self) -> int:
+        return self.n_sink
+
+    def recent_count(self, budget):
+        return self.window_size
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        scores = obs.attention_probs(obs.q_len - 1, obs.q_len)[..., 0, :].mean(dim=2)  # [B, Hkv, n]
+        pos = obs.layer.pos[..., : scores.shape[-1]]
+        if bool((pos == pos[:, :1]).all()):  # every head holds the same tokens in the same slots
+            scores = scores.mean(dim=1, keepdim=True).expand_as(scores)
+        return scores
