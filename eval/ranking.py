@@ -45,7 +45,7 @@ def ranking(rows: list[dict]) -> dict:
         stats = [found[cell] for cell in cells]
         worst = min(stats, key=lambda s: s["difference"])
         mean = _mean([s["difference"] for s in stats])
-        half = math.sqrt(sum(((s["high"] - s["low"]) / 2) ** 2 for s in stats if s["n"] > 1)) / len(stats)
+        half = math.sqrt(sum(((s["high"] - s["low"]) / 2) ** 2 for s in stats)) / len(stats)  # nan: a cell of one
         presses.append({"press": press, "worst": worst, "mean": mean, "mean_low": mean - half,
                         "mean_high": mean + half, "cells": stats})  # fmt: skip
     presses.sort(key=lambda p: (-p["worst"]["difference"], -p["mean"], p["press"]))
@@ -64,12 +64,16 @@ def table(result: dict, default: str | None = None) -> str:
         w = p["worst"]
         name = f"{p['press']} (default)" if p["press"] == default else p["press"]
         lines.append(f"| {rank} | {name} | {w['task']}, r = {w['ratio']} | {w['difference']:+.3f} "
-                     f"[{w['low']:+.3f}, {w['high']:+.3f}] | {w['n']} | {p['mean']:+.3f} "
-                     f"[{p['mean_low']:+.3f}, {p['mean_high']:+.3f}] |")  # fmt: skip
+                     f"{_interval(w['low'], w['high'])} | "
+                     f"{w['n']} | {p['mean']:+.3f} {_interval(p['mean_low'], p['mean_high'])} |")  # fmt: skip
     full = ", ".join(f"{task} {score:.3f}" for task, score in sorted(result["full"].items()))
     lines.append(f"\nfull cache: {full}; left out (full cache below {NEAR_CHANCE}): "
                  f"{', '.join(result['left_out']) or 'none'}")  # fmt: skip
     return "\n".join(lines)
+
+
+def _interval(low: float, high: float) -> str:
+    return "(a cell of one example: no interval)" if math.isnan(low) else f"[{low:+.3f}, {high:+.3f}]"
 
 
 def main(argv: list[str] | None = None) -> int:
