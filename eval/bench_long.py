@@ -1,0 +1,219 @@
+"""Long-context benchmark (`make bench-long`): peak memory, cache bytes, prefill and decode time per press at
+4K-16K tokens, every configuration in its own process.
+
+For each model and context length, each (press, ratio) runs `model.generate` of `--decode-steps` tokens after
+a prompt of English text (CPython's documentation), inside `with press(model, tokenizer=tokenizer):`, with
+transformers' `prefill_chunk_size` when `--chunk` is given (presses that score the whole prompt refuse chunks:
+they run unchunked, and their row says so). Right before it, the same generation with no press runs in its own
+process too, so each ratio to no press comes from two neighbouring runs on this shared machine. A child process
+reports: the resident memory above the loaded model at its peak (the kernel's high-water mark, reset once the
+model is loaded), the cache bytes after generating, the seconds to the first token (the prefill, a press's
+scoring pass included) and the median decode step.
+
+Rows are appended to `--out`'s `long.jsonl` as they finish, and a rerun skips what is there: a long run resumes
+where it stopped. `long.json` holds, per (model, length, press, ratio): memory, cache, prefill and decode step
+as ratios to the paired no-press run, and the decode byte limit: a step reads the weights and the kept cache,
+so (weights + kept KV bytes) / (weights + full KV bytes) is the smallest step ratio eviction can give.
+`long.png` plots the memory and decode ratios against the context length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
+
+import kvpress
+from kvpress.engine import maybe_installed
+from kvpress.eval.bench_core import long_ids
+from kvpress.presses.defaults import default_for
+
+PLAN = {"qwen2.5-0.5b": (4096, 8192, 16384), "smollm2-135m": (4096, 8192)}  # model -> context lengths
+PRESSES = "snapkv,adakv,duo-attention,default"  # a dense scorer, a head-wise one, DuoAttention, the default
+RESULTS = Path(__file__).parent / "results"
+
+
+def _status(field: str) -> int:
+    """A `/proc/self/status` memory field in bytes (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def measure(config: dict, model=None, tokenizer=None) -> dict:
+    """One configuration in this process: load the model (unless given), reset the memory high-water mark,
+    generate."""
+    torch.manual_seed(0)
+    if model is None:
+        model, tokenizer = kvpress.load_model(config["model"])
+    ids = long_ids(tokenizer, config["length"])
+    spec = config["spec"]
+    press = None if spec == "none" else kvpress.press_from_name(spec, compression_ratio=config["ratio"])
+    stamps: list[float] = []
+
+    class Stamp(StoppingCriteria):  # called once per generated token: the first call ends the prefill
+        def __call__(self, input_ids, scores, **kwargs):
+            stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    cache = DynamicCache(config=model.config)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    with torch.inference_mode():  # every weight paged in (a memory-mapped file is read as it is used)
+        model(ids[:, :16], cache=DynamicCache(config=model.config))
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts from the loaded model
+    base = _status("VmRSS")
+    with torch.inference_mode(), maybe_installed(press, model, tokenizer):
+        start = time.perf_counter()
+        new = config["steps"] + 1
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=tokenizer.eos_token_id, prefill_chunk_size=config["chunk"],
+                       stopping_criteria=StoppingCriteriaList([Stamp()]))  # fmt: skip
+    steps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return {**config, "peak_above_model_bytes": _status("VmHWM") - base,
+            "cache_bytes": kvpress.cache_bytes(cache), "weight_bytes": weights, "prefill_seconds": stamps[0] - start,
+            "decode_step_seconds": statistics.median(steps), "threads": torch.get_num_threads()}  # fmt: skip
+
+
+def _key(row: dict) -> tuple:
+    return row["model"], row["length"], row["press"], row["ratio"], row.get("pairs_with"), row["steps"]
+
+
+def configurations(plan: dict, presses: list[str], ratios: list[float], chunk, steps: int) -> list[dict]:
+    """In run order: for each model, length and (press, ratio), the no-press run it pairs with, then it. `spec`
+    is the press run (`default`: the model's own); a pair whose press scores the whole prompt runs unchunked,
+    its no-press run too."""
+    runs = []
+    for model, lengths in plan.items():
+        for press in presses:
+            spec = (default_for(model) or kvpress.DEFAULT_PRESS) if press == "default" else press
+            whole = kvpress.press_from_name(spec, compression_ratio=0.5).needs_whole_context
+            for length in lengths:
+                for ratio in ratios:
+                    common = {"model": model, "length": length, "chunk": None if whole else chunk, "steps": steps}
+                    runs.append({**common, "press": "none", "spec": "none", "ratio": 0.0,
+                                 "pairs_with": f"{press}@{ratio}"})  # fmt: skip
+                    runs.append({**common, "press": press, "spec": spec, "ratio": ratio, "pairs_with": None})
+    return sorted(runs, key=lambda r: (list(plan).index(r["model"]), r["length"]))  # stable: pairs stay together
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per press row with its paired no-press row: the ratios and the decode byte limit."""
+    by_key = {_key(r): r for r in rows}
+    out = []
+    for row in rows:
+        if row["press"] == "none":
+            continue
+        none = by_key.get((row["model"], row["length"], "none", 0.0, f"{row['press']}@{row['ratio']}", row["steps"]))
+        if none is None:
+            continue
+        w = row["weight_bytes"]
+        out.append({
+            "model": row["model"], "length": row["length"], "press": row["press"], "ratio": row["ratio"],
+            "spec": row["spec"], "chunk": row["chunk"],
+            "memory_ratio": row["peak_above_model_bytes"] / none["peak_above_model_bytes"],
+            "peak_above_model_mb": row["peak_above_model_bytes"] / 2**20,
+            "none_peak_above_model_mb": none["peak_above_model_bytes"] / 2**20,
+            "cache_ratio": row["cache_bytes"] / none["cache_bytes"], "cache_mb": row["cache_bytes"] / 2**20,
+            "prefill_ratio": row["prefill_seconds"] / none["prefill_seconds"],
+            "decode_step_ratio": row["decode_step_seconds"] / none["decode_step_seconds"],
+            "decode_byte_limit": (w + row["cache_bytes"]) / (w + none["cache_bytes"]),
+        })  # fmt: skip
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'kvpress[plot]'): no plot written", file=sys.stderr)
+        return None
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 7), squeeze=False)
+    for j, model in enumerate(models):
+        mine = [r for r in rows if r["model"] == model]
+        for (press, ratio) in sorted({(r["press"], r["ratio"]) for r in mine}):
+            line = sorted((r for r in mine if r["press"] == press and r["ratio"] == ratio), key=lambda r: r["length"])
+            xs = [r["length"] for r in line]
+            label = f"{press}, r = {ratio}"
+            axes[0][j].plot(xs, [r["memory_ratio"] for r in line], marker="o", label=label)
+            drawn = axes[1][j].plot(xs, [r["decode_step_ratio"] for r in line], marker="o", label=label)
+            axes[1][j].plot(xs, [r["decode_byte_limit"] for r in line], linestyle=":", color=drawn[0].get_color())
+        axes[0][j].set_title(f"{model}: peak memory above the model / no press")
+        axes[1][j].set_title(f"{model}: decode step / no press (dotted: byte limit)")
+        for ax in axes[:, j]:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context tokens")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvpress.eval.bench_long", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--models", help="model:length,length;model:... (default: "
+                        + ";".join(f"{m}:{','.join(map(str, ls))}" for m, ls in PLAN.items()) + ")")  # fmt: skip
+    parser.add_argument("--presses", default=PRESSES, help=f"(default: {PRESSES})")
+    parser.add_argument("--ratios", default="0.5,0.75")
+    parser.add_argument("--chunk", type=int, default=1024, help="prefill_chunk_size (0: none; default 1024)")
+    parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--out", default=str(RESULTS), help="directory of long.jsonl, long.json, long.png")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # one configuration, as JSON: run by the parent
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure(json.loads(args.child))))
+        return 0
+    try:
+        plan = PLAN if not args.models else {
+            name: tuple(int(n) for n in lengths.split(","))
+            for name, lengths in (part.split(":") for part in args.models.split(";"))}  # fmt: skip
+        ratios = [float(r) for r in args.ratios.split(",")]
+        if args.decode_steps < 2 or args.chunk < 0:
+            raise ValueError("--decode-steps must be >= 2 and --chunk >= 0")
+        runs = configurations(plan, args.presses.split(","), ratios, args.chunk or None, args.decode_steps)
+    except ValueError as err:
+        print(f"kvpress bench-long: {err} (--models is model:length,length;model:...)", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jsonl = out / "long.jsonl"
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()] if jsonl.exists() else []
+    done = {_key(r) for r in rows}
+    for config in runs:
+        if _key(config) in done:
+            continue
+        proc = subprocess.run([sys.executable, "-m", "kvpress.eval.bench_long", "--child", json.dumps(config)],
+                              capture_output=True, text=True)  # fmt: skip
+        if proc.returncode != 0:
+            print(f"kvpress bench-long: {config} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+            return 1
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        with jsonl.open("a") as sink:
+            sink.write(json.dumps(row) + "\n")
+        print(f"{row['model']} {row['length']:>6} {row['press']:>40s} r={row['ratio']:<5} "
+              f"peak +{row['peak_above_model_bytes'] / 2**20:8.1f} MB  cache {row['cache_bytes'] / 2**20:7.1f} MB  "
+              f"prefill {row['prefill_seconds']:7.1f} s  step {row['decode_step_seconds'] * 1000:7.1f} ms")  # fmt: skip
+    table = summary(rows)
+    (out / "long.json").write_text(json.dumps(table, indent=2) + "\n")
+    written = plot(table, out / "long.png") if table else None
+    print(f"wrote {out / 'long.json'}" + (f", {written}" if written else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The long-context benchmark's plan, one measured configuration (on a tiny model) and its summary."""
+
+import pytest
+
+import kvpress
+from kvpress.eval.bench_long import configurations, main, measure, summary
+
+
+def test_each_press_follows_its_own_no_press_run_and_whole_context_pairs_run_unchunked():
+    runs = configurations({"qwen2.5-0.5b": (4096, 8192)}, ["snapkv", "kvzip"], [0.5], 1024, 8)
+    assert [(r["length"], r["press"], r["pairs_with"], r["chunk"]) for r in runs] == [
+        (4096, "none", "snapkv@0.5", 1024), (4096, "snapkv", None, 1024),
+        (4096, "none", "kvzip@0.5", None), (4096, "kvzip", None, None),
+        (8192, "none", "snapkv@0.5", 1024), (8192, "snapkv", None, 1024),
+        (8192, "none", "kvzip@0.5", None), (8192, "kvzip", None, None),
+    ]  # fmt: skip
+    default = configurations({"qwen2.5-0.5b": (4096,)}, ["default"], [0.5], 1024, 8)[1]
+    assert default["press"] == "default" and default["spec"] == kvpress.presses.defaults.default_for("qwen2.5-0.5b")
+
+
+def test_a_measured_configuration_and_its_ratios(tokenized):
+    model, tokenizer = tokenized
+    rows = []
+    for config in configurations({"tiny": (96,)}, ["snapkv"], [0.5], 32, 3):
+        rows.append(measure({**config, "spec": config["spec"].replace("snapkv", "snapkv:window_size=8")}, model,
+                            tokenizer))  # fmt: skip
+    none, pressed = rows
+    assert pressed["cache_bytes"] < none["cache_bytes"] and none["prefill_seconds"] > 0
+    assert none["peak_above_model_bytes"] >= 0 and pressed["decode_step_seconds"] > 0
+    (row,) = summary(rows)
+    assert row["cache_ratio"] == pressed["cache_bytes"] / none["cache_bytes"]
+    w = pressed["weight_bytes"]
+    assert row["decode_byte_limit"] == (w + pressed["cache_bytes"]) / (w + none["cache_bytes"])
+
+
+@pytest.mark.parametrize("argv", [["--models", "qwen2.5-0.5b:4k"], ["--presses", "nosuch"], ["--decode-steps", "1"]])
+def test_bad_arguments_are_refused_before_anything_runs(argv, tmp_path, capsys):
+    assert main([*argv, "--out", str(tmp_path)]) == 2
+    assert "kvpress bench-long:" in capsys.readouterr().err and not list(tmp_path.iterdir())
