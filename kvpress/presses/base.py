@@ -78,6 +78,10 @@ def scaled_to_peak(scores: torch.Tensor, valid: torch.Tensor | None = None) -> t
     return scores / peak.clamp_min(torch.finfo(scores.dtype).tiny)
 
 
+# the fields a press declares to protect tokens (see `sink_count`, `recent_count`): checked by BasePress
+PROTECTED_FIELDS = ("n_sink", "window_size")
+
+
 @dataclass
 class BasePress(Installable):
     """Base of every press.
@@ -112,6 +116,12 @@ class BasePress(Installable):
     kv_bits: int | None = None
 
     def __post_init__(self) -> None:
+        for name in PROTECTED_FIELDS:  # before anything reads them (the max_tokens check below)
+            value = getattr(self, name, 0)
+            if value is None:  # a wrapper's field for the press it builds (PyramidKV's SnapKV)
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         _check_ratio(self.compression_ratio)
         if self.kv_bits is not None:
             quant.check_bits(self.kv_bits)
@@ -154,12 +164,13 @@ class BasePress(Installable):
         presses with `needs_whole_context` run their own pass over the context here."""
 
     def sink_count(self) -> int:
-        """Leading tokens always kept (attention sinks)."""
-        return 0
+        """Leading tokens always kept (attention sinks): the press's `n_sink` field where it has one."""
+        return getattr(self, "n_sink", 0)
 
     def recent_count(self, budget):
-        """Most recent tokens always kept, for a budget `budget` (an int, or a tensor of per-row budgets)."""
-        return 0
+        """Most recent tokens always kept, for a budget `budget` (an int, or a tensor of per-row budgets): the
+        press's `window_size` field where it has one."""
+        return getattr(self, "window_size", 0)
 
     def check_model(self, model: nn.Module) -> None:
         """Raise when this press cannot run on `model` (called when the press is installed)."""

@@ -42,12 +42,7 @@ class CURPress(BasePress):
         if isinstance(self.kernel_size, bool) or not isinstance(self.kernel_size, int) or self.kernel_size < 1 \
                 or self.kernel_size % 2 == 0:  # fmt: skip
             raise ValueError(f"kernel_size must be a positive odd integer, got {self.kernel_size!r}")
-        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise ValueError(f"n_sink must be a non-negative integer, got {self.n_sink!r}")
         super().__post_init__()
-
-    def sink_count(self) -> int:
-        return self.n_sink
 
     def score(self, obs: Observation) -> torch.Tensor:
         valid = obs.layer.valid

@@ -47,19 +47,15 @@ class ExpectedAttentionPress(BasePress):
     _freqs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name, low in (("n_future_positions", 1), ("n_sink", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        value = self.n_future_positions
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"n_future_positions must be a positive integer, got {value!r}")
         for name in ("use_covariance", "use_vnorm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)) or not self.epsilon >= 0:
             raise ValueError(f"epsilon must be a non-negative number, got {self.epsilon!r}")
         super().__post_init__()
-
-    def sink_count(self) -> int:
-        return self.n_sink
 
     def check_model(self, model: nn.Module) -> None:
         for idx, module in model_access.attention_modules(model).items():  # one press may serve several models

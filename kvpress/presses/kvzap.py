@@ -65,10 +65,6 @@ class KVzapPress(BasePress):
         if not isinstance(self.scorer, (str, Scorer)) or (isinstance(self.scorer, str) and not self.scorer):
             raise ValueError(f"scorer must be 'auto', a packaged scorer's name, a path or a Scorer, got "
                              f"{self.scorer!r}")  # fmt: skip
-        for name in ("n_sink", "window_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if not isinstance(self.value_norm, bool):
             raise ValueError(f"value_norm must be true or false, got {self.value_norm!r}")
         g = self.global_budget
@@ -82,12 +78,6 @@ class KVzapPress(BasePress):
             raise ValueError("KVzapPress sets layer budgets from its scorer (global_budget > 0); pass global_budget=0 "
                              "to give layer_scales yourself")  # fmt: skip
         super().__post_init__()
-
-    def sink_count(self) -> int:
-        return self.n_sink
-
-    def recent_count(self, budget):
-        return self.window_size
 
     def check_model(self, model: nn.Module) -> None:
         scorer = find_scorer(model) if self.scorer == "auto" else load_scorer(self.scorer)

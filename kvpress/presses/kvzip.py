@@ -84,10 +84,6 @@ class KVzipPress(BasePress):
         chunk = self.reconstruction_chunk
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"reconstruction_chunk must be a positive integer, got {self.reconstruction_chunk!r}")
-        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise ValueError(f"n_sink must be a non-negative integer, got {self.n_sink!r}")
-        if isinstance(self.window_size, bool) or not isinstance(self.window_size, int) or self.window_size < 0:
-            raise ValueError(f"window_size must be a non-negative integer, got {self.window_size!r}")
         g = self.global_budget
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g <= 1:
             raise ValueError(f"global_budget must be a fraction in [0, 1], got {g!r}")
@@ -101,12 +97,6 @@ class KVzipPress(BasePress):
             raise ValueError("KVzipPress sets layer budgets from its scores (global_budget > 0); pass global_budget=0 "
                              "to give layer_scales yourself")
         super().__post_init__()
-
-    def sink_count(self) -> int:
-        return self.n_sink
-
-    def recent_count(self, budget):
-        return self.window_size
 
     def prepare(self, model: nn.Module, recording, tokenizer=None) -> None:
         """Score the recorded context by reconstruction (once per recording, kept in `recording.memo`)."""

@@ -35,14 +35,9 @@ class LagKVPress(BasePress):
     n_sink: int = 4
 
     def __post_init__(self) -> None:
-        for name, low in (("lag_size", 1), ("n_sink", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if isinstance(self.lag_size, bool) or not isinstance(self.lag_size, int) or self.lag_size < 1:
+            raise ValueError(f"lag_size must be a positive integer, got {self.lag_size!r}")
         super().__post_init__()
-
-    def sink_count(self) -> int:
-        return self.n_sink
 
     def score(self, obs: Observation) -> torch.Tensor:
         layer = obs.layer

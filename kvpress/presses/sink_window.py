@@ -29,8 +29,8 @@ class SinkWindowPress(BasePress):
     window: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise ValueError(f"n_sink must be a non-negative integer, got {self.n_sink!r}")
+        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise ValueError(f"n_sink must be a non-negative integer, got {self.n_sink!r}")  # before max_tokens uses it
         if self.window is not None:
             if not isinstance(self.window, int) or self.window < 1:
                 raise ValueError(f"window must be a positive integer, got {self.window!r}")
@@ -38,9 +38,6 @@ class SinkWindowPress(BasePress):
                 raise ValueError("SinkWindowPress takes window= or a budget (compression_ratio / max_tokens), not both")
             self.max_tokens = self.n_sink + self.window
         super().__post_init__()
-
-    def sink_count(self) -> int:
-        return self.n_sink
 
     def score(self, obs: Observation) -> torch.Tensor:
         return obs.layer.pos.float()

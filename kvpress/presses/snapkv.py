@@ -39,15 +39,7 @@ class SnapKVPress(BasePress):
             raise ValueError(f"window_size must be a positive integer, got {self.window_size!r}")
         if not isinstance(self.kernel_size, int) or self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be a positive odd integer, got {self.kernel_size!r}")
-        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise ValueError(f"n_sink must be a non-negative integer, got {self.n_sink!r}")
         super().__post_init__()
-
-    def sink_count(self) -> int:
-        return self.n_sink
-
-    def recent_count(self, budget):
-        return self.window_size
 
     def score(self, obs: Observation) -> torch.Tensor:
         w = min(self.window_size, obs.q_len)

@@ -35,19 +35,6 @@ class TOVAPress(BasePress):
     window_size: int = 1
     n_sink: int = 0
 
-    def __post_init__(self) -> None:
-        for name in ("window_size", "n_sink"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        super().__post_init__()
-
-    def sink_count(self) -> int:
-        return self.n_sink
-
-    def recent_count(self, budget):
-        return self.window_size
-
     def score(self, obs: Observation) -> torch.Tensor:
         scores = obs.attention_probs(obs.q_len - 1, obs.q_len)[..., 0, :].mean(dim=2)  # [B, Hkv, n]
         pos = obs.layer.pos[..., : scores.shape[-1]]
