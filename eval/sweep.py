@@ -26,6 +26,11 @@ kept / full KV bytes at the end of the document. The summary pools the NLL of al
 full bytes are computed, keys and values only, as no full cache is built; answer rows measure the
 recorded full cache, per-slot positions included, ~1% more.)
 
+Continuation tasks (`tasks/continuation.py`) share the recorded prefill too: the real tokens that follow the
+context are fed over each compressed cache with nothing more evicted, and a row records the top-1 agreement
+of their next-token distributions with the full cache's (`score`) and the mean KL(full || compressed) (`kl`,
+in nats; the summary averages it over examples).
+
 Data-parallel: under `accelerate launch --multi_gpu --num_processes N` on GPUs, or
 `torchrun --nproc_per_node N -m kvpress.eval.sweep ...` on CPUs (any launcher that sets WORLD_SIZE;
 accelerate's `PartialState` joins the processes), process r takes the examples i with i % N == r
@@ -36,6 +41,7 @@ process is done.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import csv
 import json
@@ -49,9 +55,10 @@ from torch import nn
 from transformers import DynamicCache
 
 import kvpress
+from kvpress.engine import maybe_installed
 from kvpress.eval.memory import full_cache_bytes, peak_memory, reset_cuda_peak
 from kvpress.eval.plots import plot_sweep
-from kvpress.eval.tasks import ANSWER_TOKENS, SCORE_GROWS_WITH_TEXT, TASKS, Document, task_examples
+from kvpress.eval.tasks import ANSWER_TOKENS, SCORE_GROWS_WITH_TEXT, TASKS, Continuation, Document, task_examples
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import PACKAGED_MODELS, cache_dir
 from kvpress.pipeline import answer_ids_from_cache, split_prompt
@@ -110,7 +117,7 @@ def run_sweep(
     configs = configurations(presses, ratios)
     check_tasks(tasks)
     check_sizes(examples, length, seed)
-    chunked = [task for task in tasks if task not in ANSWER_TOKENS]  # the perplexity tasks: no answer
+    chunked = [task for task in tasks if task.startswith("perplexity")]  # fed in chunks through the press
     built = {name: kvpress.press_from_name(name, compression_ratio=0.5) for name in presses}
     whole = [name for name, press in built.items() if press.needs_whole_context]
     asking = [name for name, press in built.items() if press.needs_question]
@@ -190,7 +197,7 @@ def is_final(row: dict) -> bool:
     answer begin with the shorter one, so an answer that ended on an end of sequence stands, and so does a
     full score on a task whose score only grows with more text (`SCORE_GROWS_WITH_TEXT`). A row that lacks
     `answer_tokens` or `cut` (an older sweep's) counts as cut, with an unknown (zero) budget."""
-    if "answer" not in row:  # perplexity rows
+    if "answer" not in row:  # perplexity and continuation rows
         return True
     budget = ANSWER_TOKENS[row["task"]]
     if row.get("answer_tokens", 0) > budget:  # the budget shrank: the answer may be longer than it allows
@@ -290,6 +297,8 @@ def _measure(model, tokenizer, out: Path, counts: dict, todo, drawn: tuple, quer
                     continue
                 if isinstance(example, Document):
                     rows = _perplexity_rows(model, tokenizer, example, configs, progress)
+                elif isinstance(example, Continuation):
+                    rows = continuation_rows(model, tokenizer, example, configs, progress)
                 else:
                     rows = answer_rows(model, tokenizer, example, configs, ANSWER_TOKENS[task], query_aware,
                                         progress)  # fmt: skip
@@ -322,6 +331,35 @@ def answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_aware
         yield {"press": name, "ratio": ratio, "score": example.score(text), "kept_bytes": kept,
                "full_bytes": full_bytes, "answer": text, "answer_tokens": answer_tokens,
                "cut": _cut(new, answer_tokens, model), **peak_memory()}  # fmt: skip
+
+
+@torch.no_grad()
+def continuation_rows(model, tokenizer, example: Continuation, todo, progress: bool):
+    """One recorded prefill of the context, then one row per configuration in `todo`: top-1 agreement (the
+    score) and mean KL(full || compressed) of the next-token distributions over the following tokens, fed
+    over the compressed cache with nothing more evicted (`tasks/continuation.py`)."""
+    from tqdm.auto import tqdm
+
+    ctx = torch.tensor([example.context_ids], device=model.device)
+    following = torch.tensor([example.following_ids], device=model.device)
+    hidden = any(kvpress.press_from_name(name, compression_ratio=0.5).needs_hidden for name, _ in todo
+                 if name != "none")  # fmt: skip
+    recording = record_prefill(model, ctx, keep_hidden=hidden)
+    full_bytes = kvpress.cache_bytes(recording.cache)
+    reference = model(following, cache=copy.deepcopy(recording.cache), use_cache=True).logits[0].float().log_softmax(-1)
+    for name, ratio in tqdm(todo, desc="configurations", leave=False, disable=not progress):
+        reset_cuda_peak()
+        press = None if name == "none" else kvpress.press_from_name(name, compression_ratio=ratio)
+        cache = copy.deepcopy(recording.cache) if press is None else compress_recording(model, recording, press,
+                                                                                        tokenizer)  # fmt: skip
+        kept = kvpress.cache_bytes(cache)
+        installation = maybe_installed(press, model, tokenizer)
+        with installation as installed, installed.frozen() if installed else contextlib.nullcontext():
+            logp = model(following, cache=cache, use_cache=True).logits[0].float().log_softmax(-1)
+        kl = (reference.exp() * (reference - logp)).sum(-1)
+        agree = (logp.argmax(-1) == reference.argmax(-1)).float()
+        yield {"press": name, "ratio": ratio, "score": float(agree.mean()), "kl": float(kl.mean()),
+               "tokens": following.shape[1], "kept_bytes": kept, "full_bytes": full_bytes, **peak_memory()}  # fmt: skip
 
 
 def _cut(new: torch.Tensor, budget: int, model) -> bool:
@@ -370,6 +408,7 @@ def write_summary(out: Path) -> list[dict]:
         summary.append({
             "task": task, "press": press, "ratio": ratio, "examples": len(members), "score": round(score, 4),
             "ppl": round(1 / score, 4) if "nll_sum" in members[0] else None,
+            "kl": round(sum(m["kl"] for m in members) / len(members), 5) if "kl" in members[0] else None,
             "retention": round(score / full_score, 4) if full_score else None,
             "kept_bytes_ratio": round(sum(m["kept_bytes"] / m["full_bytes"] for m in members) / len(members), 4),
             "peak_rss_bytes": max((m.get("peak_rss_bytes", 0) for m in members), default=0),

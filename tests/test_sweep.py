@@ -1,5 +1,6 @@
 """The sweep: one recorded prefill serves every press exactly; resumable; clear errors."""
 
+import copy
 import json
 import math
 
@@ -329,6 +330,32 @@ def test_paired_differences_count_only_examples_both_answered():
     cell, pooled = paired_rows(rows, "a", "b")[1], paired_rows(rows, "a", "b")[0]
     assert pooled["task"] == "all" and cell["task"] == "t" and cell["n"] == 2  # example 2 has no "b"
     assert cell["difference"] == -0.5 and cell["low"] < -0.5 < cell["high"]
+
+
+def test_continuation_compares_next_token_distributions_with_the_full_cache(tokenized, tmp_path):
+    """Top-1 agreement (the score) and KL(full || compressed) over the real tokens after the context: the full
+    cache agrees with itself; a press's row is what its compressed recording predicts, fed frozen."""
+    import torch.nn.functional as F
+
+    from kvpress.eval.tasks import task_examples
+
+    model, tokenizer = tokenized
+    summary = run_sweep(model, tokenizer, ["snapkv:window_size=8", "kvzip"], [0.5], ["continuation_pydoc"], tmp_path,
+                        examples=1, length=96, progress=False)  # fmt: skip
+    rows = {r["press"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    assert rows["none"]["score"] == 1.0 and rows["none"]["kl"] == pytest.approx(0.0, abs=1e-6)
+    example = task_examples("continuation_pydoc", tokenizer, 1, 96, seed=0)[0]
+    ctx, following = torch.tensor([example.context_ids]), torch.tensor([example.following_ids])
+    assert following.shape[1] == rows["kvzip"]["tokens"] == 256
+    recording = record_prefill(model, ctx)
+    full = model(following, cache=copy.deepcopy(recording.cache)).logits[0].log_softmax(-1)
+    press = kvpress.press_from_name("snapkv:window_size=8", compression_ratio=0.5)
+    with press(model) as installed, installed.frozen():
+        pressed = model(following, cache=compress_recording(model, recording, press)).logits[0].log_softmax(-1)
+    row = rows["snapkv:window_size=8"]
+    assert row["kl"] == pytest.approx(float(F.kl_div(pressed, full, log_target=True, reduction="sum")) / 256, rel=1e-4)
+    assert row["score"] == float((pressed.argmax(-1) == full.argmax(-1)).float().mean()) < 1
+    assert 0 < rows["kvzip"]["kl"] and {s["press"]: s["kl"] for s in summary}["kvzip"] == round(rows["kvzip"]["kl"], 5)
 
 
 def test_ranking_puts_the_best_worst_cell_first_and_leaves_out_tasks_at_chance():

@@ -4,7 +4,8 @@
 has `context`, `question`, `answers` and `score(text)` in [0, 1]. `ANSWER_TOKENS` is how many tokens
 an answer to the task may need: a single needle gets 32, room to restate the question before the value
 (a compressed cache often makes a model do so; RULER gives its needle tasks 128). The perplexity tasks
-give `Document`s instead (a text scored token by token, see `perplexity.py`).
+give `Document`s instead (a text scored token by token, see `perplexity.py`), the continuation tasks
+`Continuation`s (the next-token distributions over real text that follows a compressed context).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from kvpress.eval.tasks.arithmetic import arithmetic_examples
 from kvpress.eval.tasks.chat_recall import chat_recall_transcripts
 from kvpress.eval.tasks.common_words import common_words_examples
+from kvpress.eval.tasks.continuation import Continuation, continuation_examples
 from kvpress.eval.tasks.example import Example
 from kvpress.eval.tasks.multi_needle import multi_needle_examples
 from kvpress.eval.tasks.needle import needle_examples
@@ -29,6 +31,12 @@ TASKS = {
     "perplexity": lambda tokenizer, n, length, seed: perplexity_documents(tokenizer, n, length, seed, "essay"),
     "perplexity_pydoc": lambda tokenizer, n, length, seed: perplexity_documents(tokenizer, n, length, seed, "pydoc"),
     **{
+        f"continuation_{source}": lambda tokenizer, n, length, seed, source=source: continuation_examples(
+            tokenizer, n, length, seed, source
+        )
+        for source in ("essay", "pydoc")
+    },
+    **{
         f"needle_{kind}": lambda tokenizer, n, length, seed, kind=kind: multi_needle_examples(
             tokenizer, n, length, seed, kind
         )
@@ -44,11 +52,13 @@ SCORE_GROWS_WITH_TEXT = frozenset({"needle_noise", "needle_pydoc", "needle_essay
                                    "needle_multikey", "needle_multivalue", "needle_multiquery"})  # fmt: skip
 
 
-def task_examples(name: str, tokenizer, n: int, length: int, seed: int) -> list[Example] | list[Document]:
+def task_examples(
+    name: str, tokenizer, n: int, length: int, seed: int
+) -> list[Example] | list[Document] | list[Continuation]:
     """`n` examples (or documents) of task `name` with contexts of about `length` tokens."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(sorted(TASKS))}")
     return TASKS[name](tokenizer, n, length, seed)
 
 
-__all__ = ["ANSWER_TOKENS", "Document", "Example", "SCORE_GROWS_WITH_TEXT", "TASKS", "task_examples"]
+__all__ = ["ANSWER_TOKENS", "Continuation", "Document", "Example", "SCORE_GROWS_WITH_TEXT", "TASKS", "task_examples"]
