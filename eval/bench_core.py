@@ -31,7 +31,6 @@ from kvpress.engine import maybe_installed
 from kvpress.patches.model_access import attention_modules
 from kvpress.recording import record_prefill
 
-FAST_DEFAULT = "adakv:normalize=true:inner=kvzap:value_norm=true"  # the default press over KVzap's scores
 PRESSES = ("snapkv", "h2o", "sink-window", "knorm", "random", "adakv", "duo-attention", "snapkv:kv_bits=4",
            "adakv:kv_bits=4")
 
@@ -119,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"prefill {args.prefill_tokens} tokens  {name:12s} overhead x{result['prefill_overhead'][name]}")
 
     # the main road: model.generate's prefill inside the press (whole-context presses included), alternating
-    for name in map(lambda spec: kvpress.resolve_default(spec, model), args.generate_presses):
+    for name in dict.fromkeys(kvpress.resolve_default(spec, model) for spec in args.generate_presses):  # once each
         press = kvpress.press_from_name(name, compression_ratio=args.ratio)
         timed_generate(model, tokenizer, ids[:, :64], press)  # warm-up (a scorer's first load)
         base, pressed = [], []
@@ -174,9 +173,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model name or local directory (default: SmolLM2-135M)")
     parser.add_argument("--presses", default=",".join(PRESSES), type=lambda s: s.split(","))
-    parser.add_argument("--generate-presses", default=f"default,{FAST_DEFAULT}", type=lambda s: s.split(","),
+    parser.add_argument("--generate-presses", default=f"default,{kvpress.DEFAULT_PRESS}", type=lambda s: s.split(","),
                         help="presses timed inside model.generate's prefill, whole-context ones included "
-                             "(default: the model's default press and AdaKV over KVzap)")
+                             "(default: the model's default press and the one for any model)")
     parser.add_argument("--ratio", type=float, default=0.75)
     parser.add_argument("--prefill-tokens", type=int, default=1024)
     parser.add_argument("--decode-context", type=int, default=4096)
