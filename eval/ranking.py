@@ -80,19 +80,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvpress.eval.ranking", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--out", required=True, help="a sweep directory (with its full cache, ratio 0)")
+    parser.add_argument("--tasks", help="the tasks ranked on (default: those of the sweep's last run, its "
+                                        "settings.json; rows of other tasks in the directory are left out)")
     parser.add_argument("--json", help="also write the ranking to this file")
     args = parser.parse_args(argv)
-    rows = list(current_rows(Path(args.out)).values())
+    settings_path = Path(args.out) / "settings.json"
+    settings = json.loads(settings_path.read_text()) if settings_path.exists() else {}
+    tasks = args.tasks.split(",") if args.tasks else settings.get("tasks")
+    rows = [row for row in current_rows(Path(args.out)).values() if tasks is None or row["task"] in tasks]
     if not any(row["press"] == "none" for row in rows):
-        print(f"kvpress ranking: {args.out} holds no full-cache rows (ratio 0) to pair with", file=sys.stderr)
+        print(f"kvpress ranking: {args.out} holds no full-cache rows (ratio 0) of tasks {tasks} to pair with",
+              file=sys.stderr)  # fmt: skip
         return 2
     result = ranking(rows)
     if not result["presses"]:
         print(f"kvpress ranking: no press of {args.out} was measured in every informative cell", file=sys.stderr)
         return 2
-    settings = Path(args.out) / "settings.json"
-    model = json.loads(settings.read_text()).get("model") if settings.exists() else None
-    print(table(result, default_for(model)))
+    print(table(result, default_for(settings.get("model"))))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
