@@ -3,8 +3,11 @@
 `defaults.json` (next to this file) is the one place the choice is written: `any` is the press for a model
 with no entry of its own (it must need no file made for a model), `models` the press chosen for each packaged
 model, found by its architecture hash (as head patterns and scorers are), each with the reason and the
-results it was chosen on. `default` as a press name (CLI, sweeps, lm-eval's `press=`, `press_from_name`)
-means the model's default press, its parameters after colons kept: `default:kv_bits=4`.
+results it was chosen on. The rule (issue 19): a sweep on tuning seeds ranks presses by their worst cell, then
+their mean (`python -m kvpress.eval.ranking`); among presses level with the leader within its intervals, the
+one that needs no second pass over the prompt (its prefill inside `model.generate` near no press's) is chosen.
+`default` as a press name (CLI, sweeps, lm-eval's `press=`, `press_from_name`) means the model's default press,
+its parameters after colons kept: `default:kv_bits=4`.
 """
 
 from __future__ import annotations
