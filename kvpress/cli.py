@@ -66,8 +66,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         text, kept, seconds = _answer(model, tokenizer, context, DEMO_QUESTION, press, args.max_new_tokens)
         mark = "" if DEMO_ANSWER in text else "  (fact lost)"
         print(f"{name:{w}s} {args.ratio:5.2f} {kept:12,d} {kept / full_bytes:6.0%} {seconds:7.1f}  {text!r}{mark}")
-    print("\nthe first press inside model.generate (context and question in one prompt, compressed at the end "
-          "of the prefill):\n  with press(model, tokenizer=tokenizer): model.generate(ids)")  # fmt: skip
+    print("\nthe first press inside model.generate (context and question in one prompt, compressed in the "
+          "prefill):\n  with press(model, tokenizer=tokenizer): model.generate(ids)")  # fmt: skip
     text, kept, seconds = _generate_inside(model, tokenizer, context, _press(names[0], args.ratio, None),
                                            args.max_new_tokens)  # fmt: skip
     mark = "" if DEMO_ANSWER in text else "  (fact lost)"
