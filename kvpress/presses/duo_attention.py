@@ -25,6 +25,7 @@ from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.patterns import check_pattern, find_pattern, load_pattern
 from kvpress.presses.base import BasePress, Observation, _check_ratio, check_field_types
 from kvpress.presses.head_budget import HeadwisePress, head_observation
+from kvpress.presses.wrapping import inner_flag
 
 
 @dataclass
@@ -104,13 +105,8 @@ class DuoAttentionPress(HeadwisePress):
         for module in model_access.attention_modules(model).values():  # one press may serve several models
             self._plans[module] = plan
 
-    @property
-    def needs_hidden(self) -> bool:
-        return self.press is not None and self.press.needs_hidden
-
-    @property
-    def observes_frozen(self) -> bool:
-        return self.press is not None and self.press.observes_frozen
+    needs_hidden = inner_flag("needs_hidden")  # its retrieval heads' press's
+    observes_frozen = inner_flag("observes_frozen")
 
     def sink_count(self) -> int:
         return self.n_sink

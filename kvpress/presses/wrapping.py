@@ -7,6 +7,12 @@ import dataclasses
 from kvpress.presses.base import BasePress
 
 
+def inner_flag(name: str) -> property:
+    """A press's class flag (`needs_hidden`, ...) read from the press it wraps (`self.press`; False without one)."""
+    return property(lambda self: self.press is not None and getattr(self.press, name),
+                    doc=f"the wrapped press's {name}")  # fmt: skip
+
+
 class WrapsPress:
     """Mixin of presses built around another press (`press`), which keeps its own budget and protections."""
 
@@ -30,21 +36,10 @@ class WrapsPress:
         self.compression_ratio, self.max_tokens = self.press.compression_ratio, self.press.max_tokens
         self.decode_slack, self.kv_bits = self.press.decode_slack, self.press.kv_bits
 
-    @property
-    def needs_whole_context(self) -> bool:
-        return self.press.needs_whole_context
-
-    @property
-    def needs_question(self) -> bool:
-        return self.press.needs_question
-
-    @property
-    def needs_hidden(self) -> bool:
-        return self.press.needs_hidden
-
-    @property
-    def observes_frozen(self) -> bool:
-        return self.press.observes_frozen
+    needs_whole_context = inner_flag("needs_whole_context")
+    needs_question = inner_flag("needs_question")
+    needs_hidden = inner_flag("needs_hidden")
+    observes_frozen = inner_flag("observes_frozen")
 
     def prepare(self, model, recording, tokenizer=None) -> None:
         self.press.prepare(model, recording, tokenizer)
