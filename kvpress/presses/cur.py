@@ -59,12 +59,23 @@ class CURPress(BasePress):
 
 def leverage_scores(rows: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """`[B, H, n]` the leverage of each row of `rows` `[B, H, n, d]` among the `valid` ones (others score 0):
-    r_i^T (R^T R)^-1 r_i, by a Cholesky solve on the Gram matrix (a small ridge keeps it invertible)."""
-    x = rows.float()
+    r_i^T (R^T R)^-1 r_i, by a Cholesky solve on the Gram matrix. Real keys have a few channels thousands of times
+    larger than the rest (in float32 the Gram matrix of SmolLM2's 4K-token keys was not even positive definite), so
+    each channel is first scaled to unit norm (leverage does not change when columns are scaled) and the solve runs
+    in float64 with a small ridge, grown tenfold (at most three times) where a head is still singular."""
+    x = rows.double()
     if valid is not None:
         x = x * valid[..., None]
+    x = x / x.norm(dim=-2, keepdim=True).clamp_min(1e-30)
     gram = x.transpose(-1, -2) @ x
-    ridge = 1e-6 * gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)
-    gram = gram + ridge[..., None, None] * torch.eye(x.shape[-1], device=x.device)
-    solved = torch.cholesky_solve(x.transpose(-1, -2), torch.linalg.cholesky(gram))  # [B, H, d, n]
-    return (x * solved.transpose(-1, -2)).sum(-1)
+    eye = torch.eye(x.shape[-1], device=x.device, dtype=x.dtype)
+    ridge = torch.full(gram.shape[:-2], 1e-9, device=x.device, dtype=x.dtype)
+    for _ in range(4):
+        factor, info = torch.linalg.cholesky_ex(gram + ridge[..., None, None] * eye)
+        if not bool(info.any()):
+            break
+        ridge = ridge * 10
+    else:
+        raise torch.linalg.LinAlgError(f"the Gram matrix of {tuple(rows.shape)} rows stayed singular with a ridge")
+    solved = torch.cholesky_solve(x.transpose(-1, -2), factor)  # [B, H, d, n]
+    return (x * solved.transpose(-1, -2)).sum(-1).float()
