@@ -160,3 +160,9 @@ def layer_index(module: nn.Module) -> int:
 def layer_count(module: nn.Module) -> int:
     """Decoder layers of the model an attention module belongs to."""
     return module.config.num_hidden_layers
+
+
+def output_projection(module: nn.Module) -> tuple[torch.Tensor, int]:
+    """An attention module's output projection weight `[hidden, query heads x head dim]` (its `o_proj`, in every
+    supported family) and how many query heads share a KV head."""
+    return module.o_proj.weight, module.num_key_value_groups

@@ -35,7 +35,8 @@ SMALL_INTS = {"window_size": (0, 12), "kernel_size": (0, 3), "n_sink": (0, 6), "
               "chunk": (1, 64), "chunk_size": (1, 12), "seed": (0, 9)}  # fmt: skip
 ODD = {"kernel_size"}  # drawn as 2 k + 1
 ALWAYS = {"window_size"}  # its default (64) would outgrow these prompts
-FLOATS = {"alpha_safeguard": (0.0, 1.0), "decode_slack": (0.0, 0.3), "beta": (1.0, 30.0)}
+FLOATS = {"alpha_safeguard": (0.0, 1.0), "first_stage_ratio": (0.0, 1.0), "decode_slack": (0.0, 0.3),
+          "beta": (1.0, 30.0)}  # fmt: skip
 
 
 def _pattern(model, rng: random.Random) -> dict:

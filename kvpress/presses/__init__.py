@@ -9,6 +9,7 @@ from torch import nn
 from kvpress.presses.adakv import AdaKVPress
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.chunk import ChunkPress
+from kvpress.presses.criticalkv import CriticalKVPress
 from kvpress.presses.cur import CURPress
 from kvpress.presses.defaults import DEFAULT_PRESS, default_press, resolve_default
 from kvpress.presses.duo_attention import DuoAttentionPress
@@ -38,6 +39,12 @@ def _chunkkv(chunk_size: int = 10, inner: str = "snapkv", **kwargs) -> ChunkPres
     return ChunkPress(press_from_name(inner, **kwargs), chunk_size=chunk_size)
 
 
+def _criticalkv(first_stage_ratio: float = 0.5, epsilon: float = 1e-4, inner: str = "snapkv",
+                **kwargs) -> CriticalKVPress:  # fmt: skip
+    """CriticalKV's two-stage selection over the press named `inner` (SnapKV by default, as in the paper)."""
+    return CriticalKVPress(press_from_name(inner, **kwargs), first_stage_ratio=first_stage_ratio, epsilon=epsilon)
+
+
 def _pyramidkv(beta: float = 20.0, inner: str = "snapkv", **kwargs) -> PyramidKVPress:
     """PyramidKV's per-layer budgets over the press named `inner` (SnapKV by default, as in the paper)."""
     return PyramidKVPress(press_from_name(inner, **kwargs), beta=beta)
@@ -57,6 +64,7 @@ def _duo_attention(head_pattern: str = "auto", retrieval_fraction: float | None 
 PRESSES = {
     "adakv": _adakv,
     "chunkkv": _chunkkv,
+    "criticalkv": _criticalkv,
     "cur": CURPress,
     "duo-attention": _duo_attention,
     "expected-attention": ExpectedAttentionPress,

@@ -218,8 +218,12 @@ class BasePress(Installable):
         """`score()` as eviction ranks it: protected tokens (sinks, recent window) +inf, padding and holes -inf.
         `per_head_scale` first divides each head's scores by its largest finite |score| over the tokens it
         holds (a positive number: each head's own order is unchanged, only comparisons across heads)."""
+        return self.protect(obs, self.score(obs), budgets, per_head_scale)
+
+    def protect(self, obs: Observation, scores: torch.Tensor, budgets: torch.Tensor,
+                per_head_scale: bool = False) -> torch.Tensor:  # fmt: skip
+        """`scores` `[B, H, n]` of `obs`'s slots made into eviction ranks (see `ranked_scores`)."""
         layer = obs.layer
-        scores = self.score(obs)
         scores = scores if scores.dtype == torch.float64 else scores.float()  # float64 when a press needs it
         valid = layer.valid
         if per_head_scale:
