@@ -26,6 +26,7 @@ from kvpress.presses.pyramidkv import PyramidKVPress
 from kvpress.presses.random_press import RandomPress
 from kvpress.presses.sink_window import SinkWindowPress, StreamingLLMPress
 from kvpress.presses.snapkv import SnapKVPress
+from kvpress.presses.tappa import TAPPAPress
 from kvpress.presses.tova import TOVAPress
 
 
@@ -43,6 +44,12 @@ def _criticalkv(first_stage_ratio: float = 0.5, epsilon: float = 1e-4, inner: st
                 **kwargs) -> CriticalKVPress:  # fmt: skip
     """CriticalKV's two-stage selection over the press named `inner` (SnapKV by default, as in the paper)."""
     return CriticalKVPress(press_from_name(inner, **kwargs), first_stage_ratio=first_stage_ratio, epsilon=epsilon)
+
+
+def _tappa(similarity_window: int = 32, alpha_safeguard: float = 0.2, inner: str = "snapkv", **kwargs) -> TAPPAPress:
+    """TAPPA's q-similarity head budgets over the press named `inner` (SnapKV by default)."""
+    return TAPPAPress(press_from_name(inner, **kwargs), alpha_safeguard=alpha_safeguard,
+                      similarity_window=similarity_window)  # fmt: skip
 
 
 def _pyramidkv(beta: float = 20.0, inner: str = "snapkv", **kwargs) -> PyramidKVPress:
@@ -81,6 +88,7 @@ PRESSES = {
     "lookahead": LookaheadPress,
     "pyramidkv": _pyramidkv,
     "random": RandomPress,
+    "tappa": _tappa,
     "tova": TOVAPress,
 }
 

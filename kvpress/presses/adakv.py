@@ -34,31 +34,37 @@ from kvpress.presses.wrapping import WrapsPress
 
 
 @dataclass
-class AdaKVPress(WrapsPress, HeadwisePress):
-    """Wrap a score-based press: same budget per layer, spread across KV heads by a global top-k.
+class HeadSharePress(WrapsPress, HeadwisePress):
+    """A layer's budget (the wrapped press's, per head on average) shared among its KV heads by `allocate_heads`;
+    each head keeps its best-scored tokens. The base of AdaKV (a global top-k) and TAPPA (query self-similarity).
 
     Parameters:
         press: the press that scores tokens (SnapKV, H2O, Knorm, PyramidKV, ...); its budget
             (`compression_ratio` or `max_tokens`, per layer and head on average), sinks, window and
             per-layer scales are used as they are.
         alpha_safeguard: each head keeps at least this fraction of its even share (default 0.2).
-        normalize: divide each head's scores by its largest absolute score over the tokens it holds (window
-            and sinks included) before they compete across heads (default False; see above).
     """
 
     press: BasePress | None = None
     alpha_safeguard: float = 0.2
-    normalize: bool = False
 
     def __post_init__(self) -> None:
         self.adopt_press(refused=(HeadwisePress,))
         if self.press.rerotate:
-            raise ValueError("AdaKVPress gives heads different budgets: the wrapped press cannot use rerotate=True")
+            raise ValueError(f"{type(self).__name__} gives heads different budgets: the wrapped press cannot use "
+                             "rerotate=True")  # fmt: skip
         if not isinstance(self.alpha_safeguard, (int, float)) or not 0 <= self.alpha_safeguard <= 1:
             raise ValueError(f"alpha_safeguard must be a fraction in [0, 1], got {self.alpha_safeguard!r}")
-        if not isinstance(self.normalize, bool):
-            raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
         super().__post_init__()
+
+    scale_heads = False  # divide each head's scores by its peak before they are ranked (`ranked_scores`)
+
+    def allocate_heads(self, scores: torch.Tensor, per_head: torch.Tensor, query: torch.Tensor,
+                       query_valid: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """`[B, H, n]` bool: the slots each head keeps, `per_head[b] * H` in all for row b, given the ranked
+        scores (`-inf`: not held, `+inf`: protected) and the queries of the forward `[B, Hq, q, D]` (`query_valid`
+        `[B, q]`: False for padding; None: all real)."""
+        raise NotImplementedError
 
     def score(self, obs: Observation) -> torch.Tensor:
         return self.press.score(obs)
@@ -72,9 +78,9 @@ class AdaKVPress(WrapsPress, HeadwisePress):
         if not bool((held > budget).any()):
             return None
         per_head = torch.minimum(held, self.target(budget, obs.q_len))
-        scores = self.press.ranked_scores(obs, budget, per_head_scale=self.normalize)
-        heads = scores.shape[1]
-        return allocate(scores, per_head * heads, (per_head * self.alpha_safeguard).long())
+        scores = self.press.ranked_scores(obs, budget, per_head_scale=self.scale_heads)
+        valid = layer.valid
+        return self.allocate_heads(scores, per_head, obs.query, None if valid is None else valid[:, 0, -obs.q_len :])
 
     # ----- afterwards: every head grows; rows over budget are re-allocated ------------------------------
     def observe_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden=None) -> None:
@@ -100,13 +106,41 @@ class AdaKVPress(WrapsPress, HeadwisePress):
             per_head = []
             for head in range(layer.heads):
                 obs, _ = head_observation(module, query, layer, row, head)
-                ranked = self.press.ranked_scores(obs, budget[row : row + 1], per_head_scale=self.normalize)
+                ranked = self.press.ranked_scores(obs, budget[row : row + 1], per_head_scale=self.scale_heads)
                 per_head.append(ranked[0, 0])
             n = max(s.shape[0] for s in per_head)
             padded = torch.full((1, layer.heads, n), float("-inf"), device=per_head[0].device)
             for head, s in enumerate(per_head):
                 padded[0, head, : s.shape[0]] = s
-            row_target = target[row : row + 1]
-            keep = allocate(padded, row_target * layer.heads, (row_target * self.alpha_safeguard).long())
+            keep = self.allocate_heads(padded, target[row : row + 1], query[row : row + 1])
             for head, s in enumerate(per_head):
                 layer.keep(row, head, keep[0, head, : s.shape[0]].nonzero().flatten())
+
+
+@dataclass
+class AdaKVPress(HeadSharePress):
+    """Wrap a score-based press: same budget per layer, spread across KV heads by a global top-k.
+
+    Parameters:
+        press: the press that scores tokens (SnapKV, H2O, Knorm, PyramidKV, ...); its budget
+            (`compression_ratio` or `max_tokens`, per layer and head on average), sinks, window and
+            per-layer scales are used as they are.
+        alpha_safeguard: each head keeps at least this fraction of its even share (default 0.2).
+        normalize: divide each head's scores by its largest absolute score over the tokens it holds (window
+            and sinks included) before they compete across heads (default False; see above).
+    """
+
+    normalize: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
+        super().__post_init__()
+
+    @property
+    def scale_heads(self) -> bool:
+        return self.normalize
+
+    def allocate_heads(self, scores, per_head, query, query_valid=None) -> torch.Tensor:
+        heads = scores.shape[1]
+        return allocate(scores, per_head * heads, (per_head * self.alpha_safeguard).long())
