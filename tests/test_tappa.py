@@ -23,7 +23,8 @@ def test_q_similarity_is_the_mean_cosine_over_pairs_of_real_queries():
             sims = []
             for h in (2 * kv, 2 * kv + 1):
                 n = real.shape[1]
-                sims += [F.cosine_similarity(real[h, i], real[h, j], dim=0) for i in range(n) for j in range(n) if i != j]
+                pairs = [(i, j) for i in range(n) for j in range(n) if i != j]
+                sims += [F.cosine_similarity(real[h, i], real[h, j], dim=0) for i, j in pairs]
             assert abs(float(got[b, kv]) - float(torch.stack(sims).mean())) < 1e-5
 
 
