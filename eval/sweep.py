@@ -328,9 +328,10 @@ def answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_aware
         working = copy.deepcopy(cache) if press is None else cache
         new = answer_ids_from_cache(model, tokenizer, ids, working, press, answer_tokens)
         text = tokenizer.decode(new, skip_special_tokens=True).strip()
+        stored = {"offloaded_bytes": kvpress.offloaded_bytes(cache)} if kvpress.offloaded_bytes(cache) else {}
         yield {"press": name, "ratio": ratio, "score": example.score(text), "kept_bytes": kept,
                "full_bytes": full_bytes, "answer": text, "answer_tokens": answer_tokens,
-               "cut": _cut(new, answer_tokens, model), **peak_memory()}  # fmt: skip
+               "cut": _cut(new, answer_tokens, model), **stored, **peak_memory()}  # fmt: skip
 
 
 @torch.no_grad()

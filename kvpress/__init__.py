@@ -16,6 +16,7 @@ from kvpress.patches.cache import PressedLayer, cache_bytes
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.pipeline import generate
 from kvpress.presses import *  # noqa: F403  (every press class of the registry, and the registry's API)
+from kvpress.presses.recall import offloaded_bytes
 from kvpress.round_store import RoundStore
 from kvpress.rounds import RoundPolicy, RoundPress
 from kvpress.saved_cache import load_cache, save_cache
@@ -37,6 +38,7 @@ __all__ = presses.__all__ + [
     "load_cache",
     "load_model",
     "observe",
+    "offloaded_bytes",
     "save_cache",
     "stream",
 ]

@@ -154,6 +154,9 @@ class Installable:
     # scores each token once, as it is cached: it observes forwards inside `frozen()` too (nothing is evicted
     # there), so tokens cached while frozen (a question read before decoding) have their scores when eviction resumes
     observes_frozen: ClassVar[bool] = False
+    # brings evicted tokens back when a question is read inside `frozen()` (RecallPress): such a forward runs in two
+    # parts, so that its last token, which gives the first answer token, attends to what the others recalled
+    recalls: ClassVar[bool] = False
 
     def __call__(self, model: nn.Module, tokenizer=None) -> PressInstallation:
         """`with press(model):` installs the press for the caller; the model is restored on exit, even on error.
@@ -262,6 +265,8 @@ class PressInstallation:
         q = new_tokens(args, kwargs).shape[1]
         fresh = all(getattr(layer, "seen", 0) == 0 for layer in cache.layers)
         frozen = not self.intercept.compressing()
+        if self.press is not None and self.press.recalls and frozen and q >= 2 and not fresh:
+            return _in_two(forward, args, kwargs, q)
         if self.press is None or not self.press.needs_whole_context or q < 2 or frozen:
             return forward(*args, **kwargs)
         if not fresh:
@@ -297,7 +302,7 @@ class PressInstallation:
             return None  # a whole-context press evicts once, at the end of the prefill (`run_forward`)
         if not evict_now:
             if self.press.observes_frozen:
-                self.press.observe(within_window(obs))
+                self.press.observe_frozen(within_window(obs))
             return None
         return evict(self.press, within_window(obs), self._rerank if self.press.rerotate else None)
 
@@ -384,6 +389,22 @@ def maybe_installed(press: Installable | None, model: nn.Module, tokenizer=None)
 
 
 # ----- eviction: the one decision ------------------------------------------------------------------------
+def _in_two(forward: Callable, args: tuple, kwargs: dict, q: int):
+    """One forward of `q` new tokens run as two: all but the last, then the last; the output's logits are those the
+    caller asked for (`logits_to_keep`: 1 (what `generate` asks) from the second alone, else both joined)."""
+    (head_args, head_kwargs), (tail_args, tail_kwargs) = split_inputs(args, kwargs, q - 1)
+    keep = kwargs.get("logits_to_keep", 0)
+    if not isinstance(keep, int) or keep < 0:
+        raise ValueError(f"a recalling press splits this forward in two: logits_to_keep must be an int, got {keep!r}")
+    if keep == 1:
+        forward(*head_args, **{**head_kwargs, "logits_to_keep": 1})
+        return forward(*tail_args, **tail_kwargs)
+    head = forward(*head_args, **{**head_kwargs, "logits_to_keep": max(keep - 1, 0)})  # 0: every token's
+    out = forward(*tail_args, **{**tail_kwargs, "logits_to_keep": 1})
+    out.logits = torch.cat([head.logits, out.logits], dim=1)
+    return out
+
+
 def evict(press, obs: Observation, rerank: Callable[[PressedLayer], None] | None = None) -> HeadwiseLayer | None:
     """Let `press` observe `obs`, then evict what exceeds each row's budget in `obs.layer`. A per-head press
     returns the `HeadwiseLayer` that replaces the layer (or None while nothing is evicted). `rerank`

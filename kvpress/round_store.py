@@ -1,4 +1,5 @@
-"""`RoundStore`: finished chat rounds kept outside the working cache, per layer, until recalled."""
+"""`RoundStore`: spans of a cache (finished chat rounds, a prefill's tokens) kept outside the working cache, per
+layer, until recalled (by `RoundPolicy` for rounds, `RecallPress` for a context's spans)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ class RoundStore:
 
     def get(self, layer_idx: int, round_idx: int) -> dict[str, torch.Tensor]:
         return self._rounds[layer_idx, round_idx]
+
+    def spans(self, layer_idx: int) -> list[dict[str, torch.Tensor]]:
+        """Every span stored for layer `layer_idx`, in the order of their indices."""
+        return [slots for (layer, _), slots in sorted(self._rounds.items(), key=lambda kv: kv[0]) if layer == layer_idx]
 
     def __contains__(self, key: tuple[int, int]) -> bool:
         return key in self._rounds

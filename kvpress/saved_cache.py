@@ -29,6 +29,9 @@ def save_cache(cache: DynamicCache, path: str | Path, model: nn.Module, press: s
     """Write `cache` (made by `model`, compressed by the press spec `press` if given) to the safetensors file `path`."""
     if not isinstance(cache, DynamicCache):
         raise TypeError(f"save_cache saves a DynamicCache, got {type(cache).__name__}")
+    if any(getattr(layer, "offloaded", None) is not None for layer in cache.layers):
+        raise ValueError("this cache keeps a RecallPress store of evicted spans, which save_cache does not write: "
+                         "the loaded cache could not recall them (compress with its inner press to save)")  # fmt: skip
     tensors, layers, seen = {}, [], set()
     for i, layer in enumerate(cache.layers):
         named, fields = layer_state(layer, f"layer{i}")

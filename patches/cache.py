@@ -44,6 +44,7 @@ class PressedLayer(DynamicLayer):
 
     kv_bits: int | None = None  # class defaults: a layer saved before quantization existed loads as dense
     key_stats: torch.Tensor | None = None
+    offloaded = None  # slots a press keeps outside the working cache (RecallPress's store): not in its bytes
 
     @property
     def is_croppable(self) -> bool:
@@ -350,6 +351,19 @@ class PressedLayer(DynamicLayer):
         added = extra["keys"].shape[2]
         self.n += added
         self.shift = self.shift - added
+
+    def replace(self, index: torch.Tensor, held: dict[str, torch.Tensor], where: torch.Tensor) -> None:
+        """Exchange held slots for slots copied earlier (tokens seen before, as `copy_slots` gives them): slot
+        `index[b, h, j]` takes `held[name][b, h, j]` where `where[b, h, j]` is True. `n` and `seen` stay."""
+        if self.kv_bits is not None or self.rotated:
+            raise ValueError("slots cannot be exchanged in a quantized or re-rotated layer")
+        if set(held) != {"keys", "values", *self.slots}:
+            raise ValueError(f"slots to exchange carry {sorted(held)}, this layer keeps {sorted(self.slots)}")
+        for name, t in (("keys", self.keys), ("values", self.values), *self.slots.items()):
+            idx = index if t.dim() == 3 else index[..., None].expand(*index.shape, t.shape[-1])
+            mask = where if t.dim() == 3 else where[..., None]
+            view = t[:, :, : self.n]
+            view.scatter_(2, idx, torch.where(mask, held[name].to(t.device, t.dtype), view.gather(2, idx)))
 
     def _chosen(self, chosen: torch.Tensor) -> torch.Tensor:
         if not isinstance(chosen, torch.Tensor) or chosen.dtype != torch.bool or tuple(chosen.shape) != (self.n,):

@@ -32,11 +32,12 @@ PRESSES = [n for n in press_names() if not press_from_name(n, compression_ratio=
 NEW_TOKENS = 6
 # values drawn for a parameter, by the type of its default (None: left at its default)
 SMALL_INTS = {"window_size": (0, 12), "kernel_size": (0, 3), "n_sink": (0, 6), "window": (1, 12),
-              "chunk": (1, 64), "chunk_size": (1, 12), "seed": (0, 9), "similarity_window": (2, 40)}  # fmt: skip
+              "chunk": (1, 64), "chunk_size": (1, 12), "seed": (0, 9), "similarity_window": (2, 40),
+              "span_size": (1, 40)}  # fmt: skip
 ODD = {"kernel_size"}  # drawn as 2 k + 1
 ALWAYS = {"window_size"}  # its default (64) would outgrow these prompts
-FLOATS = {"alpha_safeguard": (0.0, 1.0), "first_stage_ratio": (0.0, 1.0), "decode_slack": (0.0, 0.3),
-          "beta": (1.0, 30.0)}  # fmt: skip
+FLOATS = {"alpha_safeguard": (0.0, 1.0), "first_stage_ratio": (0.0, 1.0), "recall_fraction": (0.0, 1.0),
+          "decode_slack": (0.0, 0.3), "beta": (1.0, 30.0)}  # fmt: skip
 
 
 def _pattern(model, rng: random.Random) -> dict:

@@ -24,6 +24,7 @@ from kvpress.presses.lagkv import LagKVPress
 from kvpress.presses.lookahead import LookaheadPress
 from kvpress.presses.pyramidkv import PyramidKVPress
 from kvpress.presses.random_press import RandomPress
+from kvpress.presses.recall import RecallPress
 from kvpress.presses.sink_window import SinkWindowPress, StreamingLLMPress
 from kvpress.presses.snapkv import SnapKVPress
 from kvpress.presses.tappa import TAPPAPress
@@ -50,6 +51,11 @@ def _tappa(similarity_window: int = 32, alpha_safeguard: float = 0.2, inner: str
     """TAPPA's q-similarity head budgets over the press named `inner` (SnapKV by default)."""
     return TAPPAPress(press_from_name(inner, **kwargs), alpha_safeguard=alpha_safeguard,
                       similarity_window=similarity_window)  # fmt: skip
+
+
+def _recall(span_size: int = 32, recall_fraction: float = 0.25, inner: str = "snapkv", **kwargs) -> RecallPress:
+    """Recall of stored spans over the press named `inner` (SnapKV by default)."""
+    return RecallPress(press_from_name(inner, **kwargs), span_size=span_size, recall_fraction=recall_fraction)
 
 
 def _pyramidkv(beta: float = 20.0, inner: str = "snapkv", **kwargs) -> PyramidKVPress:
@@ -88,6 +94,7 @@ PRESSES = {
     "lookahead": LookaheadPress,
     "pyramidkv": _pyramidkv,
     "random": RandomPress,
+    "recall": _recall,
     "tappa": _tappa,
     "tova": TOVAPress,
 }

@@ -159,6 +159,11 @@ class BasePress(Installable):
     def observe(self, obs: Observation) -> None:
         """Called after every attention call, before any eviction (accumulating presses override it)."""
 
+    def observe_frozen(self, obs: Observation) -> None:
+        """Called after every attention call inside `frozen()` for presses with `observes_frozen` (nothing is
+        evicted there): `observe` by default."""
+        self.observe(obs)
+
     def prepare(self, model: nn.Module, recording, tokenizer=None) -> None:
         """Called before this press is applied to a recorded prefill (`kvpress.recording.Recording`);
         presses with `needs_whole_context` run their own pass over the context here."""

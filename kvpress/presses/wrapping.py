@@ -50,6 +50,9 @@ class WrapsPress:
     def observe(self, obs) -> None:
         self.press.observe(obs)
 
+    def observe_frozen(self, obs) -> None:
+        self.press.observe_frozen(obs)
+
     def sink_count(self) -> int:
         return self.press.sink_count()
 

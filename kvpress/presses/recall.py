@@ -1,0 +1,143 @@
+"""Recall: evicted spans wait in host memory, and the spans a question needs come back into the working cache.
+
+After Ltri-LLM (Tang et al. 2024, "Ltri-LLM: Streaming Long Context Inference for LLMs with Training-Free Dynamic
+Triangular Attention Pattern", arXiv:2412.04757): attention over a long context is locally chunked, so the context
+is cut into spans kept in an index outside the working memory, and the spans that match the current queries are
+recalled. Query-agnostic compression must guess, before the question, what it will ask; recall corrects the
+guess once the question is there, and working memory stays at the budget.
+
+Here the wrapped press compresses the prompt as it would alone, while every prompt token's slots (keys, values,
+positions, per-slot state) go to a `RoundStore` in host memory, by layer. When a question is read inside
+`frozen()` (`kvpress.generate`, the pipeline, the sweeps), its queries are scored, per layer and KV head, against
+every stored key; spans of `span_size` positions rank by the attention they get; the best spans' missing tokens are
+exchanged, one for one, for the held tokens of the least attended spans (never the sinks, the recent window or the
+question), at most `recall_fraction` of the held context per head. The question's last token then runs over the
+exchanged cache (`Installable.recalls`), so the first answer token sees what was recalled. Simplifications
+against the paper: spans are fixed runs of positions (not cut along the attention's local structure), the index is
+the stored keys themselves (exact, where the paper keeps a compact summary for 100K-token contexts), and recall
+runs when a question is read, not every few decoding steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvpress.patches import model_access
+from kvpress.patches.cache import PressedLayer
+from kvpress.presses.base import BasePress, Observation
+from kvpress.presses.head_budget import HeadwisePress
+from kvpress.presses.wrapping import WrapsPress
+from kvpress.round_store import RoundStore
+
+
+@dataclass
+class RecallPress(WrapsPress, BasePress):
+    """Compress with the wrapped press; when a question is read, swap in the stored spans it attends to most.
+
+    Parameters:
+        press: the token-level press that compresses the prompt (its budget, sinks, window and layer scales are
+            used as they are; one that scores the whole context in a pass of its own, or a head-wise one, is
+            refused).
+        span_size: positions per span, the unit of recall (default 32).
+        recall_fraction: at most this fraction of each head's held context is exchanged for recalled tokens when
+            a question is read (default 0.25; 0: no recall). A pair is exchanged only where the recalled token's
+            span outranks the dropped token's.
+    """
+
+    press: BasePress | None = None
+    span_size: int = 32
+    recall_fraction: float = 0.25
+
+    recalls: ClassVar[bool] = True
+    observes_frozen: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        self.adopt_press(refused=(HeadwisePress,))
+        if self.press.needs_whole_context:
+            raise TypeError(f"RecallPress wraps a press that evicts inside the forward; {type(self.press).__name__} "
+                            "scores the whole context in a pass of its own")  # fmt: skip
+        if self.press.rerotate or self.press.kv_bits is not None:
+            raise ValueError("RecallPress exchanges slots in place: its press cannot use rerotate=True or kv_bits")
+        if isinstance(self.span_size, bool) or not isinstance(self.span_size, int) or self.span_size < 1:
+            raise ValueError(f"span_size must be a positive integer, got {self.span_size!r}")
+        f = self.recall_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+            raise ValueError(f"recall_fraction must be a fraction in [0, 1], got {f!r}")
+        super().__post_init__()
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        return self.press.score(obs)
+
+    def observe(self, obs: Observation) -> None:
+        """A prompt's forward (or chunk): its tokens' slots go to the store before the press evicts."""
+        self.press.observe(obs)
+        layer = obs.layer
+        if obs.q_len < 2 or layer.window is not None:  # decoding steps stay in the cache; sliding layers forget
+            return
+        if layer.offloaded is None:
+            layer.offloaded = RoundStore("cpu")
+        new = torch.arange(layer.n, device=layer.keys.device) >= layer.n - obs.q_len
+        layer.offloaded.put(obs.layer_idx, len(layer.offloaded), layer.copy_slots(new))
+
+    def observe_frozen(self, obs: Observation) -> None:
+        """A question read inside `frozen()`: recall the spans it attends to most."""
+        if self.press.observes_frozen:
+            self.press.observe_frozen(obs)
+        if obs.q_len >= 2 and obs.layer.offloaded is not None and self.recall_fraction > 0:
+            self._recall(obs)
+
+    def _recall(self, obs: Observation) -> None:
+        layer = obs.layer
+        if layer.padded or layer.valid is not None:
+            raise ValueError("RecallPress recalls into rows without padding: feed a padded batch one row at a time")
+        q, device = obs.q_len, layer.keys.device
+        n_old = layer.n - q  # the question's slots are the last q
+        stored = {name: torch.cat([s[name] for s in layer.offloaded.spans(obs.layer_idx)], dim=2).to(device)
+                  for name in ("keys", "values", *layer.slots)}  # fmt: skip
+        relevance = _attention_over(obs, stored["keys"])  # [B, H, N]
+        stored_pos, held_pos = stored["pos"].long(), layer.pos[..., :n_old].long()
+        top = int(max(stored_pos.max(), layer.pos.max())) + 1
+        held = torch.zeros(*held_pos.shape[:2], top, dtype=torch.bool, device=device).scatter_(-1, held_pos, True)
+        missing = ~held.gather(-1, stored_pos)
+        span = stored_pos // self.span_size
+        span_score = torch.zeros(*span.shape[:2], int(span.max()) + 1, device=device).scatter_add_(-1, span, relevance)
+        priority = span_score.gather(-1, span) + 1e-4 * relevance  # by span, then by token inside it
+        by_pos = torch.full((*held_pos.shape[:2], top), math.inf, device=device).scatter_(-1, stored_pos, priority)
+        seen = layer.seen - q
+        recent = self.recent_count(self.budget_of(seen, self.layer_scale(obs.layer_idx, obs.n_layers)))
+        protected = (held_pos < self.sink_count()) | (held_pos >= seen - recent)
+        keep_priority = by_pos.gather(-1, held_pos).masked_fill(protected, math.inf)  # not stored: +inf too
+        k = min(math.floor(self.recall_fraction * n_old), int(missing.sum(-1).min()),
+                int(keep_priority.isfinite().sum(-1).min()))  # fmt: skip
+        if k < 1:
+            return
+        recall_priority, recalled = priority.masked_fill(~missing, -math.inf).topk(k, dim=-1)
+        drop_priority, dropped = keep_priority.topk(k, dim=-1, largest=False)
+        exchange = recall_priority > drop_priority  # both sorted: the best recalled against the worst held
+        slots = {name: t.gather(2, recalled if t.dim() == 3 else recalled[..., None].expand(*recalled.shape,
+                                                                                            t.shape[-1]))
+                 for name, t in stored.items()}  # fmt: skip
+        layer.replace(dropped, slots, exchange)
+
+
+def _attention_over(obs: Observation, keys: torch.Tensor) -> torch.Tensor:
+    """`[B, Hkv, N]` the softmax attention of `obs`'s new queries over `keys` `[B, Hkv, N, D]` (a context before
+    them all), averaged over the queries and the query heads of each KV head."""
+    b, hq, q, d = obs.query.shape
+    hkv = keys.shape[1]
+    query = obs.query.float().reshape(b, hkv, (hq // hkv) * q, d) * model_access.attention_scaling(obs.module)
+    logits = query @ keys.float().transpose(-1, -2)
+    softcap = model_access.logit_softcap(obs.module)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits.softmax(dim=-1).mean(dim=2)
+
+
+def offloaded_bytes(cache) -> int:
+    """Bytes a recalling press keeps outside the working cache (its stores), over every layer of `cache`."""
+    return sum(layer.offloaded.nbytes() for layer in cache.layers
+               if isinstance(layer, PressedLayer) and layer.offloaded is not None)  # fmt: skip

@@ -1,0 +1,81 @@
+"""RecallPress: the prompt's slots wait in a host store; a question read inside frozen() exchanges the least attended
+held tokens for the stored spans it attends to most, one for one, so the working cache keeps its size."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvpress
+from kvpress import AdaKVPress, KVzipPress, RecallPress, SnapKVPress
+from kvpress.presses.recall import offloaded_bytes
+from tiny import prompt, tiny_model
+
+
+def _compressed(model, press, ids):
+    cache = DynamicCache(config=model.config)
+    with press(model):
+        model(ids, cache=cache)
+    return cache
+
+
+def test_a_question_exchanges_held_tokens_for_stored_ones_and_the_cache_keeps_its_size():
+    model = tiny_model("llama")
+    ids, question = prompt(1, 60), prompt(1, 70)[:, 60:]
+    full = DynamicCache(config=model.config)
+    model(torch.cat([ids, question], dim=1), cache=full)
+    press = RecallPress(SnapKVPress(0.5, window_size=2), span_size=4, recall_fraction=0.5)
+    cache = _compressed(model, press, ids)
+    before = [layer.pos[0, :, : layer.n].clone() for layer in cache.layers]
+    working, stored = kvpress.cache_bytes(cache), offloaded_bytes(cache)
+    assert stored > working and all(layer.offloaded is not None for layer in cache.layers)
+    with press(model) as installed, installed.frozen():
+        model(question, cache=cache)
+    moved = 0
+    for idx, layer in enumerate(cache.layers):
+        pos = layer.pos[0, :, : layer.n].long()
+        assert layer.n == 30 + 10 and layer.seen == 70
+        for head in range(pos.shape[0]):
+            assert len(set(pos[head].tolist())) == layer.n  # no position twice
+            assert {58, 59} | set(range(60, 70)) <= set(pos[head].tolist())  # the window and the question stay
+            context = (pos[head] < 60).nonzero().flatten()  # the question's own keys saw a compressed cache
+            for name in ("keys", "values"):
+                held, reference = getattr(layer, name)[0, head], getattr(full.layers[idx], name)[0, head]
+                torch.testing.assert_close(held[context], reference[pos[head, context]])
+            moved += len(set(pos[head].tolist()) - set(before[idx][head].tolist()) - set(range(60, 70)))
+    assert moved > 0
+    assert offloaded_bytes(cache) == stored
+
+
+def test_the_question_forward_in_two_parts_gives_the_same_logits():
+    model = tiny_model("qwen2")
+    ids, question = prompt(1, 40), prompt(1, 48)[:, 40:]
+    press = RecallPress(SnapKVPress(0.0), recall_fraction=0.5)  # r = 0: nothing evicted, nothing to recall
+    cache = _compressed(model, press, ids)
+    reference = DynamicCache(config=model.config)
+    model(ids, cache=reference)
+    expected = model(question, cache=reference).logits
+    with press(model) as installed, installed.frozen():
+        got = model(question, cache=cache).logits
+        last = model(prompt(1, 52)[:, 48:], cache=cache, logits_to_keep=1).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert last.shape[1] == 1 and cache.layers[0].seen == 52
+
+
+def test_refuses_presses_it_cannot_wrap_and_bad_parameters():
+    with pytest.raises(TypeError, match="pass of its own"):
+        RecallPress(KVzipPress(0.5))
+    with pytest.raises(TypeError, match="token-level"):
+        RecallPress(AdaKVPress(SnapKVPress(0.5)))
+    with pytest.raises(ValueError, match="kv_bits"):
+        RecallPress(SnapKVPress(0.5, kv_bits=8))
+    with pytest.raises(ValueError, match="span_size"):
+        RecallPress(SnapKVPress(0.5), span_size=0)
+    with pytest.raises(ValueError, match="recall_fraction"):
+        RecallPress(SnapKVPress(0.5), recall_fraction=1.5)
+
+
+def test_a_cache_with_a_store_is_not_saved_without_it(tmp_path):
+    model = tiny_model("llama")
+    cache = _compressed(model, RecallPress(SnapKVPress(0.5)), prompt(1, 20))
+    with pytest.raises(ValueError, match="RecallPress store"):
+        kvpress.save_cache(cache, tmp_path / "c.safetensors", model)
