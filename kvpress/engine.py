@@ -149,7 +149,8 @@ class Installable:
     """
 
     per_head: ClassVar[bool] = False
-    needs_whole_context: ClassVar[bool] = False  # scores the whole prompt with a pass of its own (`prepare`)
+    needs_whole_context: ClassVar[bool] = False  # scores the whole prompt once it is cached (`prepare`)
+    needs_tokenizer: ClassVar[bool] = False  # writes a prompt of its own in `prepare` (KVzip's repeat request)
     needs_hidden: ClassVar[bool] = False  # scores from `Observation.hidden` (the layer's input hidden states)
     # scores each token once, as it is cached: it observes forwards inside `frozen()` too (nothing is evicted
     # there), so tokens cached while frozen (a question read before decoding) have their scores when eviction resumes
@@ -197,7 +198,7 @@ class PressInstallation:
 
     # ----- entering -----------------------------------------------------------------------------------
     def _install(self) -> None:
-        if self.press is not None and self.press.needs_whole_context and self.tokenizer is None:
+        if self.press is not None and self.press.needs_tokenizer and self.tokenizer is None:
             raise ValueError(
                 f"{type(self.press).__name__} scores the whole prompt with a pass of its own, written with the "
                 "model's tokenizer: enter it as `with press(model, tokenizer=tokenizer):`"

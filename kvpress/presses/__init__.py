@@ -25,6 +25,7 @@ from kvpress.presses.lookahead import LookaheadPress
 from kvpress.presses.pyramidkv import PyramidKVPress
 from kvpress.presses.random_press import RandomPress
 from kvpress.presses.recall import RecallPress
+from kvpress.presses.simlayerkv import SimLayerKVPress
 from kvpress.presses.sink_window import SinkWindowPress, StreamingLLMPress
 from kvpress.presses.snapkv import SnapKVPress
 from kvpress.presses.tappa import TAPPAPress
@@ -84,6 +85,7 @@ PRESSES = {
     "snapkv": SnapKVPress,
     "h2o": HeavyHitterPress,
     "heavy-hitter": HeavyHitterPress,
+    "simlayerkv": SimLayerKVPress,
     "sink-window": SinkWindowPress,
     "streaming-llm": SinkWindowPress,
     "knorm": KnormPress,

@@ -67,6 +67,7 @@ class KVzipPress(BasePress):
     """
 
     needs_whole_context: ClassVar[bool] = True
+    needs_tokenizer: ClassVar[bool] = True
 
     prompt: str = REPEAT_PROMPT
     reconstruction_chunk: int = 2048

@@ -37,6 +37,7 @@ class WrapsPress:
         self.decode_slack, self.kv_bits = self.press.decode_slack, self.press.kv_bits
 
     needs_whole_context = inner_flag("needs_whole_context")
+    needs_tokenizer = inner_flag("needs_tokenizer")
     needs_question = inner_flag("needs_question")
     needs_hidden = inner_flag("needs_hidden")
     observes_frozen = inner_flag("observes_frozen")

@@ -1,0 +1,59 @@
+"""SimLayerKVPress: once the prompt is cached, the laziest layers (attention of the last query on the sinks and the
+recent window) keep only those, as many layers as the budget needs; the others keep everything."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvpress import SimLayerKVPress
+from kvpress.recording import compress_recording, record_prefill
+from tiny import prompt, tiny_model
+
+
+def _laziness(model, ids, n_sink, window):
+    recording = record_prefill(model, ids)
+    out = {}
+    for idx, (module, query) in recording.queries.items():
+        keys = recording.cache.layers[idx].keys
+        logits = (query[0, :, -1:] @ keys[0].repeat_interleave(2, dim=0).transpose(-1, -2)) * module.scaling
+        probs = logits.softmax(-1)[:, 0]  # [Hq, n]
+        n = probs.shape[-1]
+        local = torch.zeros(n, dtype=torch.bool)
+        local[:n_sink] = local[n - window :] = True
+        out[idx] = float(probs[:, local].sum(-1).mean())
+    return recording, out
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.6])
+def test_the_laziest_layers_keep_sinks_and_window_until_the_budget_holds(ratio):
+    model = tiny_model("llama", num_hidden_layers=4)
+    recording, laziness = _laziness(model, prompt(1, 80), 2, 6)
+    press = SimLayerKVPress(compression_ratio=ratio, n_sink=2, window_size=6)
+    cache = compress_recording(model, recording, press)
+    order = sorted(laziness, key=lambda i: -laziness[i])
+    budget = 4 * (80 - int(80 * ratio))
+    k = next(k for k in range(5) if (4 - k) * 80 + k * 8 <= budget)  # the fewest lazy layers that fit
+    assert sorted(i for i, lazy in press.lazy.items() if lazy) == sorted(order[:k])
+    for idx, layer in enumerate(cache.layers):
+        expected = [0, 1, *range(74, 80)] if idx in order[:k] else list(range(80))
+        for head in range(layer.keys.shape[1]):
+            assert sorted(layer.pos[0, head, : layer.n].tolist()) == expected
+    assert sum(layer.n for layer in cache.layers) <= budget
+
+
+def test_inside_generate_without_a_tokenizer_lazy_layers_grow_from_their_window():
+    model = tiny_model("qwen2", num_hidden_layers=4)
+    cache = DynamicCache(config=model.config)
+    press = SimLayerKVPress(compression_ratio=0.5, n_sink=2, window_size=6)
+    with press(model):
+        model.generate(prompt(1, 60), cache=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    lazy = [idx for idx, is_lazy in press.lazy.items() if is_lazy]
+    assert lazy and all(cache.layers[idx].n == 8 + 1 + 4 for idx in lazy)  # + the last prompt token, 4 generated
+    assert all(cache.layers[idx].n == 64 for idx in range(4) if idx not in lazy)
+
+
+def test_bad_parameters_are_refused_by_name():
+    with pytest.raises(ValueError, match="n_last"):
+        SimLayerKVPress(0.5, n_last=0)
+    with pytest.raises(ValueError, match="layer_scales"):
+        SimLayerKVPress(0.5, layer_scales=(1.0, 2.0))
