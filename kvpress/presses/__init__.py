@@ -25,6 +25,7 @@ from kvpress.presses.lookahead import LookaheadPress
 from kvpress.presses.pyramidkv import PyramidKVPress
 from kvpress.presses.random_press import RandomPress
 from kvpress.presses.recall import RecallPress
+from kvpress.presses.shotkv import ShotKVPress
 from kvpress.presses.simlayerkv import SimLayerKVPress
 from kvpress.presses.sink_window import SinkWindowPress, StreamingLLMPress
 from kvpress.presses.snapkv import SnapKVPress
@@ -59,6 +60,11 @@ def _recall(span_size: int = 32, recall_fraction: float = 0.25, inner: str = "sn
     return RecallPress(press_from_name(inner, **kwargs), span_size=span_size, recall_fraction=recall_fraction)
 
 
+def _shotkv(shot_marker: str = "Question:", inner: str = "snapkv", **kwargs) -> ShotKVPress:
+    """ShotKV's whole shots over the press named `inner` (SnapKV by default)."""
+    return ShotKVPress(press_from_name(inner, **kwargs), shot_marker=shot_marker)
+
+
 def _pyramidkv(beta: float = 20.0, inner: str = "snapkv", **kwargs) -> PyramidKVPress:
     """PyramidKV's per-layer budgets over the press named `inner` (SnapKV by default, as in the paper)."""
     return PyramidKVPress(press_from_name(inner, **kwargs), beta=beta)
@@ -85,6 +91,7 @@ PRESSES = {
     "snapkv": SnapKVPress,
     "h2o": HeavyHitterPress,
     "heavy-hitter": HeavyHitterPress,
+    "shotkv": _shotkv,
     "simlayerkv": SimLayerKVPress,
     "sink-window": SinkWindowPress,
     "streaming-llm": SinkWindowPress,

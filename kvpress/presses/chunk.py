@@ -40,15 +40,19 @@ class ChunkPress(WrapsPress, BasePress):
         super().__post_init__()
 
     def score(self, obs: Observation) -> torch.Tensor:
-        # float64: the tokens' own order within a chunk (1e-6 of their scores) must survive the chunk's mean,
-        # which float32 rounds away (ties then fall to slot order, and a padded batch would differ from a row alone)
-        scores = self.press.score(obs).double()  # [B, H, n]
-        chunk = obs.layer.pos.long() // self.chunk_size
-        valid = obs.layer.valid
-        weight = torch.ones_like(scores) if valid is None else valid.double()
-        scores = scores.masked_fill(weight == 0, 0.0)
-        n_chunks = int(chunk.max()) + 1
-        total = scores.new_zeros(*scores.shape[:2], n_chunks).scatter_add_(-1, chunk, scores)
-        count = scores.new_zeros(*scores.shape[:2], n_chunks).scatter_add_(-1, chunk, weight)
-        mean = total / count.clamp_min(1.0)
-        return mean.gather(-1, chunk) + 1e-6 * scores  # whole chunks first, the tokens' own order within
+        return segment_mean(self.press.score(obs), obs.layer.pos.long() // self.chunk_size, obs.layer.valid)
+
+
+def segment_mean(scores: torch.Tensor, segment: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """`[B, H, n]` each slot's score replaced by the mean over the held (`valid`) slots of its segment (`segment`
+    `[B, H, n]`, ids >= 0), plus 1e-6 of its own: whole segments first, the tokens' own order within each."""
+    # float64: the tokens' own order within a segment (1e-6 of their scores) must survive the segment's mean,
+    # which float32 rounds away (ties then fall to slot order, and a padded batch would differ from a row alone)
+    scores = scores.double()
+    weight = torch.ones_like(scores) if valid is None else valid.double()
+    scores = scores.masked_fill(weight == 0, 0.0)
+    n_segments = int(segment.max()) + 1
+    total = scores.new_zeros(*scores.shape[:2], n_segments).scatter_add_(-1, segment, scores)
+    count = scores.new_zeros(*scores.shape[:2], n_segments).scatter_add_(-1, segment, weight)
+    mean = total / count.clamp_min(1.0)
+    return mean.gather(-1, segment) + 1e-6 * scores
