@@ -100,7 +100,7 @@ def prefill_context(
         compress_recording(model, recording, press, tokenizer, in_place=True)
     else:
         with maybe_installed(press, model):
-            model(ids, cache=cache, use_cache=True)
+            model(ids, cache=cache, use_cache=True, logits_to_keep=1)  # the cache is what is wanted, not logits
 
 
 @torch.no_grad()

@@ -97,3 +97,21 @@ def test_a_chunked_prefill_or_a_new_turn_is_refused_and_a_frozen_turn_kept_whole
         n = sum(layer.lengths) / layer.heads if isinstance(layer, kvpress.HeadwiseLayer) else layer.n
         assert n < ids.shape[1] - 8 and layer.seen == ids.shape[1]  # compressed prompt + the whole frozen turn
     assert held == [ids.shape[1] - 8] * len(held)  # positions count tokens seen
+
+
+def test_prefills_that_only_fill_a_cache_compute_no_logits_but_the_last():
+    """A recorded prefill and `prefill_context` want the cache: the output head runs on one position, not all
+    (a 4K prompt's logits are 0.8 GB on SmolLM2, 2.5 GB on Qwen2.5)."""
+    from kvpress.pipeline import prefill_context
+    from kvpress.recording import record_prefill
+    from tiny import prompt, tiny_model
+
+    model = tiny_model("llama")
+    rows = []
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[1]))
+    try:
+        record_prefill(model, prompt(1, 30))
+        prefill_context(model, prompt(1, 30), SnapKVPress(0.5), DynamicCache(config=model.config))
+    finally:
+        handle.remove()
+    assert rows == [1, 1]
