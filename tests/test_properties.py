@@ -33,7 +33,7 @@ NEW_TOKENS = 6
 # values drawn for a parameter, by the type of its default (None: left at its default)
 SMALL_INTS = {"window_size": (0, 12), "kernel_size": (0, 3), "n_sink": (0, 6), "window": (1, 12),
               "chunk": (1, 64), "chunk_size": (1, 12), "seed": (0, 9), "similarity_window": (2, 40),
-              "span_size": (1, 40)}  # fmt: skip
+              "span_size": (1, 40), "recall_every": (0, 4)}  # fmt: skip
 ODD = {"kernel_size"}  # drawn as 2 k + 1
 ALWAYS = {"window_size"}  # its default (64) would outgrow these prompts
 FLOATS = {"alpha_safeguard": (0.0, 1.0), "first_stage_ratio": (0.0, 1.0), "recall_fraction": (0.0, 1.0),

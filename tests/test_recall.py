@@ -79,3 +79,21 @@ def test_a_cache_with_a_store_is_not_saved_without_it(tmp_path):
     cache = _compressed(model, RecallPress(SnapKVPress(0.5)), prompt(1, 20))
     with pytest.raises(ValueError, match="RecallPress store"):
         kvpress.save_cache(cache, tmp_path / "c.safetensors", model)
+
+
+def test_decoding_recalls_every_few_tokens_and_keeps_the_budget():
+    model = tiny_model("llama")
+    ids = prompt(1, 60)
+    press = RecallPress(SnapKVPress(max_tokens=20, window_size=2), span_size=4, recall_every=3)
+    cache = DynamicCache(config=model.config)
+    steps = []
+    original = press._recall
+    press._recall = lambda obs: (steps.append((obs.layer_idx, obs.layer.seen)), original(obs))
+    with press(model):
+        model.generate(ids, cache=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert sorted({seen for _, seen in steps}) == [63, 66]  # tokens 61..67 decoded; every third one recalls
+    assert all(layer.n <= 20 and layer.seen == 67 for layer in cache.layers)
+    padded = torch.ones(2, 30, dtype=torch.long)
+    padded[0, :5] = 0
+    with pytest.raises(ValueError, match="without padding"), press(model):
+        model(prompt(2, 30), attention_mask=padded, cache=DynamicCache(config=model.config))

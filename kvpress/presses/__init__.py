@@ -55,9 +55,11 @@ def _tappa(similarity_window: int = 32, alpha_safeguard: float = 0.2, inner: str
                       similarity_window=similarity_window)  # fmt: skip
 
 
-def _recall(span_size: int = 32, recall_fraction: float = 0.25, inner: str = "snapkv", **kwargs) -> RecallPress:
+def _recall(span_size: int = 32, recall_fraction: float = 0.25, recall_every: int = 0, inner: str = "snapkv",
+            **kwargs) -> RecallPress:  # fmt: skip
     """Recall of stored spans over the press named `inner` (SnapKV by default)."""
-    return RecallPress(press_from_name(inner, **kwargs), span_size=span_size, recall_fraction=recall_fraction)
+    return RecallPress(press_from_name(inner, **kwargs), span_size=span_size, recall_fraction=recall_fraction,
+                       recall_every=recall_every)  # fmt: skip
 
 
 def _shotkv(shot_marker: str = "Question:", inner: str = "snapkv", **kwargs) -> ShotKVPress:

@@ -12,10 +12,10 @@ positions, per-slot state) go to a `RoundStore` in host memory, by layer. When a
 every stored key; spans of `span_size` positions rank by the attention they get; the best spans' missing tokens are
 exchanged, one for one, for the held tokens of the least attended spans (never the sinks, the recent window or the
 question), at most `recall_fraction` of the held context per head. The question's last token then runs over the
-exchanged cache (`Installable.recalls`), so the first answer token sees what was recalled. Simplifications
-against the paper: spans are fixed runs of positions (not cut along the attention's local structure), the index is
-the stored keys themselves (exact, where the paper keeps a compact summary for 100K-token contexts), and recall
-runs when a question is read, not every few decoding steps.
+exchanged cache (`Installable.recalls`), so the first answer token sees what was recalled; with `recall_every`,
+decoding recalls again every that many tokens, by the current token's query. Simplifications against the paper:
+spans are fixed runs of positions (not cut along the attention's local structure), and the index is the stored
+keys themselves (exact, where the paper keeps a compact summary for 100K-token contexts).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from kvpress.presses.head_budget import HeadwisePress
 from kvpress.presses.wrapping import WrapsPress
 from kvpress.round_store import RoundStore
 
+_UNPADDED = "RecallPress recalls into rows without padding: feed a padded batch one row at a time"
+
 
 @dataclass
 class RecallPress(WrapsPress, BasePress):
@@ -46,11 +48,14 @@ class RecallPress(WrapsPress, BasePress):
         recall_fraction: at most this fraction of each head's held context is exchanged for recalled tokens when
             a question is read (default 0.25; 0: no recall). A pair is exchanged only where the recalled token's
             span outranks the dropped token's.
+        recall_every: while decoding, recall again every this many tokens, ranked by the newest token's query
+            (default 0: only when a question is read).
     """
 
     press: BasePress | None = None
     span_size: int = 32
     recall_fraction: float = 0.25
+    recall_every: int = 0
 
     recalls: ClassVar[bool] = True
     observes_frozen: ClassVar[bool] = True
@@ -67,6 +72,9 @@ class RecallPress(WrapsPress, BasePress):
         f = self.recall_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
             raise ValueError(f"recall_fraction must be a fraction in [0, 1], got {f!r}")
+        if isinstance(self.recall_every, bool) or not isinstance(self.recall_every, int) or self.recall_every < 0:
+            raise ValueError(f"recall_every must be a non-negative integer (0: none while decoding), got "
+                             f"{self.recall_every!r}")  # fmt: skip
         super().__post_init__()
 
     def score(self, obs: Observation) -> torch.Tensor:
@@ -76,8 +84,12 @@ class RecallPress(WrapsPress, BasePress):
         """A prompt's forward (or chunk): its tokens' slots go to the store before the press evicts."""
         self.press.observe(obs)
         layer = obs.layer
+        if self._decoding_recall(obs):
+            self._recall(obs)
         if obs.q_len < 2 or layer.window is not None:  # decoding steps stay in the cache; sliding layers forget
             return
+        if layer.padded:
+            raise ValueError(_UNPADDED)
         if layer.offloaded is None:
             layer.offloaded = RoundStore("cpu")
         new = torch.arange(layer.n, device=layer.keys.device) >= layer.n - obs.q_len
@@ -87,13 +99,20 @@ class RecallPress(WrapsPress, BasePress):
         """A question read inside `frozen()`: recall the spans it attends to most."""
         if self.press.observes_frozen:
             self.press.observe_frozen(obs)
-        if obs.q_len >= 2 and obs.layer.offloaded is not None and self.recall_fraction > 0:
+        if (obs.q_len >= 2 and obs.layer.offloaded is not None and self.recall_fraction > 0) or \
+                self._decoding_recall(obs):  # fmt: skip
             self._recall(obs)
+
+    def _decoding_recall(self, obs: Observation) -> bool:
+        """Whether this decoding step recalls (every `recall_every` tokens seen)."""
+        layer = obs.layer
+        return (obs.q_len == 1 and self.recall_every > 0 and self.recall_fraction > 0 and layer.offloaded is not None
+                and layer.seen % self.recall_every == 0)  # fmt: skip
 
     def _recall(self, obs: Observation) -> None:
         layer = obs.layer
         if layer.padded or layer.valid is not None:
-            raise ValueError("RecallPress recalls into rows without padding: feed a padded batch one row at a time")
+            raise ValueError(_UNPADDED)
         q, device = obs.q_len, layer.keys.device
         n_old = layer.n - q  # the question's slots are the last q
         stored = {name: torch.cat([s[name] for s in layer.offloaded.spans(obs.layer_idx)], dim=2).to(device)
