@@ -200,8 +200,8 @@ class PressInstallation:
     def _install(self) -> None:
         if self.press is not None and self.press.needs_tokenizer and self.tokenizer is None:
             raise ValueError(
-                f"{type(self.press).__name__} scores the whole prompt with a pass of its own, written with the "
-                "model's tokenizer: enter it as `with press(model, tokenizer=tokenizer):`"
+                f"{type(self.press).__name__} uses the model's tokenizer when it scores the prompt (to write a "
+                "prompt of its own, or find its markers): enter it as `with press(model, tokenizer=tokenizer):`"
             )
         self.intercept.install()
 
@@ -389,7 +389,6 @@ def maybe_installed(press: Installable | None, model: nn.Module, tokenizer=None)
     return contextlib.nullcontext() if press is None else press(model, tokenizer=tokenizer)
 
 
-# ----- eviction: the one decision ------------------------------------------------------------------------
 def _in_two(forward: Callable, args: tuple, kwargs: dict, q: int):
     """One forward of `q` new tokens run as two: all but the last, then the last; the output's logits are those the
     caller asked for (`logits_to_keep`: 1 (what `generate` asks) from the second alone, else both joined)."""
@@ -406,6 +405,7 @@ def _in_two(forward: Callable, args: tuple, kwargs: dict, q: int):
     return out
 
 
+# ----- eviction: the one decision ------------------------------------------------------------------------
 def evict(press, obs: Observation, rerank: Callable[[PressedLayer], None] | None = None) -> HeadwiseLayer | None:
     """Let `press` observe `obs`, then evict what exceeds each row's budget in `obs.layer`. A per-head press
     returns the `HeadwiseLayer` that replaces the layer (or None while nothing is evicted). `rerank`
