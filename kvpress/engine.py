@@ -393,6 +393,11 @@ def _in_two(forward: Callable, args: tuple, kwargs: dict, q: int):
     """One forward of `q` new tokens run as two: all but the last, then the last; the output's logits are those the
     caller asked for (`logits_to_keep`: 1 (what `generate` asks) from the second alone, else both joined)."""
     (head_args, head_kwargs), (tail_args, tail_kwargs) = split_inputs(args, kwargs, q - 1)
+    unmerged = [name for name in ("labels", "output_attentions", "output_hidden_states")
+                if kwargs.get(name) is not None and kwargs.get(name) is not False]  # fmt: skip
+    if unmerged:
+        raise ValueError(f"a recalling press reads a question in two forwards, whose {', '.join(unmerged)} it cannot "
+                         "join: compute them without the press, or outside frozen()")  # fmt: skip
     keep = kwargs.get("logits_to_keep", 0)
     if not isinstance(keep, int) or keep < 0:
         raise ValueError(f"a recalling press splits this forward in two: logits_to_keep must be an int, got {keep!r}")

@@ -161,6 +161,7 @@ class PressedLayer(DynamicLayer):
         self.slots, self.real_seen, self.shift, self.rotated, self.padded = {}, None, None, False, False
         self.torn = False
         self.kv_bits, self.key_stats = None, None  # dense again until a press quantizes the next prompt
+        self.offloaded = None  # the next prompt's spans are its own
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -181,15 +182,27 @@ class PressedLayer(DynamicLayer):
 
     def rewind_point(self) -> dict:
         """What `rewind` needs to drop every slot appended from now on: a copy of the small state (slots held,
-        counters, flags, per-row totals); keys, values and per-slot tensors are not copied."""
-        return copy.deepcopy({name: v for name, v in vars(self).items() if name not in ("keys", "values", "slots")})
+        counters, flags, per-row totals); keys, values and per-slot tensors are not copied, but where a recalling
+        press may exchange held slots in place (`offloaded`: its store, shared, not copied) the held ones are."""
+        point = copy.deepcopy({name: v for name, v in vars(self).items()
+                               if name not in ("keys", "values", "slots", "offloaded")})  # fmt: skip
+        if self.offloaded is not None:
+            point["held"] = self.copy_slots(torch.ones(self.n, dtype=torch.bool, device=self.keys.device))
+        return point
 
     def rewind(self, point: dict) -> None:
         """Drop the slots appended since `rewind_point` gave `point`. Appends go after the held slots, so the
-        first `n` are exactly those held then; they move to tensors of their own (the rest is freed)."""
+        first `n` are exactly those held then (or their copies, where slots may have been exchanged); they move
+        to tensors of their own (the rest is freed)."""
+        point = dict(point)
+        held = point.pop("held", None)
         n = point["n"]
-        self.keys, self.values = self.keys[:, :, :n].clone(), self.values[:, :, :n].clone()
-        self.slots = {name: t[..., :n].clone() for name, t in self.slots.items()}
+        if held is not None:
+            self.keys, self.values = held["keys"].clone(), held["values"].clone()
+            self.slots = {name: held[name].clone() for name in held if name not in ("keys", "values")}
+        else:
+            self.keys, self.values = self.keys[:, :, :n].clone(), self.values[:, :, :n].clone()
+            self.slots = {name: t[..., :n].clone() for name, t in self.slots.items()}
         vars(self).update(point)
 
     # ----- what a press reads ---------------------------------------------------------------------
@@ -359,6 +372,10 @@ class PressedLayer(DynamicLayer):
             raise ValueError("slots cannot be exchanged in a quantized or re-rotated layer")
         if set(held) != {"keys", "values", *self.slots}:
             raise ValueError(f"slots to exchange carry {sorted(held)}, this layer keeps {sorted(self.slots)}")
+        b, h = self.keys.shape[:2]
+        if index.shape != where.shape or index.shape[:2] != (b, h) or held["keys"].shape[:3] != index.shape:
+            raise ValueError(f"slots to exchange: index {tuple(index.shape)}, where {tuple(where.shape)} and keys "
+                             f"{tuple(held['keys'].shape)} must agree on [batch={b}, heads={h}, k]")  # fmt: skip
         for name, t in (("keys", self.keys), ("values", self.values), *self.slots.items()):
             idx = index if t.dim() == 3 else index[..., None].expand(*index.shape, t.shape[-1])
             mask = where if t.dim() == 3 else where[..., None]
@@ -454,6 +471,9 @@ class PressedLayer(DynamicLayer):
     def _map_rows(self, fn) -> None:
         if not self.is_initialized or self.keys.numel() == 0:
             return
+        if self.offloaded is not None:
+            raise ValueError("this layer keeps a RecallPress store of its prompt's spans, which does not follow beam "
+                             "search or row selection: generate with num_beams=1 and the whole batch")  # fmt: skip
         self._map_all(fn)
         if self.real_seen is not None:
             self.real_seen, self.shift = fn(self.real_seen), fn(self.shift)

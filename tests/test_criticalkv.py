@@ -76,3 +76,26 @@ def test_refuses_scores_that_are_not_attention_and_bad_parameters():
         CriticalKVPress(SnapKVPress(0.5), first_stage_ratio=1.5)
     with pytest.raises(ValueError, match="epsilon"):
         CriticalKVPress(SnapKVPress(0.5), epsilon=-1.0)
+
+
+def test_wrappers_keep_its_two_stages_or_refuse_it():
+    from kvpress import ChunkPress, ExpectedAttentionPress, PyramidKVPress, SimLayerKVPress
+
+    critical = CriticalKVPress(SnapKVPress(0.5, window_size=2))
+    with pytest.raises(TypeError, match="wraps a token-level press"):
+        ChunkPress(critical)
+    with pytest.raises(ValueError, match="use_vnorm=False"):
+        CriticalKVPress(ExpectedAttentionPress(0.5))
+    with pytest.raises(TypeError, match="cannot wrap SimLayerKVPress"):
+        CriticalKVPress(SimLayerKVPress(0.5))
+    model = tiny_model("llama")
+    ids = prompt(1, 40)
+    pyramid = PyramidKVPress(critical, beta=1.0)  # beta 1: every layer the same budget, so the same tokens
+    caches = []
+    for press in (critical, pyramid):
+        cache = DynamicCache(config=model.config)
+        with press(model):
+            model(ids, cache=cache)
+        caches.append(cache)
+    for a, b in zip(*(c.layers for c in caches), strict=True):
+        assert torch.equal(a.pos[..., : a.n].sort(-1).values, b.pos[..., : b.n].sort(-1).values)

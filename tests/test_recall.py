@@ -97,3 +97,36 @@ def test_decoding_recalls_every_few_tokens_and_keeps_the_budget():
     padded[0, :5] = 0
     with pytest.raises(ValueError, match="without padding"), press(model):
         model(prompt(2, 30), attention_mask=padded, cache=DynamicCache(config=model.config))
+
+
+def test_scratch_puts_exchanged_slots_back_and_a_two_token_question_recalls():
+    from kvpress.patches.cache import scratch
+
+    model = tiny_model("llama")
+    press = RecallPress(SnapKVPress(0.5, window_size=2), span_size=4, recall_fraction=0.5)
+    cache = _compressed(model, press, prompt(1, 60))
+    before = [(layer.pos[..., : layer.n].clone(), layer.keys[..., : layer.n, :].clone()) for layer in cache.layers]
+    with scratch(cache), press(model) as installed, installed.frozen():
+        model(prompt(1, 62)[:, 60:], cache=cache)  # two tokens: a one-token head, then the last
+        moved = [set(layer.pos[0, 0, : layer.n].tolist()) - set(pos[0, 0].tolist()) - {60, 61}
+                 for layer, (pos, _) in zip(cache.layers, before, strict=True)]  # fmt: skip
+    assert any(moved)
+    for layer, (pos, keys) in zip(cache.layers, before, strict=True):
+        assert torch.equal(layer.pos[..., : layer.n], pos) and torch.equal(layer.keys[..., : layer.n, :], keys)
+
+
+def test_it_cannot_be_wrapped_and_its_store_does_not_outlive_the_prompt():
+    with pytest.raises(TypeError, match="cannot wrap RecallPress"):
+        AdaKVPress(RecallPress(SnapKVPress(0.5)))
+    with pytest.raises(TypeError, match="cannot wrap RecallPress"):
+        kvpress.press_from_name("chunkkv:inner=recall", compression_ratio=0.5)
+    model = tiny_model("llama")
+    press = RecallPress(SnapKVPress(0.5))
+    cache = _compressed(model, press, prompt(1, 20))
+    with pytest.raises(ValueError, match="beam"):
+        cache.reorder_cache(torch.tensor([0]))
+    cache.reset()
+    assert all(layer.offloaded is None for layer in cache.layers)
+    cache = _compressed(model, press, prompt(1, 20))
+    with pytest.raises(ValueError, match="labels"), press(model) as installed, installed.frozen():
+        model(prompt(1, 24)[:, 20:], cache=cache, labels=prompt(1, 24)[:, 20:])

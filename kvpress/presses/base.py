@@ -107,6 +107,9 @@ class BasePress(Installable):
     # a live prefill (`PressInstallation.run_forward`), never inside a layer's forward.
     # True for presses that score by the question (Lookahead drafts its answer): query-aware prefills only.
     needs_question: ClassVar[bool] = False
+    # False for presses that cannot sit inside a wrapper (AdaKV, PyramidKV, ...): they plan layers themselves
+    # (SimLayerKV) or exchange slots between forwards (RecallPress)
+    wrappable: ClassVar[bool] = True
 
     compression_ratio: float | None = None
     max_tokens: int | None = None

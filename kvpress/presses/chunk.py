@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpress.presses.base import BasePress, Observation
+from kvpress.presses.criticalkv import CriticalKVPress
 from kvpress.presses.head_budget import HeadwisePress
 from kvpress.presses.wrapping import WrapsPress
 
@@ -33,7 +34,7 @@ class ChunkPress(WrapsPress, BasePress):
     chunk_size: int = 10
 
     def __post_init__(self) -> None:
-        self.adopt_press(refused=(HeadwisePress, ChunkPress))
+        self.adopt_press(refused=(HeadwisePress, ChunkPress, CriticalKVPress))  # CriticalKV ranks in two stages
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer, got {self.chunk_size!r}")
         self.rerotate, self.layer_scales = self.press.rerotate, self.press.layer_scales

@@ -35,7 +35,9 @@ class CriticalKVPress(WrapsPress, BasePress):
         epsilon: added to the attention before it is weighted (default 1e-4), so an unattended token with a
             large value still ranks above an unattended small one.
 
-    Wrapped by AdaKV (`adakv:inner=criticalkv`) the two stages run per head, as the paper's CriticalAdaKV.
+    Wrapped by AdaKV (`adakv:inner=criticalkv`) the two stages run per head, as the paper's CriticalAdaKV: each
+    head keeps its first stage (`first_stage_ratio` of its even share, ranked above any second-stage token), which
+    then acts as its safeguard. ChunkKV and ShotKV, which average raw scores, refuse it.
     """
 
     press: BasePress | None = None
@@ -44,6 +46,9 @@ class CriticalKVPress(WrapsPress, BasePress):
 
     def __post_init__(self) -> None:
         self.adopt_press(refused=(HeadwisePress,))
+        if getattr(self.press, "use_vnorm", False):
+            raise ValueError(f"CriticalKVPress weighs attention by the projected value norm itself: give "
+                             f"{type(self.press).__name__} use_vnorm=False")  # fmt: skip
         ratio = self.first_stage_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
             raise ValueError(f"first_stage_ratio must be a fraction in [0, 1], got {ratio!r}")

@@ -74,7 +74,7 @@ def leverage_scores(rows: torch.Tensor, valid: torch.Tensor | None = None) -> to
         factor, info = torch.linalg.cholesky_ex(gram + ridge[..., None, None] * eye)
         if not bool(info.any()):
             break
-        ridge = ridge * 10
+        ridge = torch.where(info > 0, ridge * 10, ridge)  # only the heads still singular
     else:
         raise torch.linalg.LinAlgError(f"the Gram matrix of {tuple(rows.shape)} rows stayed singular with a ridge")
     solved = torch.cholesky_solve(x.transpose(-1, -2), factor)  # [B, H, d, n]

@@ -56,7 +56,8 @@ class DuoAttentionPress(HeadwisePress):
 
     def __post_init__(self) -> None:
         if self.press is not None:
-            if not isinstance(self.press, BasePress) or self.press.per_head or self.press.needs_whole_context:
+            if not isinstance(self.press, BasePress) or self.press.per_head or self.press.needs_whole_context \
+                    or not self.press.wrappable:  # fmt: skip
                 raise TypeError(f"DuoAttentionPress's press scores its retrieval heads: a token-level press that "
                                 f"evicts inside a forward (SnapKV, H2O, Knorm, ...), got {self.press!r}")  # fmt: skip
             if self.retrieval_fraction is None or self.compression_ratio is not None:

@@ -63,6 +63,9 @@ class PyramidKVPress(WrapsPress, BasePress):
     def score(self, obs):
         return self.press.score(obs)
 
+    def ranked_scores(self, obs, budgets, per_head_scale: bool = False):
+        return self.press.ranked_scores(obs, budgets, per_head_scale)  # the wrapped press's own (CriticalKV's stages)
+
     def layer_scale(self, layer_idx: int, n_layers: int) -> float:
         if n_layers == 1:
             return 1.0

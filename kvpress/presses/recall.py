@@ -59,6 +59,7 @@ class RecallPress(WrapsPress, BasePress):
 
     recalls: ClassVar[bool] = True
     observes_frozen: ClassVar[bool] = True
+    wrappable: ClassVar[bool] = False  # it exchanges slots between forwards, under its own window
 
     def __post_init__(self) -> None:
         self.adopt_press(refused=(HeadwisePress,))
@@ -80,28 +81,34 @@ class RecallPress(WrapsPress, BasePress):
     def score(self, obs: Observation) -> torch.Tensor:
         return self.press.score(obs)
 
+    def ranked_scores(self, obs: Observation, budgets: torch.Tensor, per_head_scale: bool = False) -> torch.Tensor:
+        return self.press.ranked_scores(obs, budgets, per_head_scale)  # the wrapped press's own (CriticalKV's stages)
+
     def observe(self, obs: Observation) -> None:
         """A prompt's forward (or chunk): its tokens' slots go to the store before the press evicts."""
         self.press.observe(obs)
         layer = obs.layer
         if self._decoding_recall(obs):
             self._recall(obs)
-        if obs.q_len < 2 or layer.window is not None:  # decoding steps stay in the cache; sliding layers forget
+        if obs.q_len < 2 or layer.window is not None:  # decoding steps are not stored; sliding layers forget
             return
         if layer.padded:
             raise ValueError(_UNPADDED)
         if layer.offloaded is None:
-            layer.offloaded = RoundStore("cpu")
+            layer.offloaded = SpanStore("cpu")
         new = torch.arange(layer.n, device=layer.keys.device) >= layer.n - obs.q_len
         layer.offloaded.put(obs.layer_idx, len(layer.offloaded), layer.copy_slots(new))
+        layer.offloaded.unread = True
 
     def observe_frozen(self, obs: Observation) -> None:
         """A question read inside `frozen()`: recall the spans it attends to most."""
         if self.press.observes_frozen:
             self.press.observe_frozen(obs)
-        if (obs.q_len >= 2 and obs.layer.offloaded is not None and self.recall_fraction > 0) or \
-                self._decoding_recall(obs):  # fmt: skip
+        store = obs.layer.offloaded
+        question = store is not None and (obs.q_len >= 2 or store.unread)  # a one-token head of a split question too
+        if (question and self.recall_fraction > 0) or self._decoding_recall(obs):
             self._recall(obs)
+            store.unread = False
 
     def _decoding_recall(self, obs: Observation) -> bool:
         """Whether this decoding step recalls (every `recall_every` tokens seen)."""
@@ -141,6 +148,13 @@ class RecallPress(WrapsPress, BasePress):
                                                                                             t.shape[-1]))
                  for name, t in stored.items()}  # fmt: skip
         layer.replace(dropped, slots, exchange)
+
+
+class SpanStore(RoundStore):
+    """A `RoundStore` of a prompt's spans that knows whether a question has read them yet (the first forward read
+    inside `frozen()` after the prompt recalls, whatever its length)."""
+
+    unread: bool = False
 
 
 def _attention_over(obs: Observation, keys: torch.Tensor) -> torch.Tensor:

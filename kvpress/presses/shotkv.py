@@ -23,6 +23,7 @@ from torch import nn
 
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.chunk import ChunkPress, segment_mean
+from kvpress.presses.criticalkv import CriticalKVPress
 from kvpress.presses.head_budget import HeadwisePress
 from kvpress.presses.wrapping import WrapsPress
 
@@ -46,7 +47,7 @@ class ShotKVPress(WrapsPress, BasePress):
     shots: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.adopt_press(refused=(HeadwisePress, ChunkPress, ShotKVPress))
+        self.adopt_press(refused=(HeadwisePress, ChunkPress, ShotKVPress, CriticalKVPress))
         if not isinstance(self.shot_marker, str) or not self.shot_marker.strip():
             raise ValueError(f"shot_marker must be a non-empty text, got {self.shot_marker!r}")
         self.rerotate, self.layer_scales = self.press.rerotate, self.press.layer_scales

@@ -40,6 +40,7 @@ class SimLayerKVPress(BasePress):
     """
 
     needs_whole_context: ClassVar[bool] = True
+    wrappable: ClassVar[bool] = False  # its layer plan is its own budget
 
     n_sink: int = 4
     window_size: int = 64

@@ -26,6 +26,9 @@ class WrapsPress:
             self.press, self.compression_ratio = self.compression_ratio, None
         if not isinstance(self.press, BasePress) or isinstance(self.press, refused):
             raise TypeError(f"{name} wraps a token-level press such as SnapKVPress, got {self.press!r}")
+        if not self.press.wrappable:
+            raise TypeError(f"{name} cannot wrap {type(self.press).__name__}: it decides its layers or slots itself "
+                            "(use it alone)")  # fmt: skip
         if self.compression_ratio is not None or self.max_tokens is not None:
             raise ValueError(f"{name} takes its budget from the wrapped press; set it there")
         defaults = {f.name: f.default for f in dataclasses.fields(BasePress)
