@@ -228,7 +228,8 @@ class KVPressLM(HFLM):
     @torch.inference_mode()
     def _score(self, cache: DynamicCache, fed: list[int], n_cont: int) -> tuple[float, bool]:
         with self.press(self.model, tokenizer=self.tokenizer) as installed, installed.frozen():
-            logits = self.model(torch.tensor([fed[:-1]], device=self.device), cache=cache, use_cache=True).logits
+            logits = self.model(torch.tensor([fed[:-1]], device=self.device), cache=cache, use_cache=True,
+                                logits_to_keep=n_cont).logits  # the continuation's only: a 4K prompt's all are GBs
         logprobs = F.log_softmax(logits[0, -n_cont:].float(), dim=-1)
         target = torch.tensor(fed[-n_cont:], device=logprobs.device)
         return float(logprobs.gather(-1, target[:, None]).sum()), bool((logprobs.argmax(-1) == target).all())
