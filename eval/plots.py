@@ -8,11 +8,13 @@ thick (beneath the others, which stay visible where they match it) and labelled 
 is black: a star at its kept bytes and a dashed line at its score. The legend sits below the panels, never
 over the data.
 
-Bands are 95% intervals over a cell's examples, from the rows in `results*.jsonl` (summary.json holds only
-means): a normal interval, mean +- 1.96 sd / sqrt(n), clipped to [0, 1] (scores are fractions, not all 0
-or 1, so no Wilson interval). Perplexity pools the NLL of all documents (NLL sum / token sum, a ratio of
-sums): its standard error is the ratio estimator's, sqrt(sum (nll_i - r tokens_i)^2 / (n (n - 1))) / mean
-tokens, and the band exp(r +- 1.96 se). A cell of one example has no band. With more than `BANDS_FOR_ALL`
+Bands are 95% intervals over a cell's examples, from the rows in `results*.jsonl` (summary.json and table.md
+carry them too): where every score of the cell is 0 or 1, Wilson's interval for a proportion (right at 0 and
+1 and at few examples, where the normal one collapses to a point); otherwise (fractions: partial credit, top-1
+agreement) a normal interval, mean +- 1.96 sd / sqrt(n), clipped to [0, 1]. Perplexity pools the NLL of all
+documents (NLL sum / token sum, a ratio of sums): its standard error is the ratio estimator's,
+sqrt(sum (nll_i - r tokens_i)^2 / (n (n - 1))) / mean tokens, and the band exp(r +- 1.96 se). Otherwise a cell
+of one example has no band. With more than `BANDS_FOR_ALL`
 presses in a figure, only the default press and the full cache get bands (a dozen overlapping bands hide
 the curves); the heatmap then reads better than the curves.
 
@@ -35,7 +37,8 @@ FULL = "none"  # the full cache's press name in a sweep
 DEFAULT_COLOUR = "#d62728"
 FULL_COLOUR = "black"
 # qualitative and readable on white: tab10 without its red (the default press's), then darker and lighter
-# tab20 / tab20b shades; 20 colours x 12 markers (no star: the full cache's) give 60 distinct pairs
+# tab20 / tab20b shades; 20 colours x 12 markers (no star: the full cache's): 240 distinct pairs, the marker
+# moving one step more every 60 presses (colour and marker indices cycling together repeat after 60)
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
            "#393b79", "#637939", "#8c6d31", "#7b4173", "#6b6ecf", "#e7ba52", "#aec7e8", "#98df8a", "#ffbb78",
            "#c5b0d5", "#c49c94")  # fmt: skip
@@ -61,8 +64,9 @@ def press_styles(presses: Iterable[str], default: str = DEFAULT_PRESS) -> dict[s
     styles = {}
     others = sorted({p for p in presses if p != FULL and not is_default(p, default)})
     for i, press in enumerate(others):
-        styles[press] = dict(color=COLOURS[i % len(COLOURS)], marker=MARKERS[i % len(MARKERS)], linewidth=1.4,
-                             markersize=5, zorder=3, label=press)  # fmt: skip
+        marker = MARKERS[(i + i // 60) % len(MARKERS)]
+        styles[press] = dict(color=COLOURS[i % len(COLOURS)], marker=marker, linewidth=1.4, markersize=5, zorder=3,
+                             label=press)  # fmt: skip
     for press in presses:
         if press == FULL:
             styles[press] = dict(color=FULL_COLOUR, marker="*", linewidth=1.2, markersize=13, zorder=6,
@@ -82,6 +86,10 @@ def intervals(rows: list[dict]) -> dict[tuple[str, str, float], tuple[float, flo
     out = {}
     for key, members in cells.items():
         n = len(members)
+        scores = [m.get("score") for m in members]
+        if "nll_sum" not in members[0] and all(s in (0, 1) for s in scores):
+            out[key] = wilson(sum(scores), n)
+            continue
         if n < 2:
             continue
         if "nll_sum" in members[0]:
@@ -95,6 +103,13 @@ def intervals(rows: list[dict]) -> dict[tuple[str, str, float], tuple[float, flo
             mean, half = statistics.fmean(scores), Z * statistics.stdev(scores) / math.sqrt(n)
             out[key] = (max(0.0, mean - half), min(1.0, mean + half))
     return out
+
+
+def wilson(successes: float, n: int, z: float = Z) -> tuple[float, float]:
+    """Wilson's 95% interval for `successes` of `n` trials."""
+    p, zz = successes / n, z * z / n
+    centre, half = (p + zz / 2) / (1 + zz), z * math.sqrt(p * (1 - p) / n + zz / (4 * n)) / (1 + zz)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def plot_sweep(summary: list[dict], rows: list[dict], out: str | Path) -> list[Path]:

@@ -57,7 +57,7 @@ from transformers import DynamicCache
 import kvpress
 from kvpress.engine import maybe_installed
 from kvpress.eval.memory import full_cache_bytes, peak_memory, reset_cuda_peak
-from kvpress.eval.plots import plot_sweep
+from kvpress.eval.plots import intervals, plot_sweep
 from kvpress.eval.tasks import ANSWER_TOKENS, SCORE_GROWS_WITH_TEXT, TASKS, Continuation, Document, task_examples
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import PACKAGED_MODELS, cache_dir
@@ -401,13 +401,16 @@ def write_summary(out: Path) -> list[dict]:
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["task"], r["press"], r["ratio"]), []).append(r)
+    bands = intervals(rows)
     summary = []
     for (task, press, ratio), members in sorted(groups.items()):
         full = groups.get((task, "none", 0.0), [])
         full_score = _score(full) if full else None
         score = _score(members)
+        low, high = bands.get((task, press, ratio), (None, None))
         summary.append({
             "task": task, "press": press, "ratio": ratio, "examples": len(members), "score": round(score, 4),
+            "low": None if low is None else round(low, 4), "high": None if high is None else round(high, 4),
             "ppl": round(1 / score, 4) if "nll_sum" in members[0] else None,
             "kl": round(sum(m["kl"] for m in members) / len(members), 5) if "kl" in members[0] else None,
             "retention": round(score / full_score, 4) if full_score else None,
@@ -443,7 +446,9 @@ def _table(summary: list[dict]) -> str:
         for t in tasks:
             s = cell.get((t, press, ratio))
             value = None if s is None else f"{s['ppl']:.2f}" if is_ppl[t] else f"{s['score']:.3f}"
-            cells.append("" if s is None else f"{value} ({s['kept_bytes_ratio']:.3f})")
+            if s is not None and s.get("low") is not None:  # 95% interval (of the perplexity, for its tasks)
+                value += f" [{s['low']:.2f}, {s['high']:.2f}]"
+            cells.append("" if s is None else f"{value} n={s['examples']} ({s['kept_bytes_ratio']:.3f})")
         lines.append(f"| {'full cache' if press == 'none' else press} | {ratio} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -110,7 +110,9 @@ def test_perplexity_runs_a_live_chunked_pass_per_configuration(default_model, tm
         assert s["retention"] == pytest.approx(by[("none", 0.0)]["ppl"] / s["ppl"], rel=1e-3)
     table = (tmp_path / "table.md").read_text()
     assert "perplexity_pydoc: ppl, lower is better (kept bytes)" in table
-    assert f"| full cache | 0.0 | {by[('none', 0.0)]['ppl']:.2f} (1.000) |" in table
+    low, high = by[("none", 0.0)]["low"], by[("none", 0.0)]["high"]
+    assert low < by[("none", 0.0)]["ppl"] < high  # the pooled perplexity's interval
+    assert f"| full cache | 0.0 | {by[('none', 0.0)]['ppl']:.2f} [{low:.2f}, {high:.2f}] n=2 (1.000) |" in table
 
 
 def test_bad_names_are_refused(default_model, tmp_path, capsys):
@@ -309,6 +311,9 @@ def test_plots_give_each_press_its_own_style_and_write_both_pngs(tmp_path):
             for p, r in (("none", 0.0), ("snapkv", 0.5), (DEFAULT_PRESS, 0.5))]  # fmt: skip
     lo, hi = intervals(rows)[("arithmetic", "snapkv", 0.5)]
     assert lo == pytest.approx(0.75 - 1.96 * math.sqrt(1 / 12) / 2) and hi == 1.0  # normal, clipped to [0, 1]
+    binary = [{**r, "score": float(r["example"] > 0)} for r in rows]  # 3 of 4: Wilson's interval
+    assert intervals(binary)[("arithmetic", "snapkv", 0.5)] == pytest.approx((0.3006, 0.9544), abs=1e-4)
+    assert intervals(binary[:1])[("needle_noise", "none", 0.0)] == pytest.approx((0.0, 0.7935), abs=1e-4)  # n = 1
     summary = [{"task": t, "press": p, "ratio": r, "examples": 4, "score": 0.75, "ppl": None, "retention": 1.0,
                 "kept_bytes_ratio": 1 - r} for t in ("needle_noise", "arithmetic")
                for p, r in (("none", 0.0), ("snapkv", 0.5), (DEFAULT_PRESS, 0.5))]  # fmt: skip
