@@ -6,7 +6,10 @@ For each `--pair A B`, each task and each ratio both were measured at, on the ex
 score of A and of B, the mean of B - A with its 95% interval (normal, sd / sqrt(n); [0, 0] when no score
 changed) and how many examples' scores changed, then the same pooled over tasks (every example of every task
 counted once). Scores are the sweep's (0 to 1; points = 100 x).
-Prints a Markdown table; `--json` writes the rows too.
+Prints a Markdown table; `--json` writes the rows too. `--also DIR` adds the rows of another sweep of the same
+examples (model, length, seed), its presses named `press@DIR's name`: a query-aware sweep against a query-agnostic
+one, `--also eval/results/sweep-recall-query-aware-qwen2.5-0.5b --pair recall:inner=snapkv
+snapkv@sweep-recall-query-aware-qwen2.5-0.5b`.
 """
 
 from __future__ import annotations
@@ -64,9 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="a sweep directory")
     parser.add_argument("--pair", nargs=2, action="append", required=True, metavar=("A", "B"),
                         help="a press and its variant, named as the sweep wrote them (repeatable)")
+    parser.add_argument("--also", action="append", default=[], metavar="DIR",
+                        help="another sweep of the same examples, its presses named press@DIR (repeatable)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     rows = list(current_rows(Path(args.out)).values())
+    for other in map(Path, args.also):
+        if _examples(other) != _examples(Path(args.out)):
+            print(f"kvpress paired: {other} and {args.out} are not sweeps of the same examples (model, length, seed)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        rows += [{**r, "press": f"{r['press']}@{other.name}"} for r in current_rows(other).values()]
     if not rows:
         print(f"kvpress paired: {args.out} holds no result rows", file=sys.stderr)
         return 2
@@ -81,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _examples(out: Path) -> tuple:
+    """What makes two sweeps' examples the same: model, context length and seed (their settings.json)."""
+    settings = json.loads((out / "settings.json").read_text()) if (out / "settings.json").exists() else {}
+    return settings.get("model"), settings.get("length"), settings.get("seed")
 
 
 if __name__ == "__main__":

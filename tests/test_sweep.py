@@ -337,6 +337,23 @@ def test_paired_differences_count_only_examples_both_answered():
     assert cell["difference"] == -0.5 and cell["low"] < -0.5 < cell["high"]
 
 
+def test_paired_also_pairs_against_another_sweep_of_the_same_examples(tmp_path, capsys):
+    from kvpress.eval.paired import main as paired_main
+
+    for name, press, scores in (("agnostic", "a", (0.0, 1.0)), ("aware", "a", (1.0, 1.0)), ("other", "a", (1.0,))):
+        out = tmp_path / name
+        out.mkdir()
+        seed = 1 if name == "other" else 0
+        (out / "settings.json").write_text(json.dumps({"model": "m", "length": 64, "seed": seed}))
+        (out / "results.jsonl").write_text("".join(json.dumps({"task": "t", "ratio": 0.75, "example": i, "press": press,
+                                                               "score": s}) + "\n" for i, s in enumerate(scores)))
+    assert paired_main(["--out", str(tmp_path / "agnostic"), "--also", str(tmp_path / "aware"),
+                        "--pair", "a", "a@aware"]) == 0  # fmt: skip
+    assert "| a | a@aware | t | 0.75 | 2 | 0.500 | 1.000 | +0.500" in capsys.readouterr().out
+    assert paired_main(["--out", str(tmp_path / "agnostic"), "--also", str(tmp_path / "other"),
+                        "--pair", "a", "a@other"]) == 2  # another seed: other examples  # fmt: skip
+
+
 def test_continuation_compares_next_token_distributions_with_the_full_cache(tokenized, tmp_path):
     """Top-1 agreement (the score) and KL(full || compressed) over the real tokens after the context: the full
     cache agrees with itself; a press's row is what its compressed recording predicts, fed frozen."""
