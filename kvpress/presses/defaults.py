@@ -5,7 +5,8 @@ with no entry of its own (it must need no file made for a model), `models` the p
 model, found by its architecture hash (as head patterns and scorers are), each with the reason and the
 results it was chosen on. The rule (issue 19): a sweep on tuning seeds ranks presses by their worst cell, then
 their mean (`python -m kvpress.eval.ranking`); among presses level with the leader within its intervals, the
-one that needs no second pass over the prompt (its prefill inside `model.generate` near no press's) is chosen.
+one that needs no second pass over the prompt (its prefill inside `model.generate` near no press's) is chosen,
+unless the report seed refutes the tie (then the leader: SmolLM2 at 4K, where KVzap lost the essay needles).
 `default` as a press name (CLI, sweeps, lm-eval's `press=`, `press_from_name`) means the model's default press,
 its parameters after colons kept: `default:kv_bits=4`.
 """
