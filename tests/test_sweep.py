@@ -303,7 +303,7 @@ def test_plots_give_each_press_its_own_style_and_write_both_pngs(tmp_path):
     styles = press_styles([*names, DEFAULT_PRESS, "none"])
     pairs = [(s["color"], s["marker"]) for s in styles.values()]
     assert len(styles) == len(names) + 2 and len(set(pairs)) == len(pairs)  # no two presses look alike
-    assert is_default("adakv:value_norm=true:inner=kvzip:normalize=true") and not is_default("adakv")
+    assert is_default("adakv:value_norm=true:n_sink=4:inner=kvzip:normalize=true") and not is_default("adakv")
     assert styles[DEFAULT_PRESS]["label"].endswith("(default)") and styles["none"]["color"] == "black"
 
     rows = [{"task": t, "example": i, "press": p, "ratio": r, "score": s, "kept_bytes": 1, "full_bytes": 1}
