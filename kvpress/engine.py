@@ -56,6 +56,18 @@ class Observation:
     def n_layers(self) -> int:
         return model_access.layer_count(self.module)
 
+    def grouped_logits(self, keys: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """`[B, Hkv, g * w, m]` fp32 logits of the new queries `start:stop` over `keys` `[B, Hkv, m, D]`, each query
+        head with its KV head's keys (GQA), scaled and soft-capped as the model's attention does; no mask."""
+        b, hq, _, d = self.query.shape
+        hkv = keys.shape[1]
+        query = self.query[:, :, start:stop]
+        query = query.reshape(b, hkv, (hq // hkv) * query.shape[2], d).float()
+        query = query * model_access.attention_scaling(self.module)
+        logits = query @ keys.float().transpose(-1, -2)
+        softcap = model_access.logit_softcap(self.module)
+        return torch.tanh(logits / softcap) * softcap if softcap else logits
+
     def attention_probs(self, start: int, stop: int) -> torch.Tensor:
         """Softmax attention of the new queries `start:stop` over the slots they can see, fp32.
 
@@ -64,17 +76,12 @@ class Observation:
         real attention: padding and holes excluded, causal among the new tokens, and on a sliding-window
         layer the slots `window` or more positions behind a query.
         """
-        b, hq, _, d = self.query.shape
+        b, hq = self.query.shape[:2]
         hkv = self.keys.shape[1]
         g, w = hq // hkv, stop - start
         n_old = self.keys.shape[2] - self.q_len
         m = n_old + stop
-        q = self.query[:, :, start:stop].reshape(b, hkv, g * w, d).float() * model_access.attention_scaling(self.module)
-        logits = q @ self.keys[:, :, :m].float().transpose(-1, -2)
-        softcap = model_access.logit_softcap(self.module)
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        logits = logits.view(b, hkv, g, w, m)
+        logits = self.grouped_logits(self.keys[:, :, :m], start, stop).view(b, hkv, g, w, m)
         valid, window = self.layer.valid, self.layer.window
         if w > 1 or valid is not None or window is not None:
             slot = torch.arange(m, device=logits.device)

@@ -26,7 +26,6 @@ from typing import ClassVar
 
 import torch
 
-from kvpress.patches import model_access
 from kvpress.patches.cache import PressedLayer
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.head_budget import HeadwisePress
@@ -160,14 +159,7 @@ class SpanStore(RoundStore):
 def _attention_over(obs: Observation, keys: torch.Tensor) -> torch.Tensor:
     """`[B, Hkv, N]` the softmax attention of `obs`'s new queries over `keys` `[B, Hkv, N, D]` (a context before
     them all), averaged over the queries and the query heads of each KV head."""
-    b, hq, q, d = obs.query.shape
-    hkv = keys.shape[1]
-    query = obs.query.float().reshape(b, hkv, (hq // hkv) * q, d) * model_access.attention_scaling(obs.module)
-    logits = query @ keys.float().transpose(-1, -2)
-    softcap = model_access.logit_softcap(obs.module)
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits.softmax(dim=-1).mean(dim=2)
+    return obs.grouped_logits(keys).softmax(dim=-1).mean(dim=2)
 
 
 def offloaded_bytes(cache) -> int:
