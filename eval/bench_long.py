@@ -15,12 +15,19 @@ where it stopped. `long.json` holds, per (model, length, press, ratio): memory, 
 as ratios to the paired no-press run, and the decode byte limit: a step reads the weights and the kept cache,
 so (weights + kept KV bytes) / (weights + full KV bytes) is the smallest step ratio eviction can give.
 `long.png` plots the memory and decode ratios against the context length.
+
+With chunks, each model also runs one chunk alone with no press (`pairs_with` "one-chunk"): its peak is one
+chunk's activations and cache, so a chunked press's peak is set against `bound` = its own cache + that peak
+(what a prefill that evicts after every chunk should stay within). Children run with glibc's mmap threshold
+fixed at 1 MB (`MALLOC_MMAP_THRESHOLD_`): freed tensors then leave the process at once; without it the
+high-water mark of three identical no-press runs wandered from 234 to 512 MB (Qwen2.5-0.5B, 4K).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -36,8 +43,9 @@ from kvpress.eval.bench_core import long_ids
 from kvpress.presses.defaults import default_for
 
 PLAN = {"qwen2.5-0.5b": (4096, 8192, 16384), "smollm2-135m": (4096, 8192)}  # model -> context lengths
-PRESSES = "snapkv,adakv,duo-attention,default"  # a dense scorer, a head-wise one, DuoAttention, the default
+PRESSES = "snapkv,adakv,duo-attention,default,h2o"  # dense, head-wise, DuoAttention, the default, H2O
 RESULTS = Path(__file__).parent / "results"
+CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576"}  # tensors freed go back to the system: a stable high-water mark
 
 
 def _status(field: str) -> int:
@@ -87,11 +95,14 @@ def _key(row: dict) -> tuple:
 
 
 def configurations(plan: dict, presses: list[str], ratios: list[float], chunk, steps: int) -> list[dict]:
-    """In run order: for each model, length and (press, ratio), the no-press run it pairs with, then it. `spec`
-    is the press run (`default`: the model's own); a pair whose press scores the whole prompt runs unchunked,
-    its no-press run too."""
+    """In run order: per model its one-chunk run (with `chunk`), then for each length and (press, ratio), the
+    no-press run it pairs with, then it. `spec` is the press run (`default`: the model's own); a pair whose press
+    scores the whole prompt runs unchunked, its no-press run too."""
     runs = []
     for model, lengths in plan.items():
+        if chunk:
+            runs.append({"model": model, "length": chunk, "chunk": chunk, "steps": steps, "press": "none",
+                         "spec": "none", "ratio": 0.0, "pairs_with": "one-chunk"})  # fmt: skip
         for press in presses:
             spec = (default_for(model) or kvpress.DEFAULT_PRESS) if press == "default" else press
             whole = kvpress.press_from_name(spec, compression_ratio=0.5).needs_whole_context
@@ -107,6 +118,7 @@ def configurations(plan: dict, presses: list[str], ratios: list[float], chunk, s
 def summary(rows: list[dict]) -> list[dict]:
     """Per press row with its paired no-press row: the ratios and the decode byte limit."""
     by_key = {_key(r): r for r in rows}
+    chunks = {r["model"]: r for r in rows if r.get("pairs_with") == "one-chunk"}
     out = []
     for row in rows:
         if row["press"] == "none":
@@ -126,6 +138,10 @@ def summary(rows: list[dict]) -> list[dict]:
             "decode_step_ratio": row["decode_step_seconds"] / none["decode_step_seconds"],
             "decode_byte_limit": (w + row["cache_bytes"]) / (w + none["cache_bytes"]),
         })  # fmt: skip
+        one = chunks.get(row["model"])
+        if row["chunk"] and one is not None and one["chunk"] == row["chunk"]:
+            bound = row["cache_bytes"] + one["peak_above_model_bytes"]
+            out[-1].update(bound_mb=bound / 2**20, peak_over_bound=row["peak_above_model_bytes"] / bound)
     return out
 
 
@@ -197,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         if _key(config) in done:
             continue
         proc = subprocess.run([sys.executable, "-m", "kvpress.eval.bench_long", "--child", json.dumps(config)],
-                              capture_output=True, text=True)  # fmt: skip
+                              capture_output=True, text=True, env={**os.environ, **CHILD_ENV})  # fmt: skip
         if proc.returncode != 0:
             print(f"kvpress bench-long: {config} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
             return 1

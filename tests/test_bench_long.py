@@ -9,12 +9,13 @@ from kvpress.eval.bench_long import configurations, main, measure, summary
 def test_each_press_follows_its_own_no_press_run_and_whole_context_pairs_run_unchunked():
     runs = configurations({"qwen2.5-0.5b": (4096, 8192)}, ["snapkv", "kvzip"], [0.5], 1024, 8)
     assert [(r["length"], r["press"], r["pairs_with"], r["chunk"]) for r in runs] == [
+        (1024, "none", "one-chunk", 1024),
         (4096, "none", "snapkv@0.5", 1024), (4096, "snapkv", None, 1024),
         (4096, "none", "kvzip@0.5", None), (4096, "kvzip", None, None),
         (8192, "none", "snapkv@0.5", 1024), (8192, "snapkv", None, 1024),
         (8192, "none", "kvzip@0.5", None), (8192, "kvzip", None, None),
     ]  # fmt: skip
-    default = configurations({"qwen2.5-0.5b": (4096,)}, ["default"], [0.5], 1024, 8)[1]
+    default = configurations({"qwen2.5-0.5b": (4096,)}, ["default"], [0.5], None, 8)[1]
     assert default["press"] == "default" and default["spec"] == kvpress.presses.defaults.default_for("qwen2.5-0.5b")
 
 
@@ -24,13 +25,16 @@ def test_a_measured_configuration_and_its_ratios(tokenized):
     for config in configurations({"tiny": (96,)}, ["snapkv"], [0.5], 32, 3):
         rows.append(measure({**config, "spec": config["spec"].replace("snapkv", "snapkv:window_size=8")}, model,
                             tokenizer))  # fmt: skip
-    none, pressed = rows
+    one, none, pressed = rows
+    assert one["length"] == one["chunk"] == 32 and one["cache_bytes"] < none["cache_bytes"]
     assert pressed["cache_bytes"] < none["cache_bytes"] and none["prefill_seconds"] > 0
     assert none["peak_above_model_bytes"] >= 0 and pressed["decode_step_seconds"] > 0
     (row,) = summary(rows)
     assert row["cache_ratio"] == pressed["cache_bytes"] / none["cache_bytes"]
     w = pressed["weight_bytes"]
     assert row["decode_byte_limit"] == (w + pressed["cache_bytes"]) / (w + none["cache_bytes"])
+    bound = pressed["cache_bytes"] + one["peak_above_model_bytes"]  # its cache + one chunk alone
+    assert row["bound_mb"] == bound / 2**20 and row["peak_over_bound"] == pressed["peak_above_model_bytes"] / bound
 
 
 @pytest.mark.parametrize("argv", [["--models", "qwen2.5-0.5b:4k"], ["--presses", "nosuch"], ["--decode-steps", "1"]])
