@@ -347,6 +347,8 @@ class PressInstallation:
 
     def _rerank(self, layer: PressedLayer) -> None:
         """Re-rotate held keys to their rank among the row's held real tokens (StreamingLLM positions)."""
+        if layer.key_channels is not None:
+            raise ValueError("rerotate=True cannot re-rotate keys that keep only some channels (ThinK)")
         pos, valid = layer.pos.long(), layer.valid
         order = layer.position_order()
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(layer.n, device=pos.device).expand_as(order))
@@ -420,9 +422,10 @@ def _in_two(forward: Callable, args: tuple, kwargs: dict, q: int):
 # ----- eviction: the one decision ------------------------------------------------------------------------
 def evict(press, obs: Observation, rerank: Callable[[PressedLayer], None] | None = None) -> HeadwiseLayer | None:
     """Let `press` observe `obs`, then evict what exceeds each row's budget in `obs.layer`. A per-head press
-    returns the `HeadwiseLayer` that replaces the layer (or None while nothing is evicted). `rerank`
-    re-rotates the kept keys (rerotate=True). A press with `kv_bits` then stores what the layer keeps, and what
-    it appends from now on, in that many bits (decided on the exact keys, so a live prefill and a recorded
+    returns the `HeadwiseLayer` that replaces the layer (or None while nothing is evicted). A dense layer's press
+    then reshapes what it kept (`after_eviction`: ThinK's thinner keys), and `rerank` re-rotates the kept keys
+    (rerotate=True). A press with `kv_bits` then stores what the layer keeps, and what it appends from now on, in
+    that many bits (decided on the exact keys, so a live prefill and a recorded
     one keep the same codes)."""
     press.observe(obs)
     if press.per_head:
@@ -431,6 +434,7 @@ def evict(press, obs: Observation, rerank: Callable[[PressedLayer], None] | None
             (replacement or obs.layer).quantize(press.kv_bits)
         return replacement
     _evict_rows(press, obs)
+    press.after_eviction(obs)
     if rerank is not None:
         rerank(obs.layer)
     if press.kv_bits is not None:

@@ -17,6 +17,12 @@ as they are appended and the attention gets the held slots decoded plus the forw
 Every slot operation (eviction, trimming, rewinding) moves codes as it moves dense slots. `held_kv()`
 gives the held keys and values dense in either case.
 
+Thinner keys (`prune_key_channels(index)`, ThinK): the keys keep only the channels `key_channels`
+`[batch, kv_heads, d']` of each head (post-RoPE), for the held slots and every one appended later;
+`query_channels(query)` gives a query the same channels, so q.k over what is kept is what the attention
+and every scorer use. Such a layer is continued only inside `with press(model):` (transformers' own
+attention would meet keys narrower than its queries).
+
 `get_seq_length()` returns the tokens seen, so positions keep counting; `get_mask_sizes()` describes
 the slots held, so transformers' own masks stay right for unpadded continuation.
 
@@ -44,6 +50,7 @@ class PressedLayer(DynamicLayer):
 
     kv_bits: int | None = None  # class defaults: a layer saved before quantization existed loads as dense
     key_stats: torch.Tensor | None = None
+    key_channels: torch.Tensor | None = None  # and one saved before thinner keys existed, with every channel
     offloaded = None  # slots a press keeps outside the working cache (RecallPress's store): not in its bytes
 
     @property
@@ -67,6 +74,7 @@ class PressedLayer(DynamicLayer):
         self.torn = False  # a forward that raised left this cache's layers at different points
         self.kv_bits: int | None = None  # set by `quantize`: keys and values are stored as codes of this width
         self.key_stats: torch.Tensor | None = None  # each key channel's centre and half-range (`kv_quantization`)
+        self.key_channels: torch.Tensor | None = None  # `[B, H, d']` the key channels kept (`prune_key_channels`)
 
     @property
     def is_sliding(self) -> bool:
@@ -110,6 +118,13 @@ class PressedLayer(DynamicLayer):
                 "outside the press would use the true positions: continue it inside `with press(model):`"
             )
         q = key_states.shape[-2]
+        if self.key_channels is not None:
+            if not self.driven:
+                raise RuntimeError(
+                    "this cache's keys keep only some channels (ThinK); transformers' own attention would meet keys "
+                    "narrower than its queries: continue it inside `with press(model):`"
+                )
+            key_states = self._thin(key_states)
         if not self.driven and self.window is not None and q > 1 and not self._contiguous():
             raise RuntimeError(
                 "this sliding-window layer was compressed; transformers' own window mask would misplace its "
@@ -161,6 +176,7 @@ class PressedLayer(DynamicLayer):
         self.slots, self.real_seen, self.shift, self.rotated, self.padded = {}, None, None, False, False
         self.torn = False
         self.kv_bits, self.key_stats = None, None  # dense again until a press quantizes the next prompt
+        self.key_channels = None  # every channel again until a press thins the next prompt's keys
         self.offloaded = None  # the next prompt's spans are its own
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -422,8 +438,8 @@ class PressedLayer(DynamicLayer):
         ranges fitted to the slots held now). A layer already quantized keeps its codes; another width is refused."""
         if quant.already_at(self.kv_bits, bits):
             return
-        if self.rotated:
-            raise ValueError("keys re-rotated in the cache (rerotate=True) cannot be quantized")
+        if self.rotated or self.key_channels is not None:
+            raise ValueError("keys re-rotated in the cache (rerotate=True) or thinned (ThinK) cannot be quantized")
         keys, values = self.keys[:, :, : self.n], self.values[:, :, : self.n]
         quant.check_bits(bits, keys.shape[-1])
         self.key_stats = quant.fit(keys, self.valid)  # padding and holes do not widen the ranges
@@ -431,6 +447,36 @@ class PressedLayer(DynamicLayer):
         self.keys = quant.encode(keys, self.key_stats, bits)
         self.values = quant.encode(values, None, bits)
         self.kv_bits = bits
+
+    def prune_key_channels(self, index: torch.Tensor) -> None:
+        """Keep only the key channels `index` `[B, H, d']` (sorted, distinct, per row and KV head) of the held
+        slots and of every slot appended from now on; once per layer."""
+        b, h, _, d = self.keys.shape
+        if self.key_channels is not None:
+            raise ValueError("this layer's key channels were already pruned (once per prompt)")
+        if self.kv_bits is not None or self.rotated:
+            raise ValueError("key channels cannot be pruned in a quantized or re-rotated layer")
+        if index.dim() != 3 or tuple(index.shape[:2]) != (b, h) or not 0 < index.shape[-1] <= d:
+            raise ValueError(f"key channels to keep: index of shape [batch={b}, heads={h}, 1..{d}], "
+                             f"got {tuple(index.shape)}")  # fmt: skip
+        index = index.to(device=self.keys.device, dtype=torch.long)
+        if bool((index.diff(dim=-1) <= 0).any()) or bool((index < 0).any()) or bool((index >= d).any()):
+            raise ValueError(f"key channels to keep must be sorted, distinct and in [0, {d})")
+        self.key_channels = index
+        self.keys = self._thin(self.keys).contiguous()
+
+    def query_channels(self, query: torch.Tensor) -> torch.Tensor:
+        """`query` `[B, Hq, q, D]` cut to the key channels each query head's KV head keeps (itself if all kept)."""
+        if self.key_channels is None:
+            return query
+        b, hq, q, _ = query.shape
+        index = self.key_channels.repeat_interleave(hq // self.key_channels.shape[1], dim=1).to(query.device)
+        return query.gather(-1, index[:, :, None, :].expand(b, hq, q, index.shape[-1]))
+
+    def _thin(self, keys: torch.Tensor) -> torch.Tensor:
+        """`keys` `[B, H, n, D]` cut to the kept channels."""
+        index = self.key_channels.to(keys.device)
+        return keys.gather(-1, index[:, :, None, :].expand(*keys.shape[:3], index.shape[-1]))
 
     def set_rotation(self, rot: torch.Tensor) -> None:
         """Record the positions `[B, H, n]` the held keys are now rotated to."""
@@ -483,6 +529,8 @@ class PressedLayer(DynamicLayer):
         self.slots = {name: fn(t) for name, t in self.slots.items()}
         if self.kv_bits is not None:
             self.key_stats = fn(self.key_stats)
+        if self.key_channels is not None:
+            self.key_channels = fn(self.key_channels)
 
 
 def tensor_bytes(tensors) -> int:

@@ -74,6 +74,8 @@ class HeadwiseLayer(DynamicLayer):
     def from_dense(cls, layer: PressedLayer, keep: torch.Tensor) -> HeadwiseLayer:
         """The slots of `layer` marked by `keep` `[B, H, n]` (padding must be unmarked), per head in
         position order, each head in tensors of exactly its size."""
+        if layer.key_channels is not None:
+            raise ValueError("a layer whose keys keep only some channels (ThinK) cannot move to per-head storage")
         b, h = layer.keys.shape[:2]
         like = layer.keys if layer.kv_bits is None else layer.key_stats.to(layer.dtype)  # dtype and head size
         new = cls(b, h, like)

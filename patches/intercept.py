@@ -274,16 +274,20 @@ class Intercept:
             self.handler.after_headwise(module, query, layer, hidden, call.compressing)
             layer.settle()
             return out, None
+        thin = layer.key_channels is not None  # keys of fewer channels (ThinK): the queries meet only those
+        if thin:
+            query = layer.query_channels(query)
         if layer.adopted and info is not None and info.padding is not None:
             layer.adopt_padding(info.padding[:, : layer.seen - q_len])
         layer.commit(info.new_valid(q_len) if info is not None else None)
         standard = info.standard() if info is not None and not layer.compressed else None  # built only if used
-        if not layer.compressed and not _sized_for_another_layer(standard, key):
+        flash = self._original.startswith("flash_attention")
+        if not layer.compressed and not _sized_for_another_layer(standard, key) and not (flash and thin):
             mask = standard  # slots still line up with tokens: transformers' own mask is right
-        elif self._original.startswith("flash_attention") and "valid" not in layer.slots:
+        elif flash and "valid" not in layer.slots and not thin:
             mask = None  # flash aligns causal masks bottom-right: new tokens after every held slot
-        else:  # flash cannot express holes in a padded batch: that call runs on sdpa
-            fn = "sdpa" if self._original.startswith("flash_attention") else self._original
+        else:  # flash cannot express holes in a padded batch, nor keys narrower than values: that call runs on sdpa
+            fn = "sdpa" if flash else self._original
             inner = model_access.inner_attention(self.model, fn, module) if fn != self._original else inner
             n_rep = query.shape[1] // key.shape[1]
             mask = layer_mask(layer, q_len, n_rep, query.dtype, additive=fn == "eager")

@@ -30,6 +30,7 @@ from kvpress.presses.simlayerkv import SimLayerKVPress
 from kvpress.presses.sink_window import SinkWindowPress, StreamingLLMPress
 from kvpress.presses.snapkv import SnapKVPress
 from kvpress.presses.tappa import TAPPAPress
+from kvpress.presses.think import ThinKPress
 from kvpress.presses.tova import TOVAPress
 
 
@@ -65,6 +66,11 @@ def _recall(span_size: int = 32, recall_fraction: float = 0.25, recall_every: in
 def _shotkv(shot_marker: str = "Question:", inner: str = "snapkv", **kwargs) -> ShotKVPress:
     """ShotKV's whole shots over the press named `inner` (SnapKV by default)."""
     return ShotKVPress(press_from_name(inner, **kwargs), shot_marker=shot_marker)
+
+
+def _think(key_channel_ratio: float = 0.4, query_window: int = 32, inner: str = "snapkv", **kwargs) -> ThinKPress:
+    """ThinK's thinner keys over the tokens the press named `inner` keeps (SnapKV by default)."""
+    return ThinKPress(press_from_name(inner, **kwargs), key_channel_ratio=key_channel_ratio, query_window=query_window)
 
 
 def _pyramidkv(beta: float = 20.0, inner: str = "snapkv", **kwargs) -> PyramidKVPress:
@@ -107,6 +113,7 @@ PRESSES = {
     "random": RandomPress,
     "recall": _recall,
     "tappa": _tappa,
+    "think": _think,
     "tova": TOVAPress,
 }
 

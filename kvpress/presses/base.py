@@ -162,6 +162,10 @@ class BasePress(Installable):
     def observe(self, obs: Observation) -> None:
         """Called after every attention call, before any eviction (accumulating presses override it)."""
 
+    def after_eviction(self, obs: Observation) -> None:
+        """Called after each eviction step of a dense layer (`obs.layer` holds what stays; per-head presses
+        replace the layer instead): ThinK prunes key channels here."""
+
     def observe_frozen(self, obs: Observation) -> None:
         """Called after every attention call inside `frozen()` for presses with `observes_frozen` (nothing is
         evicted there): `observe` by default."""

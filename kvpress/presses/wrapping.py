@@ -57,6 +57,9 @@ class WrapsPress:
     def observe_frozen(self, obs) -> None:
         self.press.observe_frozen(obs)
 
+    def after_eviction(self, obs) -> None:
+        self.press.after_eviction(obs)
+
     def sink_count(self) -> int:
         return self.press.sink_count()
 

@@ -1,0 +1,91 @@
+"""ThinK: thinner keys. Each head drops the key channels its queries barely use, on top of any token eviction.
+
+Xu et al. 2024, "ThinK: Thinner Key Cache by Query-Driven Pruning" (arXiv:2407.21018, ICLR 2025): a head's keys
+have a few channels of large magnitude and many that add little to q.k. Channel j of a head scores
+||Q_w[:, j]|| x ||K[:, j]|| (the Frobenius norm of its rank-one share of Q_w K^T; Q_w: the last queries, K: the
+kept keys), and the lowest `key_channel_ratio` of the channels leave the key cache; queries meet the keys on the
+channels kept, with the model's own scale. Values are untouched, so the cache shrinks by half that ratio. The
+paper (LLaMA-3 and Mistral on LongBench and needles): pruning 40% of key channels on top of SnapKV or H2O loses
+next to nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvpress.presses.base import BasePress, Observation
+from kvpress.presses.head_budget import HeadwisePress
+from kvpress.presses.wrapping import WrapsPress
+
+
+@dataclass
+class ThinKPress(WrapsPress, BasePress):
+    """The tokens another press keeps, with each KV head's least used key channels dropped.
+
+    Parameters:
+        press: the press that chooses the tokens (SnapKV in `think`); its budget, sinks and window are used as they
+            are. A per-head press (AdaKV, DuoAttention) is refused: its per-head storage keeps every channel.
+        key_channel_ratio: the fraction of each head's key channels pruned (default 0.4, the paper's lossless
+            setting; not tuned here): keys keep d - floor(d x ratio) channels.
+        query_window: the last queries whose channel norms score the channels (default 32, as the paper).
+
+    The channels are chosen once per layer, at its first eviction step (the prefill; with chunks, the first
+    chunk), per row and KV head (the queries of its group together), and every key cached later keeps the same
+    channels (the paper keeps the newest keys whole; here the cache stays one tensor of one width). The layer
+    stores the keys narrower (`PressedLayer.prune_key_channels`): memory saved, nothing masked. At
+    compression_ratio 0 nothing is pruned (every press is the identity there). Not with
+    `kv_bits` or `rerotate`, and it cannot itself be wrapped (a wrapper would not call its pruning).
+    """
+
+    wrappable: ClassVar[bool] = False
+
+    press: BasePress | None = None
+    key_channel_ratio: float = 0.4
+    query_window: int = 32
+
+    def __post_init__(self) -> None:
+        self.adopt_press(refused=(HeadwisePress,))
+        if self.press.per_head:
+            raise TypeError(f"ThinKPress thins dense layers' keys; {type(self.press).__name__} moves layers to "
+                            "per-head storage, which keeps every channel")  # fmt: skip
+        ratio = self.key_channel_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
+            raise ValueError(f"key_channel_ratio must be a fraction in [0, 1), got {ratio!r}")
+        window = self.query_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"query_window must be a positive integer, got {window!r}")
+        if self.kv_bits is not None or self.press.rerotate:
+            raise ValueError("ThinKPress stores keys with fewer channels: the wrapped press cannot also set kv_bits "
+                             "or rerotate")  # fmt: skip
+        super().__post_init__()
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        return self.press.score(obs)
+
+    def ranked_scores(self, obs: Observation, budgets: torch.Tensor, per_head_scale: bool = False) -> torch.Tensor:
+        return self.press.ranked_scores(obs, budgets, per_head_scale)
+
+    def after_eviction(self, obs: Observation) -> None:
+        self.press.after_eviction(obs)
+        layer = obs.layer
+        keys = layer.held_kv()[0]
+        dim = keys.shape[-1]
+        kept = dim - math.floor(dim * self.key_channel_ratio)
+        if layer.key_channels is not None or kept == dim or layer.n == 0 or self.compression_ratio == 0:
+            return  # r = 0 keeps everything, channels too (the full cache every ratio is measured against)
+        scores = channel_scores(obs.query[:, :, -self.query_window :], keys, layer.valid)
+        layer.prune_key_channels(scores.topk(kept, dim=-1).indices.sort(dim=-1).values)
+
+
+def channel_scores(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """`[B, Hkv, D]` ||Q[:, j]|| x ||K[:, j]|| per channel j: `query` `[B, Hq, w, D]` (the query heads of each KV head
+    together), `keys` `[B, Hkv, n, D]` (slots not `valid` left out)."""
+    b, hq, w, d = query.shape
+    hkv = keys.shape[1]
+    q_norm = query.float().reshape(b, hkv, (hq // hkv) * w, d).norm(dim=2)
+    k = keys.float() if valid is None else keys.float() * valid[..., None]
+    return q_norm * k.norm(dim=2)
