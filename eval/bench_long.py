@@ -14,7 +14,7 @@ Rows are appended to `--out`'s `long.jsonl` as they finish, and a rerun skips wh
 where it stopped. `long.json` holds, per (model, length, press, ratio): memory, cache, prefill and decode step
 as ratios to the paired no-press run, and the decode byte limit: a step reads the weights and the kept cache,
 so (weights + kept KV bytes) / (weights + full KV bytes) is the smallest step ratio eviction can give.
-`long.png` plots the memory and decode ratios against the context length.
+`long.png` plots the memory and decode ratios against the context length; `long.md` is the table of `long.json`.
 
 With chunks, each model also runs one chunk alone with no press (`pairs_with` "one-chunk"): its peak is one
 chunk's activations and cache, so a chunked press's peak is set against `bound` = its own cache + that peak
@@ -145,6 +145,20 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+def markdown(table: list[dict]) -> str:
+    """`summary`'s rows as a Markdown table, by model, length, press and ratio."""
+    lines = ["| model | tokens | press | r | peak above model, MB (no press) | peak / no press | peak / bound | "
+             "cache / no press | prefill / no press | decode step / no press | byte limit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in sorted(table, key=lambda r: (r["model"], r["length"], r["press"], r["ratio"])):
+        bound = f"{r['peak_over_bound']:.2f}" if "peak_over_bound" in r else "- (unchunked)"
+        lines.append(f"| {r['model']} | {r['length']} | {r['press']} | {r['ratio']} | {r['peak_above_model_mb']:.0f} "
+                     f"({r['none_peak_above_model_mb']:.0f}) | {r['memory_ratio']:.2f} | {bound} | "
+                     f"{r['cache_ratio']:.3f} | {r['prefill_ratio']:.2f} | {r['decode_step_ratio']:.2f} | "
+                     f"{r['decode_byte_limit']:.3f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[dict], path: Path) -> Path | None:
     try:
         import matplotlib
@@ -226,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
               f"prefill {row['prefill_seconds']:7.1f} s  step {row['decode_step_seconds'] * 1000:7.1f} ms")  # fmt: skip
     table = summary(rows)
     (out / "long.json").write_text(json.dumps(table, indent=2) + "\n")
+    (out / "long.md").write_text(markdown(table))
     written = plot(table, out / "long.png") if table else None
     print(f"wrote {out / 'long.json'}" + (f", {written}" if written else ""))
     return 0

@@ -3,7 +3,7 @@
 import pytest
 
 import kvpress
-from kvpress.eval.bench_long import configurations, main, measure, summary
+from kvpress.eval.bench_long import configurations, main, markdown, measure, summary
 
 
 def test_each_press_follows_its_own_no_press_run_and_whole_context_pairs_run_unchunked():
@@ -35,6 +35,8 @@ def test_a_measured_configuration_and_its_ratios(tokenized):
     assert row["decode_byte_limit"] == (w + pressed["cache_bytes"]) / (w + none["cache_bytes"])
     bound = pressed["cache_bytes"] + one["peak_above_model_bytes"]  # its cache + one chunk alone
     assert row["bound_mb"] == bound / 2**20 and row["peak_over_bound"] == pressed["peak_above_model_bytes"] / bound
+    table = markdown([row])
+    assert table.count("\n") == 3 and f"| {row['memory_ratio']:.2f} | {row['peak_over_bound']:.2f} |" in table
 
 
 @pytest.mark.parametrize("argv", [["--models", "qwen2.5-0.5b:4k"], ["--presses", "nosuch"], ["--decode-steps", "1"]])
