@@ -47,7 +47,7 @@ from kvpress.eval.memory import full_cache_bytes, peak_memory
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import resolve_model_path
 from kvpress.patches.model_access import cache_keyword
-from kvpress.pipeline import prefill_context
+from kvpress.pipeline import check_chunk_size, prefill_context
 from kvpress.presses import BasePress, all_press_parameters, press_from_name, resolve_default
 
 
@@ -61,6 +61,8 @@ class KVPressLM(HFLM):
         press: a press name (`kvpress.PRESSES`), a press object, or None / "none" (plain HFLM).
         compression_ratio, max_tokens, and any press parameter (`window_size`, `n_sink`, ...): the press's.
         rolling_chunk: tokens fed per forward in loglikelihood_rolling (default 128).
+        prefill_chunk_size: prefill each context this many tokens a forward, the press evicting after each
+            (default None: one forward; presses that score the whole context refuse it).
         query_aware: compress the whole prompt, question included (default False: only the text before
             the document's `question`; see the module docstring).
         question_key: the document field that holds the question (default "question"), for tasks whose
@@ -79,6 +81,7 @@ class KVPressLM(HFLM):
         query_aware: bool = False,
         question_key: str | None = None,
         question_regex: str | None = None,
+        prefill_chunk_size: int | str | None = None,
         **kwargs,
     ) -> None:
         if isinstance(query_aware, str):  # from --model_args
@@ -104,6 +107,11 @@ class KVPressLM(HFLM):
         if rolling_chunk < 1:
             raise ValueError(f"rolling_chunk must be a positive number of tokens, got {rolling_chunk}")
         self.rolling_chunk = rolling_chunk
+        if isinstance(prefill_chunk_size, str):  # from --model_args
+            if not prefill_chunk_size.isdigit():
+                raise ValueError(f"prefill_chunk_size must be a positive number of tokens, got {prefill_chunk_size!r}")
+            prefill_chunk_size = int(prefill_chunk_size)
+        self.prefill_chunk_size = check_chunk_size(prefill_chunk_size)
         params = all_press_parameters()  # derived from the press classes: a new parameter reaches its press
         press_kwargs = {key: kwargs.pop(key) for key in list(kwargs) if key in params}
         if isinstance(press, BasePress):
@@ -120,6 +128,12 @@ class KVPressLM(HFLM):
             self.press = press_from_name(press, **budget, **press_kwargs)
         if self.press is not None and self.press.needs_question and not self.query_aware:
             raise ValueError(f"{type(self.press).__name__} scores by the question: pass query_aware=true")
+        if self.press is None and self.prefill_chunk_size:
+            raise ValueError("prefill_chunk_size chunks a press's prefill; with no press lm-eval's own model runs "
+                             "(nothing to evict: chunks would change only the memory): drop it, or give a press")
+        if self.press is not None and self.press.needs_whole_context and self.prefill_chunk_size:
+            raise ValueError(f"{type(self.press).__name__} scores the whole context in one pass: it cannot prefill in "
+                             "chunks (drop prefill_chunk_size)")  # fmt: skip
         if isinstance(pretrained, str):  # a local directory: HFLM loads it (and shards data under accelerate)
             pretrained = str(resolve_model_path(None if pretrained == "default" else pretrained))
             kwargs.setdefault("dtype", "float32")
@@ -222,7 +236,8 @@ class KVPressLM(HFLM):
         if prefix:
             ids = torch.tensor([prefix], device=self.device)
             after = None if following is None else torch.tensor([list(following)], device=self.device)
-            prefill_context(self.model, ids, self.press, cache, self.tokenizer, next_ids=after)
+            prefill_context(self.model, ids, self.press, cache, self.tokenizer, next_ids=after,
+                            prefill_chunk_size=self.prefill_chunk_size)
         return cache
 
     @torch.inference_mode()
@@ -272,6 +287,8 @@ class KVPressLM(HFLM):
         keyword = cache_keyword(self.model)
         if self.query_aware and not self.press.needs_whole_context:
             cache = DynamicCache(config=self.model.config)
+            if self.prefill_chunk_size:  # transformers' own chunked prefill inside generate: each chunk evicts
+                generation_kwargs["prefill_chunk_size"] = self.prefill_chunk_size
             with self.press(self.model, tokenizer=self.tokenizer):
                 out = super()._model_generate(context, max_length, stop, **{keyword: cache}, **generation_kwargs)
             self._record(cache, cache.get_seq_length(), batch=context.shape[0])

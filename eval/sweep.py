@@ -61,7 +61,7 @@ from kvpress.eval.plots import intervals, plot_sweep
 from kvpress.eval.tasks import ANSWER_TOKENS, SCORE_GROWS_WITH_TEXT, TASKS, Continuation, Document, task_examples
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import PACKAGED_MODELS, cache_dir
-from kvpress.pipeline import answer_ids_from_cache, split_prompt
+from kvpress.pipeline import answer_ids_from_cache, check_chunk_size, prefill_context, split_prompt
 from kvpress.presses import parse_press_spec, resolve_default
 from kvpress.recording import compress_recording, record_prefill
 
@@ -111,9 +111,14 @@ def run_sweep(
     seed: int = 0,
     query_aware: bool = False,
     progress: bool = True,
+    prefill_chunk_size: int | None = None,
 ) -> list[dict]:
     """Run (or resume) a sweep and write its files; returns the summary rows. Rows of these tasks and
-    configurations that a changed answer budget could change (`is_final`) are measured again."""
+    configurations that a changed answer budget could change (`is_final`) are measured again.
+
+    `prefill_chunk_size`: each press that evicts as tokens are cached prefills the context live, that many tokens
+    a forward, instead of being applied to one recorded prefill (presses that score the whole context, and no
+    press, still use the recording: their rows say `prefill_chunk_size` None)."""
     configs = configurations(presses, ratios)
     check_tasks(tasks)
     check_sizes(examples, length, seed)
@@ -126,11 +131,15 @@ def run_sweep(
     if chunked and whole:
         raise ValueError(f"{whole} score a context once it is all cached; the perplexity tasks {chunked} feed "
                          "documents in chunks through the press: sweep them separately")  # fmt: skip
+    check_chunk_size(prefill_chunk_size)
+    if chunked and prefill_chunk_size:
+        raise ValueError(f"the perplexity tasks {chunked} feed documents {CHUNK} tokens a forward already: sweep "
+                         "them without --prefill-chunk-size")  # fmt: skip
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rank, world, state = _shard()
     settings = {"examples": examples, "length": length, "seed": seed, "query_aware": query_aware,
-                "perplexity_chunk": CHUNK, "model": model_name(model)}  # fmt: skip
+                "perplexity_chunk": CHUNK, "model": model_name(model), "prefill_chunk_size": prefill_chunk_size}
     _check_resume(out, settings)
     if rank == 0:
         _repair(out)
@@ -142,7 +151,8 @@ def run_sweep(
         return [(name, r) for name, r in configs if (task, i, name, r) not in done]
 
     counts = dict.fromkeys(tasks, examples)
-    _measure(model, tokenizer, out, counts, todo, (length, seed), query_aware, progress, rank, world)
+    _measure(model, tokenizer, out, counts, todo, (length, seed), (query_aware, prefill_chunk_size), progress, rank,
+             world)  # fmt: skip
     if state is not None:
         state.wait_for_everyone()
     if rank != 0:
@@ -180,8 +190,8 @@ def refresh_sweep(model: nn.Module, tokenizer, out: str | Path, progress: bool =
     def todo(task: str, i: int) -> list[tuple[str, float]]:
         return wanted.get((task, i), [])
 
-    _measure(model, tokenizer, out, counts, todo, (settings["length"], settings["seed"]), settings["query_aware"],
-             progress, 0, 1)  # fmt: skip
+    mode = (settings["query_aware"], settings.get("prefill_chunk_size"))
+    _measure(model, tokenizer, out, counts, todo, (settings["length"], settings["seed"]), mode, progress, 0, 1)
     _compact(out)
     return write_summary(out)
 
@@ -213,7 +223,8 @@ def _check_resume(out: Path, settings: dict) -> None:
     if not path.exists():
         return
     before = json.loads(path.read_text())
-    for key in ("model", "length", "seed", "query_aware"):
+    before.setdefault("prefill_chunk_size", None)  # sweeps from before chunks prefilled in one forward
+    for key in ("model", "length", "seed", "query_aware", "prefill_chunk_size"):
         if key in before and before[key] != settings[key]:
             raise ValueError(f"{out} holds a sweep with {key}={before[key]!r}, not {settings[key]!r}: "
                              "use another --out")  # fmt: skip
@@ -281,9 +292,11 @@ def _compact(out: Path) -> None:
             tmp.replace(path)
 
 
-def _measure(model, tokenizer, out: Path, counts: dict, todo, drawn: tuple, query_aware, progress, rank, world):
+def _measure(model, tokenizer, out: Path, counts: dict, todo, drawn: tuple, mode: tuple, progress, rank, world):
     """Append a row for each (task, example i, configuration in `todo(task, i)`) of this process's examples;
-    `counts` maps each task to how many examples to draw, `drawn` is (context length, seed)."""
+    `counts` maps each task to how many examples to draw, `drawn` is (context length, seed), `mode` is
+    (query_aware, prefill_chunk_size)."""
+    query_aware, chunk = mode
     from tqdm.auto import tqdm
 
     results_path = out / ("results.jsonl" if world == 1 else f"results.rank{rank}.jsonl")
@@ -298,17 +311,19 @@ def _measure(model, tokenizer, out: Path, counts: dict, todo, drawn: tuple, quer
                 if isinstance(example, Document):
                     rows = _perplexity_rows(model, tokenizer, example, configs, progress)
                 elif isinstance(example, Continuation):
-                    rows = continuation_rows(model, tokenizer, example, configs, progress)
+                    rows = continuation_rows(model, tokenizer, example, configs, progress, chunk)
                 else:
                     rows = answer_rows(model, tokenizer, example, configs, ANSWER_TOKENS[task], query_aware,
-                                        progress)  # fmt: skip
+                                       progress, chunk)  # fmt: skip
                 for row in rows:
                     sink.write(json.dumps({"task": task, "example": i, "examples": count, **row}) + "\n")
                     sink.flush()
 
 
-def answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_aware: bool, progress: bool):
-    """One recorded prefill of the example's context, then one row per configuration in `todo`."""
+def answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_aware: bool, progress: bool,
+                chunk: int | None = None):  # fmt: skip
+    """One recorded prefill of the example's context, then one row per configuration in `todo` (with `chunk`, a
+    press that evicts as tokens are cached prefills live instead: `_compressed`)."""
     from tqdm.auto import tqdm
 
     ctx, question = split_prompt(tokenizer, example.context, example.question, chat_template=False)
@@ -323,7 +338,7 @@ def answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_aware
     for name, ratio in tqdm(todo, desc="configurations", leave=False, disable=not progress):
         reset_cuda_peak()
         press = None if name == "none" else kvpress.press_from_name(name, compression_ratio=ratio)
-        cache = recording.cache if press is None else compress_recording(model, recording, press, tokenizer)
+        cache, chunked = _compressed(model, tokenizer, recording, press, chunk)
         kept = kvpress.cache_bytes(cache)
         working = copy.deepcopy(cache) if press is None else cache
         new = answer_ids_from_cache(model, tokenizer, ids, working, press, answer_tokens)
@@ -331,14 +346,28 @@ def answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_aware
         stored = {"offloaded_bytes": kvpress.offloaded_bytes(cache)} if kvpress.offloaded_bytes(cache) else {}
         yield {"press": name, "ratio": ratio, "score": example.score(text), "kept_bytes": kept,
                "full_bytes": full_bytes, "answer": text, "answer_tokens": answer_tokens,
-               "cut": _cut(new, answer_tokens, model), **stored, **peak_memory()}  # fmt: skip
+               "cut": _cut(new, answer_tokens, model), **stored, **chunked, **peak_memory()}  # fmt: skip
+
+
+def _compressed(model, tokenizer, recording, press, chunk: int | None) -> tuple[DynamicCache, dict]:
+    """The cache `press` leaves of the recorded prefill (None: the recording's own), and the row field
+    `prefill_chunk_size` when the sweep chunks: with `chunk`, a press that evicts as tokens are cached prefills
+    the recording's tokens live, `chunk` tokens a forward, into a new cache."""
+    if chunk is None:
+        return (recording.cache if press is None else compress_recording(model, recording, press, tokenizer)), {}
+    if press is None or press.needs_whole_context:
+        cache = recording.cache if press is None else compress_recording(model, recording, press, tokenizer)
+        return cache, {"prefill_chunk_size": None}
+    cache = DynamicCache(config=model.config)
+    prefill_context(model, recording.ids, press, cache, tokenizer, prefill_chunk_size=chunk)
+    return cache, {"prefill_chunk_size": chunk}
 
 
 @torch.no_grad()
-def continuation_rows(model, tokenizer, example: Continuation, todo, progress: bool):
+def continuation_rows(model, tokenizer, example: Continuation, todo, progress: bool, chunk: int | None = None):
     """One recorded prefill of the context, then one row per configuration in `todo`: top-1 agreement (the
     score) and mean KL(full || compressed) of the next-token distributions over the following tokens, fed
-    over the compressed cache with nothing more evicted (`tasks/continuation.py`)."""
+    over the compressed cache with nothing more evicted (`tasks/continuation.py`); `chunk` as `answer_rows`."""
     from tqdm.auto import tqdm
 
     ctx = torch.tensor([example.context_ids], device=model.device)
@@ -351,8 +380,8 @@ def continuation_rows(model, tokenizer, example: Continuation, todo, progress: b
     for name, ratio in tqdm(todo, desc="configurations", leave=False, disable=not progress):
         reset_cuda_peak()
         press = None if name == "none" else kvpress.press_from_name(name, compression_ratio=ratio)
-        cache = copy.deepcopy(recording.cache) if press is None else compress_recording(model, recording, press,
-                                                                                        tokenizer)  # fmt: skip
+        cache, chunked = _compressed(model, tokenizer, recording, press, chunk)
+        cache = copy.deepcopy(cache) if press is None else cache
         kept = kvpress.cache_bytes(cache)
         installation = maybe_installed(press, model, tokenizer)
         with installation as installed, installed.frozen() if installed else contextlib.nullcontext():
@@ -360,7 +389,8 @@ def continuation_rows(model, tokenizer, example: Continuation, todo, progress: b
         kl = (reference.exp() * (reference - logp)).sum(-1)
         agree = (logp.argmax(-1) == reference.argmax(-1)).float()
         yield {"press": name, "ratio": ratio, "score": float(agree.mean()), "kl": float(kl.mean()),
-               "tokens": following.shape[1], "kept_bytes": kept, "full_bytes": full_bytes, **peak_memory()}  # fmt: skip
+               "tokens": following.shape[1], "kept_bytes": kept, "full_bytes": full_bytes, **chunked,
+               **peak_memory()}  # fmt: skip
 
 
 def _cut(new: torch.Tensor, budget: int, model) -> bool:
@@ -466,13 +496,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, help=f"context tokens per example (default: {defaults['length']})")
     parser.add_argument("--seed", type=int, help=f"(default: {defaults['seed']})")
     parser.add_argument("--query-aware", action="store_true", help="prefill the question with the context")
+    parser.add_argument("--prefill-chunk-size", type=int, default=None,
+                        help="presses that evict as tokens are cached prefill live, this many tokens a forward "
+                             "(default: applied to one recorded prefill)")  # fmt: skip
     parser.add_argument("--out", required=True, help="output directory (resumed if it holds results)")
     parser.add_argument("--refresh", action="store_true",
                         help="only re-measure the answers in --out that a changed answer budget could change, "
                              "with its settings and model")  # fmt: skip
     parser.add_argument("--replot", action="store_true", help="only redraw the plots of --out (nothing measured)")
     args = parser.parse_args(argv)
-    chosen = [f"--{name.replace('_', '-')}" for name in (*defaults, "query_aware")
+    chosen = [f"--{name.replace('_', '-')}" for name in (*defaults, "query_aware", "prefill_chunk_size")
               if getattr(args, name) is not None and getattr(args, name) is not False]  # fmt: skip
     if args.replot:
         summary = Path(args.out) / "summary.json"
@@ -497,13 +530,14 @@ def main(argv: list[str] | None = None) -> int:
         configurations(presses, ratios)
         check_tasks(tasks)  # before the model loads
         check_sizes(args.examples, args.length, args.seed)
+        check_chunk_size(args.prefill_chunk_size)
     except ValueError as err:
         print(f"kvpress sweep: {err}", file=sys.stderr)
         return 2
     model, tokenizer = kvpress.load_model(args.model)
     presses = [resolve_default(name, model) for name in presses]  # `default`: the model's own, named in the rows
     summary = run_sweep(model, tokenizer, presses, ratios, tasks, args.out, args.examples, args.length, args.seed,
-                        args.query_aware)  # fmt: skip
+                        args.query_aware, prefill_chunk_size=args.prefill_chunk_size)  # fmt: skip
     if summary:  # process 0 (or the only one)
         print(_table(summary))
         print(f"wrote {args.out}/results*.jsonl, summary.json, summary.csv, table.md, plot.png (+ heatmap.png)")

@@ -34,7 +34,8 @@ def _press(name: str | None, ratio: float | None, max_tokens: int | None, model=
 
 
 def _answer(
-    model, tokenizer, context: str, question: str, press, max_new_tokens: int, query_aware: bool = False
+    model, tokenizer, context: str, question: str, press, max_new_tokens: int, query_aware: bool = False,
+    prefill_chunk_size: int | None = None,
 ) -> tuple[str, int, float]:
     """(answer, KV bytes held at the end, seconds)."""
     from transformers import DynamicCache
@@ -44,7 +45,7 @@ def _answer(
     cache = DynamicCache(config=model.config)
     start = time.perf_counter()
     text = kvpress.generate(model, tokenizer, context, question, press, max_new_tokens=max_new_tokens, cache=cache,
-                            query_aware=query_aware)  # fmt: skip
+                            query_aware=query_aware, prefill_chunk_size=prefill_chunk_size)  # fmt: skip
     return text, kvpress.cache_bytes(cache), time.perf_counter() - start
 
 
@@ -121,7 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         text, kv_bytes, seconds = _answer_saved(model, tokenizer, path.read_text(), args, press, spec)
     else:
         text, kv_bytes, seconds = _answer(model, tokenizer, path.read_text(), args.question, press,
-                                          args.max_new_tokens, args.query_aware)  # fmt: skip
+                                          args.max_new_tokens, args.query_aware, args.prefill_chunk_size)  # fmt: skip
     print(text)
     print(f"[{spec}: {kv_bytes:,d} KV bytes held, {seconds:.1f} s]", file=sys.stderr)
     return 0
@@ -145,7 +146,7 @@ def _answer_saved(model, tokenizer, context: str, args: argparse.Namespace, pres
                              f"--context-file has {ctx_ids.shape[1]}: give the document it was saved from")  # fmt: skip
     else:
         cache = DynamicCache(config=model.config)
-        prefill_context(model, ctx_ids, press, cache, tokenizer)
+        prefill_context(model, ctx_ids, press, cache, tokenizer, prefill_chunk_size=args.prefill_chunk_size)
         kvpress.save_cache(cache, args.save_cache, model, press=spec)
     ids = torch.cat([ctx_ids, q_ids], dim=-1)
     text = answer_from_cache(model, tokenizer, ids, cache, press, args.max_new_tokens)
@@ -263,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--question", required=True)
     gen.add_argument("--model", default=None)
     gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--prefill-chunk-size", type=int, default=None,
+                     help="prefill the context this many tokens a forward, evicting after each (default: one forward)")
     gen.add_argument("--save-cache", default=None, help="write the compressed context's cache to this file")
     gen.add_argument("--load-cache", default=None,
                      help="answer from a cache --save-cache wrote for the same --context-file (its press is used)")

@@ -50,6 +50,7 @@ def generate(
     cache: DynamicCache | None = None,
     chat_template: bool = True,
     query_aware: bool = False,
+    prefill_chunk_size: int | None = None,
 ) -> str:
     """Greedy answer to `question` about `context`, with only the context compressed by `press`.
 
@@ -60,6 +61,7 @@ def generate(
     scores (SnapKV's observation window; the compression serves this question only);
     the default compresses the context without seeing the question (the cache can serve any question).
     `chat_template=False` asks as a plain completion (the question's text is continued).
+    `prefill_chunk_size` feeds the prefill that many tokens a forward, each evicting (see `prefill_context`).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -83,24 +85,51 @@ def generate(
     cache = DynamicCache(config=model.config) if cache is None else cache
     ids = torch.cat([ctx_ids, q_ids], dim=-1)
     prefill = ids[:, :-1] if query_aware else ctx_ids  # generate feeds at least the last token itself
-    prefill_context(model, prefill, press, cache, tokenizer, next_ids=ids[:, -1:] if query_aware else None)
+    prefill_context(model, prefill, press, cache, tokenizer, next_ids=ids[:, -1:] if query_aware else None,
+                    prefill_chunk_size=prefill_chunk_size)
     return answer_from_cache(model, tokenizer, ids, cache, press, max_new_tokens)
 
 
 @torch.no_grad()
 def prefill_context(
-    model, ids: torch.Tensor, press: BasePress | None, cache: DynamicCache, tokenizer=None, next_ids=None
+    model,
+    ids: torch.Tensor,
+    press: BasePress | None,
+    cache: DynamicCache,
+    tokenizer=None,
+    next_ids=None,
+    prefill_chunk_size: int | None = None,
 ) -> None:
     """Prefill `ids` into `cache`, compressed by `press` (none: the full cache). Presses that score the
     context with a pass of their own (`needs_whole_context`: KVzip, Lookahead) are applied once it is all
     cached; KVzip writes a prompt, so it needs `tokenizer`; Lookahead drafts from `next_ids`, the prompt
-    tokens fed afterwards (query-aware prefills)."""
+    tokens fed afterwards (query-aware prefills).
+
+    `prefill_chunk_size` feeds `ids` that many tokens a forward (as transformers' `prefill_chunk_size` inside
+    `model.generate`): the press evicts after each, so the cache never holds more than its budget plus one chunk
+    and the activations are one chunk's. Presses that score the whole context cannot take chunks (refused)."""
+    chunk = check_chunk_size(prefill_chunk_size)
     if press is not None and press.needs_whole_context:
+        if chunk is not None:
+            raise ValueError(f"{type(press).__name__} scores the whole context once it is cached, in one pass: it "
+                             "cannot prefill in chunks (prefill_chunk_size=None, or a press that scores tokens as "
+                             "they are cached, such as KVzapPress)")  # fmt: skip
         recording = record_prefill(model, ids, cache, next_ids)
         compress_recording(model, recording, press, tokenizer, in_place=True)
     else:
+        chunk = chunk or ids.shape[1]
         with maybe_installed(press, model):
-            model(ids, cache=cache, use_cache=True, logits_to_keep=1)  # the cache is what is wanted, not logits
+            for start in range(0, ids.shape[1], chunk):  # the cache is what is wanted, not logits
+                model(ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
+
+
+def check_chunk_size(size) -> int | None:
+    """`size` as a prefill chunk size: None (one forward) or a positive integer; anything else is refused."""
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"prefill_chunk_size must be a positive number of tokens (or None: one forward), got {size!r}")
+    return size
 
 
 @torch.no_grad()

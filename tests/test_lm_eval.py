@@ -113,6 +113,12 @@ def test_bad_arguments_are_refused(default_model):
         KVPressLM(pretrained=model, tokenizer=tokenizer, compression_ratio=0.5)
     with pytest.raises(ValueError, match=r"compression_ratio must be in \[0, 1\)"):
         KVPressLM(pretrained=model, tokenizer=tokenizer, press="snapkv", compression_ratio=1.5)
+    with pytest.raises(ValueError, match="with no press lm-eval's own model runs"):
+        KVPressLM(pretrained=model, tokenizer=tokenizer, prefill_chunk_size="64")
+    with pytest.raises(ValueError, match="cannot prefill in chunks"):
+        KVPressLM(pretrained=model, tokenizer=tokenizer, press="kvzip", compression_ratio=0.5, prefill_chunk_size=64)
+    with pytest.raises(ValueError, match="prefill_chunk_size must be a positive number of tokens, got 'x'"):
+        KVPressLM(pretrained=model, tokenizer=tokenizer, press="snapkv", compression_ratio=0.5, prefill_chunk_size="x")
 
 
 def test_cli_refuses_bad_press_task_and_model(default_model, capsys):

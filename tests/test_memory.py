@@ -163,3 +163,32 @@ def test_chunked_prefill_holds_the_budget_after_every_chunk(name):
         hook.remove()
     assert [seen for _, seen in held[:7]] == [16, 32, 48, 64, 80, 96, 100]  # 7 chunks, then decoding
     assert all(n <= min(seen, budget) for n, seen in held)  # evicted within each chunk's forward
+
+
+def test_prefill_context_in_chunks_holds_the_budget_after_every_chunk_and_refuses_whole_context_presses():
+    """kvpress.generate's prefill with prefill_chunk_size: each chunk's forward evicts, as inside model.generate;
+    a chunk as long as the prompt is the one-forward prefill; presses scoring the whole context are refused."""
+    from kvpress import KVzipPress
+    from kvpress.pipeline import prefill_context
+
+    model = _model()
+    ids = prompt(1, 100)
+    press = SnapKVPress(max_tokens=24, window_size=8)
+    held = []
+    cache = DynamicCache(config=model.config)
+    hook = model_access.attention_modules(model)[0].register_forward_hook(
+        lambda *_: held.append((cache.layers[0].n, cache.layers[0].seen)))  # fmt: skip
+    try:
+        prefill_context(model, ids, press, cache, prefill_chunk_size=16)
+    finally:
+        hook.remove()
+    assert [seen for _, seen in held] == [16, 32, 48, 64, 80, 96, 100] and all(n <= 24 for n, _ in held)
+    one, whole = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    prefill_context(model, ids, press, one, prefill_chunk_size=100)
+    prefill_context(model, ids, press, whole)
+    assert torch.equal(one.layers[0].keys, whole.layers[0].keys)
+    with pytest.raises(ValueError, match="cannot prefill in chunks"):
+        prefill_context(model, ids, KVzipPress(0.5), DynamicCache(config=model.config), prefill_chunk_size=16)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="prefill_chunk_size must be a positive number"):
+            prefill_context(model, ids, press, DynamicCache(config=model.config), prefill_chunk_size=bad)
