@@ -24,11 +24,13 @@ class HeavyHitterPress(BasePress):
     Parameters:
         compression_ratio / max_tokens: the budget (see `BasePress`).
         window: recent tokens always kept; None (default) gives half the budget, as in the paper.
-        chunk: queries scored at once at prefill (bounds the memory of the attention matrix).
+        chunk: queries scored at once at prefill (default 128; bounds the memory of the attention matrix: for
+            1,024 queries of Qwen2.5-0.5B over 3,072 keys, 70 MB above the baseline against 244 MB with 512, in
+            the same time).
     """
 
     window: int | None = None
-    chunk: int = 512
+    chunk: int = 128
 
     def __post_init__(self) -> None:
         if self.window is not None and (not isinstance(self.window, int) or self.window < 0):
