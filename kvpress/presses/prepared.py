@@ -10,6 +10,8 @@ import torch
 from kvpress.engine import Observation
 from kvpress.presses.base import BasePress
 
+QUERY_CHUNK = 128  # queries whose attention is computed at once (all 512: the 4K KVzip peak 148 MB higher)
+
 
 @dataclass
 class PromptAttention:
@@ -22,19 +24,27 @@ class PromptAttention:
     sums: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
     def __call__(self, obs: Observation) -> None:
-        probs = obs.attention_probs(0, obs.q_len)  # [B, Hkv, g, q, slots]
-        if obs.layer.window is None:  # nothing evicted: the first slots are the prompt's tokens
-            probs = probs[..., : self.n_prompt]
-        else:  # a sliding-window layer holds the prompt's last tokens: each slot to its prompt position
-            pos = obs.layer.pos.long()[:, :, None, None].expand_as(probs)
-            paid = probs.masked_fill(pos >= self.n_prompt, 0)
-            probs = probs.new_zeros(*probs.shape[:-1], self.n_prompt)
-            probs.scatter_add_(-1, pos.clamp(max=self.n_prompt - 1), paid)
-        peak, total, count = probs.amax(dim=(2, 3)), probs.sum(dim=(2, 3)), probs.shape[2] * probs.shape[3]
+        peak, total, count = None, None, 0
+        for start in range(0, obs.q_len, QUERY_CHUNK):  # the attention matrix a chunk of queries at a time
+            probs = self._on_prompt(obs, obs.attention_probs(start, min(start + QUERY_CHUNK, obs.q_len)))
+            chunk_peak, chunk_total = probs.amax(dim=(2, 3)), probs.sum(dim=(2, 3))
+            peak = chunk_peak if peak is None else torch.maximum(peak, chunk_peak)
+            total = chunk_total if total is None else total + chunk_total
+            count += probs.shape[2] * probs.shape[3]
         if obs.layer_idx in self.peaks:
             peak = torch.maximum(self.peaks[obs.layer_idx], peak)
             total, count = total + self.sums[obs.layer_idx][0], count + self.sums[obs.layer_idx][1]
         self.peaks[obs.layer_idx], self.sums[obs.layer_idx] = peak, (total, count)
+
+    def _on_prompt(self, obs: Observation, probs: torch.Tensor) -> torch.Tensor:
+        """`probs` `[B, Hkv, g, w, m]` over the first m slots, cut (or gathered) to the prompt's tokens."""
+        if obs.layer.window is None:  # nothing evicted: the first slots are the prompt's tokens
+            return probs[..., : self.n_prompt]
+        # a sliding-window layer holds the prompt's last tokens: each slot to its prompt position
+        pos = obs.layer.pos.long()[..., : probs.shape[-1]][:, :, None, None].expand_as(probs)
+        paid = probs.masked_fill(pos >= self.n_prompt, 0)
+        out = probs.new_zeros(*probs.shape[:-1], self.n_prompt)
+        return out.scatter_add_(-1, pos.clamp(max=self.n_prompt - 1), paid)
 
 
 def at_held_slots(per_token: torch.Tensor, obs: Observation) -> torch.Tensor:
