@@ -30,7 +30,8 @@ class ThinKPress(WrapsPress, BasePress):
         press: the press that chooses the tokens (SnapKV in `think`); its budget, sinks and window are used as they
             are. A per-head press (AdaKV, DuoAttention) is refused: its per-head storage keeps every channel.
         key_channel_ratio: the fraction of each head's key channels pruned (default 0.4, the paper's lossless
-            setting; not tuned here): keys keep d - floor(d x ratio) channels.
+            setting; not tuned here): keys keep d - floor(d x ratio) channels. On SmolLM2 it lost more than
+            evicting tokens for the same bytes (eval/results/README.md, "ThinK"): a baseline, not a default.
         query_window: the last queries whose channel norms score the channels (default 32, as the paper).
 
     The channels are chosen once per layer, at its first eviction step (the prefill; with chunks, the first
