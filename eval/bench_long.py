@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -130,7 +131,7 @@ def summary(rows: list[dict]) -> list[dict]:
         out.append({
             "model": row["model"], "length": row["length"], "press": row["press"], "ratio": row["ratio"],
             "spec": row["spec"], "chunk": row["chunk"],
-            "memory_ratio": row["peak_above_model_bytes"] / none["peak_above_model_bytes"],
+            "memory_ratio": _ratio(row["peak_above_model_bytes"], none["peak_above_model_bytes"]),
             "peak_above_model_mb": row["peak_above_model_bytes"] / 2**20,
             "none_peak_above_model_mb": none["peak_above_model_bytes"] / 2**20,
             "cache_ratio": row["cache_bytes"] / none["cache_bytes"], "cache_mb": row["cache_bytes"] / 2**20,
@@ -145,6 +146,12 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _ratio(a: float, b: float) -> float | None:
+    """a / b, or None when b is 0 (a process whose resident memory never rose above the loaded model: freed
+    memory reused, as in a test process)."""
+    return a / b if b else None
+
+
 def markdown(table: list[dict]) -> str:
     """`summary`'s rows as a Markdown table, by model, length, press and ratio."""
     lines = ["| model | tokens | press | r | peak above model, MB (no press) | peak / no press | peak / bound | "
@@ -152,8 +159,9 @@ def markdown(table: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in sorted(table, key=lambda r: (r["model"], r["length"], r["press"], r["ratio"])):
         bound = f"{r['peak_over_bound']:.2f}" if "peak_over_bound" in r else "- (unchunked)"
+        memory = "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.2f}"
         lines.append(f"| {r['model']} | {r['length']} | {r['press']} | {r['ratio']} | {r['peak_above_model_mb']:.0f} "
-                     f"({r['none_peak_above_model_mb']:.0f}) | {r['memory_ratio']:.2f} | {bound} | "
+                     f"({r['none_peak_above_model_mb']:.0f}) | {memory} | {bound} | "
                      f"{r['cache_ratio']:.3f} | {r['prefill_ratio']:.2f} | {r['decode_step_ratio']:.2f} | "
                      f"{r['decode_byte_limit']:.3f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
@@ -176,7 +184,8 @@ def plot(rows: list[dict], path: Path) -> Path | None:
             line = sorted((r for r in mine if r["press"] == press and r["ratio"] == ratio), key=lambda r: r["length"])
             xs = [r["length"] for r in line]
             label = f"{press}, r = {ratio}"
-            axes[0][j].plot(xs, [r["memory_ratio"] for r in line], marker="o", label=label)
+            axes[0][j].plot(xs, [math.nan if r["memory_ratio"] is None else r["memory_ratio"] for r in line],
+                            marker="o", label=label)  # fmt: skip
             drawn = axes[1][j].plot(xs, [r["decode_step_ratio"] for r in line], marker="o", label=label)
             axes[1][j].plot(xs, [r["decode_byte_limit"] for r in line], linestyle=":", color=drawn[0].get_color())
         axes[0][j].set_title(f"{model}: peak memory above the model / no press")

@@ -31,12 +31,15 @@ def test_a_measured_configuration_and_its_ratios(tokenized):
     assert none["peak_above_model_bytes"] >= 0 and pressed["decode_step_seconds"] > 0
     (row,) = summary(rows)
     assert row["cache_ratio"] == pressed["cache_bytes"] / none["cache_bytes"]
+    peaks = pressed["peak_above_model_bytes"], none["peak_above_model_bytes"]
+    assert row["memory_ratio"] == (peaks[0] / peaks[1] if peaks[1] else None)
     w = pressed["weight_bytes"]
     assert row["decode_byte_limit"] == (w + pressed["cache_bytes"]) / (w + none["cache_bytes"])
     bound = pressed["cache_bytes"] + one["peak_above_model_bytes"]  # its cache + one chunk alone
     assert row["bound_mb"] == bound / 2**20 and row["peak_over_bound"] == pressed["peak_above_model_bytes"] / bound
     table = markdown([row])
-    assert table.count("\n") == 3 and f"| {row['memory_ratio']:.2f} | {row['peak_over_bound']:.2f} |" in table
+    memory = "-" if row["memory_ratio"] is None else f"{row['memory_ratio']:.2f}"  # None: no rise to divide by
+    assert table.count("\n") == 3 and f"| {memory} | {row['peak_over_bound']:.2f} |" in table
 
 
 @pytest.mark.parametrize("argv", [["--models", "qwen2.5-0.5b:4k"], ["--presses", "nosuch"], ["--decode-steps", "1"]])
