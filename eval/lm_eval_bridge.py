@@ -131,9 +131,6 @@ class KVPressLM(HFLM):
         if self.press is None and self.prefill_chunk_size:
             raise ValueError("prefill_chunk_size chunks a press's prefill; with no press lm-eval's own model runs "
                              "(nothing to evict: chunks would change only the memory): drop it, or give a press")
-        if self.press is not None and self.press.needs_whole_context and self.prefill_chunk_size:
-            raise ValueError(f"{type(self.press).__name__} scores the whole context in one pass: it cannot prefill in "
-                             "chunks (drop prefill_chunk_size)")  # fmt: skip
         if isinstance(pretrained, str):  # a local directory: HFLM loads it (and shards data under accelerate)
             pretrained = str(resolve_model_path(None if pretrained == "default" else pretrained))
             kwargs.setdefault("dtype", "float32")
@@ -144,6 +141,9 @@ class KVPressLM(HFLM):
         super().__init__(pretrained=pretrained, **kwargs)
         if isinstance(press, str) and resolve_default(press) != press:  # `default`: this model's default press
             self.press = press_from_name(press, self.model, **budget, **press_kwargs)
+        if self.press is not None and self.press.needs_whole_context and self.prefill_chunk_size:
+            raise ValueError(f"{type(self.press).__name__} scores the whole context in one pass: it cannot prefill in "
+                             "chunks (drop prefill_chunk_size)")  # fmt: skip
         self.kv_records: list[dict] = []
         if cpu_processes and self._world_size == 1:  # HFLM shards data only across GPUs: shard it here
             from accelerate import Accelerator
