@@ -141,9 +141,7 @@ class KVPressLM(HFLM):
         super().__init__(pretrained=pretrained, **kwargs)
         if isinstance(press, str) and resolve_default(press) != press:  # `default`: this model's default press
             self.press = press_from_name(press, self.model, **budget, **press_kwargs)
-        if self.press is not None and self.press.needs_whole_context and self.prefill_chunk_size:
-            raise ValueError(f"{type(self.press).__name__} scores the whole context in one pass: it cannot prefill in "
-                             "chunks (drop prefill_chunk_size)")  # fmt: skip
+        check_chunk_size(self.prefill_chunk_size, self.press)  # refused before any task runs
         self.kv_records: list[dict] = []
         if cpu_processes and self._world_size == 1:  # HFLM shards data only across GPUs: shard it here
             from accelerate import Accelerator

@@ -108,12 +108,8 @@ def prefill_context(
     `prefill_chunk_size` feeds `ids` that many tokens a forward (as transformers' `prefill_chunk_size` inside
     `model.generate`): the press evicts after each, so the cache never holds more than its budget plus one chunk
     and the activations are one chunk's. Presses that score the whole context cannot take chunks (refused)."""
-    chunk = check_chunk_size(prefill_chunk_size)
+    chunk = check_chunk_size(prefill_chunk_size, press)
     if press is not None and press.needs_whole_context:
-        if chunk is not None:
-            raise ValueError(f"{type(press).__name__} scores the whole context once it is cached, in one pass: it "
-                             "cannot prefill in chunks (prefill_chunk_size=None, or a press that scores tokens as "
-                             "they are cached, such as KVzapPress)")  # fmt: skip
         recording = record_prefill(model, ids, cache, next_ids)
         compress_recording(model, recording, press, tokenizer, in_place=True)
     else:
@@ -123,12 +119,17 @@ def prefill_context(
                 model(ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
 
 
-def check_chunk_size(size) -> int | None:
-    """`size` as a prefill chunk size: None (one forward) or a positive integer; anything else is refused."""
+def check_chunk_size(size, press: BasePress | None = None) -> int | None:
+    """`size` as a prefill chunk size: None (one forward) or a positive integer; anything else is refused, and so
+    is any chunk for a `press` that scores the whole context once it is cached."""
     if size is None:
         return None
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"prefill_chunk_size must be a positive number of tokens (or None: one forward), got {size!r}")
+    if press is not None and press.needs_whole_context:
+        raise ValueError(f"{type(press).__name__} scores the whole context once it is cached, in one pass: it cannot "
+                         "prefill in chunks (prefill_chunk_size=None, or a press that scores tokens as they are "
+                         "cached, such as KVzapPress)")  # fmt: skip
     return size
 
 

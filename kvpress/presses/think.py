@@ -73,11 +73,13 @@ class ThinKPress(WrapsPress, BasePress):
     def after_eviction(self, obs: Observation) -> None:
         self.press.after_eviction(obs)
         layer = obs.layer
+        if layer.key_channels is not None or layer.n == 0 or self.compression_ratio == 0:
+            return  # every decoding step after the first eviction; r = 0 keeps everything, channels too
         keys = layer.held_kv()[0]
         dim = keys.shape[-1]
         kept = dim - math.floor(dim * self.key_channel_ratio)
-        if layer.key_channels is not None or kept == dim or layer.n == 0 or self.compression_ratio == 0:
-            return  # r = 0 keeps everything, channels too (the full cache every ratio is measured against)
+        if kept == dim:
+            return
         scores = channel_scores(obs.query[:, :, -self.query_window :], keys, layer.valid)
         layer.prune_key_channels(scores.topk(kept, dim=-1).indices.sort(dim=-1).values)
 
