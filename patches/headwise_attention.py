@@ -12,10 +12,13 @@ built yet (it needs packed storage), so CUDA runs the same per-head sdpa.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpress.patches.blocked_attention import blocked_attention
 from kvpress.patches.head_cache import HeadwiseLayer
 
 
@@ -51,11 +54,18 @@ def headwise_attention(module: nn.Module, query: torch.Tensor, layer: HeadwiseLa
                 res = F.scaled_dot_product_attention(group.reshape(1, 1, g * q, d), keys[None, None],
                                                      values[None, None], scale=scale)  # fmt: skip
             else:  # a chunk: g heads sharing one KV head and one [q, n] mask (folding would repeat the mask g times
-                # and, on the CPU, leave the fused kernel for one that holds every g * q x n weight)
-                res = F.scaled_dot_product_attention(group[None], keys[None, None], values[None, None],
-                                                     attn_mask=mask, scale=scale, enable_gqa=True)  # fmt: skip
+                # and, on the CPU, leave the fused kernel for one that holds every g * q x n weight), in blocks of
+                # queries, each over the slots it can see (torch's CPU kernel copies the mask as floats)
+                rows_mask = functools.partial(_rows, mask, n - q)
+                res = blocked_attention(group[None], keys[None, None], values[None, None], rows_mask, scale)
+                res = res.transpose(1, 2)
             out[row, head * g : (head + 1) * g] = res.reshape(g, q, -1)
     return out.transpose(1, 2).contiguous()
+
+
+def _rows(mask: torch.Tensor, held: int, rows: tuple[int, int]) -> torch.Tensor:
+    """Queries `rows` of a `[q, n]` mask over the `held` slots and the new ones up to the last of them."""
+    return mask[rows[0] : rows[1], : held + rows[1]]
 
 
 def _causal(q: int, n: int, device) -> torch.Tensor:

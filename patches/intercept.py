@@ -52,6 +52,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
+from kvpress.patches import blocked_attention as blocked
 from kvpress.patches import model_access
 from kvpress.patches.cache import PressedLayer
 from kvpress.patches.head_cache import HeadwiseLayer
@@ -282,6 +283,7 @@ class Intercept:
         layer.commit(info.new_valid(q_len) if info is not None else None)
         standard = info.standard() if info is not None and not layer.compressed else None  # built only if used
         flash = self._original.startswith("flash_attention")
+        out = None
         if not layer.compressed and not _sized_for_another_layer(standard, key) and not (flash and thin):
             mask = standard  # slots still line up with tokens: transformers' own mask is right
         elif flash and "valid" not in layer.slots and not thin:
@@ -290,8 +292,13 @@ class Intercept:
             fn = "sdpa" if flash else self._original
             inner = model_access.inner_attention(self.model, fn, module) if fn != self._original else inner
             n_rep = query.shape[1] // key.shape[1]
-            mask = layer_mask(layer, q_len, n_rep, query.dtype, additive=fn == "eager")
-        out = inner(module, query, key, value, mask, **kwargs)
+            if fn == "sdpa" and blocked.applies(module, query, kwargs):  # no g-times copy of the held keys
+                rows_mask = functools.partial(layer_mask, layer, q_len, n_rep, query.dtype, False)
+                out = blocked.blocked_attention(query, key, value, rows_mask, kwargs.get("scaling")), None
+            else:
+                mask = layer_mask(layer, q_len, n_rep, query.dtype, additive=fn == "eager")
+        if out is None:
+            out = inner(module, query, key, value, mask, **kwargs)
         replacement = self.handler.after_attention(module, query, key, value, layer, call.compressing, hidden)
         if replacement is not None:  # the layer moved to per-head storage
             replacement.driven = True
@@ -329,31 +336,35 @@ class MaskInfo:
         return self._standard[0]
 
 
-def layer_mask(layer: PressedLayer, q_len: int, n_rep: int, dtype: torch.dtype, additive: bool):
+def layer_mask(layer: PressedLayer, q_len: int, n_rep: int, dtype: torch.dtype, additive: bool,
+               rows: tuple[int, int] | None = None):  # fmt: skip
     """The mask of a compressed layer: held slots visible where valid, causal among the new tokens, and for a
     sliding-window layer only the slots less than `window` positions behind the query.
 
     Bool (sdpa) or additive float (eager); None when nothing is hidden. A query always sees its
-    own slot, so padding queries stay finite.
+    own slot, so padding queries stay finite. `rows` `(s, e)`: only queries `s:e` of the `q_len` new ones,
+    over the slots they can see (all but the new ones after query `e - 1`).
     """
     n, device = layer.n, layer.keys.device
     valid = layer.valid
     if valid is None and q_len == 1:  # a sliding layer's held slots are all in the window of the next token
         return None
-    causal = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
-    eye = torch.eye(q_len, dtype=torch.bool, device=device)
+    s, e = rows if rows is not None else (0, q_len)
+    old_n, width = n - q_len, n - q_len + e
+    causal = torch.ones(e - s, e, dtype=torch.bool, device=device).tril(s)  # new query s + i sees new slots <= s + i
     if valid is None and layer.window is None:
-        old = torch.ones(q_len, n - q_len, dtype=torch.bool, device=device)
+        old = torch.ones(e - s, old_n, dtype=torch.bool, device=device)
         mask = torch.cat([old, causal], dim=-1)[None, None]
     else:
         b, h = layer.keys.shape[:2]
-        valid = valid if valid is not None else torch.ones(b, h, n, dtype=torch.bool, device=device)
-        old = valid[:, :, None, : n - q_len].expand(b, h, q_len, n - q_len)
-        mask = torch.cat([old, causal & valid[:, :, None, n - q_len :]], dim=-1)
+        valid = valid[..., :width] if valid is not None else torch.ones(b, h, width, dtype=torch.bool, device=device)
+        old = valid[:, :, None, :old_n].expand(b, h, e - s, old_n)
+        mask = torch.cat([old, causal & valid[:, :, None, old_n:]], dim=-1)
         if layer.window is not None:
-            pos = layer.pos.long()
-            mask = mask & (pos[:, :, None, :] > pos[:, :, n - q_len :, None] - layer.window)
-        mask[..., n - q_len :] |= eye
+            pos = layer.pos[..., :width].long()
+            mask = mask & (pos[:, :, None, :] > pos[:, :, old_n + s : old_n + e, None] - layer.window)
+        own = torch.arange(e - s, device=device)
+        mask[..., own, old_n + s + own] = True
         mask = mask.repeat_interleave(n_rep, dim=1)
     if additive:
         return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)

@@ -1,0 +1,66 @@
+"""A chunk over a compressed dense layer on the CPU runs in blocks of queries that share their KV head
+(`patches/blocked_attention.py`): the same logits as transformers' sdpa path with the layer's whole mask."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvpress import AdaKVPress, PressedLayer, SnapKVPress
+from kvpress.patches import blocked_attention as blocked
+from kvpress.patches.intercept import layer_mask
+from tiny import prompt, tiny_model
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("holes", [False, True])
+def test_the_mask_of_a_block_of_rows_is_that_block_of_the_whole_mask(window, holes):
+    layer = PressedLayer(window=window)
+    old = torch.randn(2, 3, 9, 4)
+    layer.update(old, old)  # not driven: committed at once (a sliding layer keeps its last window - 1)
+    layer.driven = True
+    new = torch.randn(2, 3, 7, 4)
+    layer.update(new, new)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    valid[1, :3] = False  # the second row's first new tokens are padding
+    layer.commit(valid if holes else None)
+    whole = layer_mask(layer, 7, 2, torch.float32, additive=False)
+    width = layer.n - 7
+    for s, e in ((0, 3), (3, 6), (6, 7), (2, 5)):
+        part = layer_mask(layer, 7, 2, torch.float32, additive=False, rows=(s, e))
+        expected = whole[..., s:e, : width + e]
+        assert part.shape[-2:] == expected.shape[-2:] and torch.equal(part.expand_as(expected), expected)
+        assert not whole[..., s:e, width + e :].any()  # what a block leaves out, its queries could not see
+
+
+PRESSES = {"dense": lambda: SnapKVPress(compression_ratio=0.5, window_size=4),
+           "head-wise": lambda: AdaKVPress(SnapKVPress(compression_ratio=0.5, window_size=4))}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral-window", "gemma3"])
+@pytest.mark.parametrize("press", list(PRESSES))
+def test_chunks_in_blocks_give_whole_mask_logits(family, press, monkeypatch):
+    """A left-padded batch prefilled in chunks of 12, evicting after each chunk, blocks of 5 queries: the logits of
+    one call with the whole mask (dense: transformers' sdpa path, KV heads repeated; head-wise: one sdpa call)."""
+    model = tiny_model(family)
+    ids = prompt(2, 40, seed=1)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+
+    def run() -> torch.Tensor:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad(), PRESSES[press]()(model):
+            chunks = [model(ids[:, s : s + 12], attention_mask=mask[:, : s + 12], cache=cache).logits
+                      for s in range(0, 40, 12)]  # fmt: skip
+        return torch.cat(chunks, dim=1)
+
+    calls = []
+    original = blocked.blocked_attention
+    monkeypatch.setattr(blocked, "blocked_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(blocked, "QUERY_BLOCK", 5)
+    got = run()
+    assert calls or press == "head-wise"  # the dense layers' chunks ran in blocks (head-wise ones call it by name)
+    monkeypatch.setattr(blocked, "applies", lambda *a: False)
+    monkeypatch.setattr(blocked, "QUERY_BLOCK", 1000)
+    expected = run()
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-4)
