@@ -1,15 +1,27 @@
 """Memory recorded next to every result: peak resident memory of this process, on a GPU the peak
 allocated CUDA memory (reset per measurement with `reset_cuda_peak`), and the bytes a full KV cache
-would hold (`full_cache_bytes`)."""
+would hold (`full_cache_bytes`); `page_in` makes a memory-mapped model's weights resident first."""
 
 from __future__ import annotations
 
+import itertools
 import resource
 import sys
 
 import torch
+from torch import nn
 
 from kvpress.patches.model_access import layer_types
+
+
+def page_in(model: nn.Module) -> None:
+    """Read every weight of `model` once, so that a checkpoint loaded as a memory-mapped file is resident before
+    process memory is measured. Otherwise the embedding matrix is read row by row as new tokens arrive, and the
+    resident memory grows with the text read: ~6 MB per 1,024 new tokens on Qwen2.5-0.5B (its untied embedding,
+    151,936 rows of 3.5 KB), weights, not activations or cache."""
+    with torch.inference_mode():
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            tensor.sum()
 
 
 def reset_cuda_peak() -> None:
