@@ -6,9 +6,9 @@ a prompt of English text (CPython's documentation), inside `with press(model, to
 transformers' `prefill_chunk_size` when `--chunk` is given (presses that score the whole prompt refuse chunks:
 they run unchunked, and their row says so). Right before it, the same generation with no press runs in its own
 process too, so each ratio to no press comes from two neighbouring runs on this shared machine. A child process
-reports: the resident memory above the loaded model at its peak (the kernel's high-water mark, reset once the
-model is loaded), the cache bytes after generating, the seconds to the first token (the prefill, a press's
-scoring pass included) and the median decode step.
+reports: the resident memory above the loaded model at its peak (the kernel's high-water mark, reset once
+every weight was read: `eval/memory.page_in`), the cache bytes after generating, the seconds to the first token
+(the prefill, a press's scoring pass included) and the median decode step.
 
 Rows are appended to `--out`'s `long.jsonl` as they finish, and a rerun skips what is there: a long run resumes
 where it stopped. `long.json` holds, per (model, length, press, ratio): memory, cache, prefill and decode step
