@@ -1,5 +1,5 @@
-"""A chunk's attention over a compressed dense layer on the CPU: the query heads share their KV head, and the
-queries go `QUERY_BLOCK` at a time.
+"""A chunk's attention over a compressed layer on the CPU: the query heads share their KV head, and the
+queries go `QUERY_BLOCK` at a time (dense layers through the intercept; head-wise ones per KV head).
 
 Over a compressed layer a mask is always passed (held slots are not the token positions transformers' causal
 mask assumes), and with a mask transformers' sdpa path repeats each KV head for its g query heads (a g-times
@@ -33,7 +33,7 @@ def applies(module: nn.Module, query: torch.Tensor, kwargs: dict) -> bool:
 
 
 def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      rows_mask: Callable[[int, int], torch.Tensor], scaling: float | None = None,
+                      rows_mask: Callable[..., torch.Tensor], scaling: float | None = None,
                       ) -> torch.Tensor:  # fmt: skip
     """Attention of `query` `[B, Hq, q, D]` (the newest `q` slots of `key`/`value` `[B, Hkv, n, D]`) in blocks;
     `rows_mask(rows=(s, e))` is the bool mask of queries `s:e` over the first `n - q + e` slots. `[B, q, Hq, Dv]`."""
