@@ -6,8 +6,7 @@ mask assumes), and with a mask transformers' sdpa path repeats each KV head for 
 copy of every held key and value), and torch's CPU kernel turns the boolean mask into a float one the size of
 the scores. Here torch shares the KV head (`enable_gqa`) and each block of queries meets only the slots it can
 see (the held ones, and the new ones up to its last query), with a mask of that block's rows: neither copy
-grows past one block's. Qwen2.5-0.5B (14 query heads over 2 KV heads), 1,024 queries over 5,120 slots: 68 ->
-12 MB a call at the same time (118 vs 113 ms); over 17,408 slots 212 -> 27 MB.
+grows past one block's. Measured by `make bench-long` (eval/results/README.md, "Long contexts").
 
 CPU only: on CUDA, sdpa with a mask and `enable_gqa` leaves the fused kernels, so that call keeps
 transformers' path. So do calls with anything this plain sdpa call does not express (softcapping, attention
