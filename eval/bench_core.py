@@ -47,11 +47,12 @@ def long_ids(tokenizer, n_tokens: int) -> torch.Tensor:
 
 
 def timed_forward(model, ids: torch.Tensor, cache: DynamicCache, press=None) -> float:
-    """Seconds of one forward of `ids` on `cache`, with `press` installed if given."""
-    start = time.perf_counter()
+    """Seconds of one forward of `ids` on `cache`, with `press` installed if given (installing it is not timed: a
+    user installs once for a whole generation)."""
     with maybe_installed(press, model):
+        start = time.perf_counter()
         model(ids, cache=cache, use_cache=True)
-    return time.perf_counter() - start
+        return time.perf_counter() - start
 
 
 def prefill(model, ids: torch.Tensor, press=None) -> tuple[DynamicCache, float]:
@@ -61,12 +62,13 @@ def prefill(model, ids: torch.Tensor, press=None) -> tuple[DynamicCache, float]:
 
 def timed_generate(model, tokenizer, ids: torch.Tensor, press=None) -> float:
     """Seconds of `model.generate` of one token after the prompt `ids` (its prefill, and the press's eviction or
-    scoring pass), inside `press(model, tokenizer=tokenizer)` when given: the user's main road."""
-    start = time.perf_counter()
+    scoring pass), inside `press(model, tokenizer=tokenizer)` when given (installing it is not timed): the user's
+    main road."""
     with maybe_installed(press, model, tokenizer):
+        start = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
                        pad_token_id=tokenizer.eos_token_id)  # fmt: skip
-    return time.perf_counter() - start
+        return time.perf_counter() - start
 
 
 def kvzip_scoring_peak(model, tokenizer, ids: torch.Tensor) -> float:

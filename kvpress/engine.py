@@ -43,6 +43,7 @@ class Observation:
     layer: PressedLayer
     hidden: torch.Tensor | None = None  # [B, q, d] the attention module's input hidden states of the new tokens
     kv_heads: slice = field(default_factory=lambda: slice(None))  # the KV heads `keys` holds (one: a head-wise view)
+    mass: torch.Tensor | None = None  # [B, Hkv, n] fp32 the attention computed with its output (`attention_mass`)
 
     @property
     def q_len(self) -> int:
@@ -95,6 +96,20 @@ class Observation:
                 visible = visible & (pos[..., None, :] > behind)
             logits.masked_fill_(~(visible | (slot == query_slot)), float("-inf"))
         return logits.softmax(dim=-1)
+
+    def attention_mass(self, block: int) -> torch.Tensor:
+        """`[B, Hkv, n]` fp32: the attention weight each held slot received from the new queries, summed over
+        them and the query heads of its KV head (masked like the real attention). The attention computed it with
+        its output when the press asked (`BasePress.mass_block`); otherwise it is computed here, `block`
+        queries at a time (`attention_probs`)."""
+        if self.mass is not None:
+            return self.mass
+        b, hkv, n = self.keys.shape[:3]
+        mass = torch.zeros(b, hkv, n, dtype=torch.float32, device=self.keys.device)
+        for start in range(0, self.q_len, block):
+            probs = self.attention_probs(start, min(start + block, self.q_len))
+            mass[..., : probs.shape[-1]] += probs.sum(dim=(2, 3))
+        return mass
 
 
 Observer = Callable[[Observation], None]
@@ -297,13 +312,20 @@ class PressInstallation:
             layer.driven = True  # a layer moved to per-head storage: the rest of the forward drives it too
         return forward(*tail[0], **tail[1])
 
+    def mass_block(self, layer: PressedLayer, evict_now: bool = True) -> int | None:
+        """Queries a block when this forward's press reads the attention mass of a dense layer (see the intercept)."""
+        press = self.press
+        if press is None or press.needs_whole_context or not (evict_now or press.observes_frozen):
+            return None
+        return press.mass_block()
+
     def after_attention(
-        self, module: nn.Module, query, key, value, layer: PressedLayer, evict_now: bool = True, hidden=None
+        self, module: nn.Module, query, key, value, layer: PressedLayer, evict_now: bool = True, hidden=None, mass=None
     ) -> HeadwiseLayer | None:
         if torch.is_grad_enabled():  # what stays is decided, not learned: no autograd history in what is kept
             with torch.no_grad():  # (generate runs without grad already: this step costs it nothing)
-                return self.after_attention(module, query, key, value, layer, evict_now, hidden)
-        obs = Observation(module, query, key, value, layer, hidden)
+                return self.after_attention(module, query, key, value, layer, evict_now, hidden, mass)
+        obs = Observation(module, query, key, value, layer, hidden, mass=mass)
         for observer in (*self.observers, *(_OBSERVING.get() or {}).get(self, ())):  # see every slot attended to
             observer(obs)
         if self.press is None or self.press.needs_whole_context:

@@ -1,5 +1,7 @@
-"""A chunk's attention over a compressed layer on the CPU: the query heads share their KV head, and the
-queries go `QUERY_BLOCK` at a time (dense layers through the intercept; head-wise ones per KV head).
+"""Attention by blocks of queries, for what transformers' sdpa path does at a cost.
+
+`blocked_attention`: a chunk's attention over a compressed layer on the CPU: the query heads share their KV
+head, and the queries go `QUERY_BLOCK` at a time (dense layers through the intercept; head-wise ones per KV head).
 
 Over a compressed layer a mask is always passed (held slots are not the token positions transformers' causal
 mask assumes), and with a mask transformers' sdpa path repeats each KV head for its g query heads (a g-times
@@ -11,6 +13,10 @@ grows past one block's. Measured by `make bench-long` (eval/results/README.md, "
 CPU only: on CUDA, sdpa with a mask and `enable_gqa` leaves the fused kernels, so that call keeps
 transformers' path. So do calls with anything this plain sdpa call does not express (softcapping, attention
 sinks, a position bias, dropout).
+
+`attention_with_mass`: the attention computed from its weights, a few queries at a time, for a press that reads
+the weights themselves (H2O accumulates the attention each slot receives): the weights are computed once, for
+the output and the press, instead of once by sdpa and again by the press. Any device; softcapping included.
 """
 
 from __future__ import annotations
@@ -24,11 +30,17 @@ from torch import nn
 QUERY_BLOCK = 256  # queries a call: 128 saved 1 MB more at 5,120 slots and took 16% longer
 
 
-def applies(module: nn.Module, query: torch.Tensor, kwargs: dict) -> bool:
-    """Whether a chunk of `query` can run here instead of transformers' sdpa path."""
-    plain = all(kwargs.get(name) is None for name in ("softcap", "s_aux", "position_bias"))
-    return (query.device.type == "cpu" and query.shape[2] > 1 and plain and not kwargs.get("dropout")
+def weighable(module: nn.Module, kwargs: dict) -> bool:
+    """Whether an attention call is softmax(scaled, soft-capped logits + mask) @ values and nothing more: no
+    attention sinks, position bias or dropout, and nobody asks transformers for the weights."""
+    return (all(kwargs.get(name) is None for name in ("s_aux", "position_bias")) and not kwargs.get("dropout")
             and not module.training and not kwargs.get("output_attentions"))  # fmt: skip
+
+
+def applies(module: nn.Module, query: torch.Tensor, kwargs: dict) -> bool:
+    """Whether a chunk of `query` can run in `blocked_attention` instead of transformers' sdpa path."""
+    return (query.device.type == "cpu" and query.shape[2] > 1 and kwargs.get("softcap") is None
+            and weighable(module, kwargs))  # fmt: skip
 
 
 def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -46,3 +58,42 @@ def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         out[:, :, s:e] = F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, :width], value[:, :, :width],
                                                         attn_mask=mask, scale=scaling, enable_gqa=gqa)  # fmt: skip
     return out.transpose(1, 2).contiguous()
+
+
+def attention_with_mass(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        rows_mask: Callable[..., torch.Tensor | None], block: int, scaling: float | None = None,
+                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Attention of `query` `[B, Hq, q, D]` (the newest `q` slots of `key`/`value` `[B, Hkv, n, D]`) from its
+    weights, `block` queries at a time, and the attention mass: `[B, Hkv, n]` fp32, the weight each slot received,
+    summed over the queries and the query heads that share its KV head. `rows_mask(rows=(s, e))`: the bool mask
+    of queries `s:e` over the first `n - q + e` slots, `[B or 1, Hkv or 1, e - s, n - q + e]`, or None (all
+    visible). Logits in the model's dtype, weights in fp32. Returns (`[B, q, Hq, Dv]`, mass)."""
+    b, hq, q, d = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    g = hq // hkv
+    scale = d**-0.5 if scaling is None else scaling
+    grouped = query.view(b, hkv, g, q, d)  # query head kv * g + j shares KV head kv
+    out = value.new_empty(b, hkv, g, q, value.shape[-1])
+    mass = torch.zeros(b, hkv, n, dtype=torch.float32, device=query.device)
+    size = b * hkv * g * min(block, q) * n  # one block's logits and weights: two buffers the blocks reuse
+    logits_buffer = query.new_empty(size)
+    weights_buffer = torch.empty(size, dtype=torch.float32, device=query.device)
+    for s in range(0, q, block):
+        e = min(q, s + block)
+        w, width = e - s, n - q + e
+        shape, used = (b, hkv, g * w, width), b * hkv * g * w * width
+        logits = torch.matmul(grouped[:, :, :, s:e].reshape(b, hkv, g * w, d) * scale,
+                              key[:, :, :width].transpose(-1, -2), out=logits_buffer[:used].view(shape))  # fmt: skip
+        if softcap:
+            logits.div_(softcap).tanh_().mul_(softcap)
+        hidden = rows_mask(rows=(s, e))
+        if hidden is not None:
+            hidden = ~hidden
+            hidden_cols = hidden.flatten(0, -2).any(dim=0).nonzero()  # the columns with something hidden
+            if len(hidden_cols):  # (without holes: the block's own causal corner) masked, the rest left as is
+                c = int(hidden_cols[0])
+                logits.view(b, hkv, g, w, width)[..., c:].masked_fill_(hidden[:, :, None, :, c:], float("-inf"))
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float32, out=weights_buffer[:used].view(shape))
+        mass[..., :width] += weights.sum(dim=-2)
+        out[:, :, :, s:e] = (weights.to(value.dtype) @ value[:, :, :width]).view(b, hkv, g, w, -1)
+    return out.view(b, hq, q, -1).transpose(1, 2).contiguous(), mass

@@ -214,15 +214,18 @@ class HeadwiseLayer(DynamicLayer):
             values = quant.encode(values, None, self.kv_bits)
         pos = (self.real_seen[:, None] + torch.arange(q, device=self.real_seen.device)).to(torch.int32)
         self.real_seen = self.real_seen + q
+        fresh = {name: ts[0].new_zeros(q, *ts[0].shape[1:]) for name, ts in self.slots_h.items() if name != "pos"}
+        pos = pos.to(self.device)
         for row in range(self.batch):
+            fresh["pos"] = pos[row]
             for head in range(self.heads):
                 i = row * self.heads + head
-                self.keys_h[i] = self._append(self.keys_h[i], self.lengths[i], keys[row, head])
-                self.values_h[i] = self._append(self.values_h[i], self.lengths[i], values[row, head])
+                n = self.lengths[i]
+                self.keys_h[i] = self._append(self.keys_h[i], n, keys[row, head])
+                self.values_h[i] = self._append(self.values_h[i], n, values[row, head])
                 for name, ts in self.slots_h.items():
-                    new = pos[row].to(ts[i].device) if name == "pos" else ts[i].new_zeros(q, *ts[i].shape[1:])
-                    ts[i] = self._append(ts[i], self.lengths[i], new)
-                self.lengths[i] += q
+                    ts[i] = self._append(ts[i], n, fresh[name])
+                self.lengths[i] = n + q
 
     def settle(self) -> None:
         """The forward is over: its tokens are read from their codes from now on."""

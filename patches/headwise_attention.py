@@ -1,13 +1,14 @@
 """Attention over a `HeadwiseLayer`: each (row, KV head) attends over its own variable-length slots.
 
-torch's `scaled_dot_product_attention` runs once per (row, KV head) over that head's tensors, for the
-`g` query heads that share it (GQA without repeating keys): no padding, no mask over evicted slots. The
+Attention runs once per (row, KV head) over that head's tensors, for the `g` query heads that share it (GQA
+without repeating keys): no padding, no mask over evicted slots. A decoding step's one query runs as two matrix
+products (softmax between), a chunk as torch's `scaled_dot_product_attention` in blocks of queries. The
 `q` newest slots of every head are this forward's tokens: causal among themselves. On a sliding-window
 layer a query also sees only the slots less than `window` positions behind it. Returns transformers'
 layout `[B, q, Hq, D]`.
 
 On a GPU, flash-attn's variable-length kernel would run all heads in one call; that path is not
-built yet (it needs packed storage), so CUDA runs the same per-head sdpa.
+built yet (it needs packed storage), so CUDA runs the same per-head calls.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvpress.patches.blocked_attention import blocked_attention
@@ -29,6 +29,8 @@ def headwise_attention(module: nn.Module, query: torch.Tensor, layer: HeadwiseLa
     g = hq // layer.heads
     scale = float(module.scaling)
     softcap = getattr(module, "attn_logit_softcapping", None)
+    if q == 1 and not softcap:
+        return _one_query(query, layer, scale)
     out = query.new_empty(b, hq, q, layer.value_dim or d)
     causal = None
     for row in range(b):
@@ -50,9 +52,6 @@ def headwise_attention(module: nn.Module, query: torch.Tensor, layer: HeadwiseLa
                 if mask is not None:
                     logits = logits.masked_fill(~mask, float("-inf"))
                 res = logits.float().softmax(-1).to(values.dtype) @ values
-            elif mask is None:  # one new token: the group folded into one sequence of g queries over one head
-                res = F.scaled_dot_product_attention(group.reshape(1, 1, g * q, d), keys[None, None],
-                                                     values[None, None], scale=scale)  # fmt: skip
             else:  # a chunk: g heads sharing one KV head and one [q, n] mask (folding would repeat the mask g times
                 # and, on the CPU, leave the fused kernel for one that holds every g * q x n weight), in blocks of
                 # queries, each over the slots it can see (torch's CPU kernel copies the mask as floats)
@@ -61,6 +60,22 @@ def headwise_attention(module: nn.Module, query: torch.Tensor, layer: HeadwiseLa
                 res = res.transpose(1, 2)
             out[row, head * g : (head + 1) * g] = res.reshape(g, q, -1)
     return out.transpose(1, 2).contiguous()
+
+
+def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float) -> torch.Tensor:
+    """A decoding step: per (row, KV head), its `g` queries over the head's slots as two matrix products written
+    into the output (a sdpa call per head, and each extra op, costs more than this work); `[B, 1, Hq, Dv]`."""
+    b, hq = query.shape[:2]
+    g = hq // layer.heads
+    scaled = query[:, :, 0] * scale  # [B, Hq, D]
+    out = query.new_empty(b, hq, layer.value_dim or query.shape[-1])
+    for row in range(b):
+        for head in range(layer.heads):
+            keys, values = layer.pair(row, head)
+            heads = slice(head * g, (head + 1) * g)
+            weights = torch.softmax(torch.mm(scaled[row, heads], keys.T), dim=-1)
+            torch.mm(weights, values, out=out[row, heads])
+    return out[:, None]
 
 
 def _rows(mask: torch.Tensor, held: int, rows: tuple[int, int]) -> torch.Tensor:

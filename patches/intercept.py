@@ -24,10 +24,13 @@ object with:
 
 - `before_forward(cache, args, kwargs)`: before the forward runs (it may refuse it, or set `position_ids`);
 - `run_forward(forward, cache, args, kwargs)`: runs the forward (`forward(*args, **kwargs)`, or in parts);
-- `after_attention(module, query, key, value, layer, evict, hidden)`: after a dense layer's attention (before a
-  sliding layer's `trim_window`; `evict` False while the caller is `frozen()`; `hidden` the attention module's
-  input hidden states of the new tokens, `[B, q, d]`); returns a layer that replaces it (per-head storage), or
-  None;
+- `mass_block(layer, evict)`: before a dense full-attention layer's attention: None, or the queries a block when
+  the press reads the attention mass (each slot's summed weights), which the attention then computes from its
+  weights (`blocked_attention.attention_with_mass`) instead of sdpa's fused kernel;
+- `after_attention(module, query, key, value, layer, evict, hidden, mass)`: after a dense layer's attention (before
+  a sliding layer's `trim_window`; `evict` False while the caller is `frozen()`; `hidden` the attention module's
+  input hidden states of the new tokens, `[B, q, d]`; `mass` `[B, Hkv, n]` when `mass_block` asked for it);
+  returns a layer that replaces it (per-head storage), or None;
 - `after_headwise(module, query, layer, hidden, evict)`: after a head-wise layer's attention.
 
 The hidden states reach the attention function through a forward pre-hook on each attention module,
@@ -283,8 +286,14 @@ class Intercept:
         layer.commit(info.new_valid(q_len) if info is not None else None)
         standard = info.standard() if info is not None and not layer.compressed else None  # built only if used
         flash = self._original.startswith("flash_attention")
-        out = None
-        if not layer.compressed and not _sized_for_another_layer(standard, key) and not (flash and thin):
+        out = mass = None
+        block = self.handler.mass_block(layer, call.compressing) if layer.window is None else None
+        if block and blocked.weighable(module, kwargs):  # the press reads the weights: computed once, here
+            rows_mask = functools.partial(layer_mask, layer, q_len, 1, query.dtype, False)
+            out, mass = blocked.attention_with_mass(query, key, value, rows_mask, block, kwargs.get("scaling"),
+                                                    kwargs.get("softcap"))  # fmt: skip
+            out = out, None
+        elif not layer.compressed and not _sized_for_another_layer(standard, key) and not (flash and thin):
             mask = standard  # slots still line up with tokens: transformers' own mask is right
         elif flash and "valid" not in layer.slots and not thin:
             mask = None  # flash aligns causal masks bottom-right: new tokens after every held slot
@@ -299,7 +308,7 @@ class Intercept:
                 mask = layer_mask(layer, q_len, n_rep, query.dtype, additive=fn == "eager")
         if out is None:
             out = inner(module, query, key, value, mask, **kwargs)
-        replacement = self.handler.after_attention(module, query, key, value, layer, call.compressing, hidden)
+        replacement = self.handler.after_attention(module, query, key, value, layer, call.compressing, hidden, mass)
         if replacement is not None:  # the layer moved to per-head storage
             replacement.driven = True
             call.cache.layers[module.layer_idx] = replacement

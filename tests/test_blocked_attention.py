@@ -1,11 +1,13 @@
 """A chunk over a compressed dense layer on the CPU runs in blocks of queries that share their KV head
-(`patches/blocked_attention.py`): the same logits as transformers' sdpa path with the layer's whole mask."""
+(`patches/blocked_attention.py`): the same logits as transformers' sdpa path with the layer's whole mask. A press
+that reads the attention mass (H2O) gets it from the attention's own weights: the same logits, scores and kept
+tokens as when it computes the weights again after sdpa."""
 
 import pytest
 import torch
 from transformers import DynamicCache
 
-from kvpress import AdaKVPress, PressedLayer, SnapKVPress
+from kvpress import AdaKVPress, HeavyHitterPress, PressedLayer, SnapKVPress
 from kvpress.patches import blocked_attention as blocked
 from kvpress.patches.intercept import layer_mask
 from tiny import prompt, tiny_model
@@ -64,3 +66,44 @@ def test_chunks_in_blocks_give_whole_mask_logits(family, press, monkeypatch):
     expected = run()
     real = mask.bool()
     torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral-window", "gemma3"])
+def test_attention_mass_from_the_attention_weights(family, monkeypatch):
+    """H2O on a left-padded batch in chunks of 12 (evicting after each, so the layers hold holes), then decoding
+    steps, blocks of 5 queries: the logits, the kept tokens and the accumulated scores of the path where the press
+    computes the weights again after sdpa."""
+    model = tiny_model(family)
+    ids = prompt(2, 40, seed=2)
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+
+    def run() -> tuple[torch.Tensor, DynamicCache]:
+        cache = DynamicCache(config=model.config)
+        logits = []
+        with torch.no_grad(), HeavyHitterPress(compression_ratio=0.5, chunk=5)(model):
+            for s in range(0, 40, 12):
+                logits.append(model(ids[:, s : s + 12], attention_mask=mask[:, : s + 12], cache=cache).logits)
+            step = mask
+            for _ in range(3):  # decoding: one query a forward
+                step = torch.cat([step, torch.ones_like(step[:, :1])], dim=1)
+                token = logits[-1][:, -1:].argmax(-1)
+                logits.append(model(token, attention_mask=step, cache=cache).logits)
+        return torch.cat(logits, dim=1), cache
+
+    calls = []
+    original = blocked.attention_with_mass
+    monkeypatch.setattr(blocked, "attention_with_mass", lambda *a, **k: calls.append(a[4]) or original(*a, **k))
+    got, cache = run()
+    assert set(calls) == ({5} if family != "mistral-window" else set())  # the press's chunk is the block
+    # (a sliding-window layer's press sees only what stays in the window: the weights are computed again there)
+    monkeypatch.setattr(HeavyHitterPress, "mass_block", lambda self: None)
+    count = len(calls)
+    expected, reference = run()
+    assert len(calls) == count  # this run computed the weights after sdpa
+    real = torch.cat([mask.bool(), torch.ones(2, 3, dtype=torch.bool)], dim=1)
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-4)
+    for mine, theirs in zip(cache.layers, reference.layers, strict=True):
+        assert torch.equal(mine.pos[..., : mine.n], theirs.pos[..., : theirs.n])  # the same tokens kept
+        torch.testing.assert_close(mine.slots["h2o_attention"][..., : mine.n],
+                                   theirs.slots["h2o_attention"][..., : theirs.n], atol=1e-5, rtol=1e-4)  # fmt: skip

@@ -171,6 +171,11 @@ class BasePress(Installable):
         evicted there): `observe` by default."""
         self.observe(obs)
 
+    def mass_block(self) -> int | None:
+        """Queries a block when this press reads `Observation.attention_mass` (the attention then computes it with
+        its output, from its weights, instead of sdpa's fused kernel); None when it does not (the default)."""
+        return None
+
     def prepare(self, model: nn.Module, recording, tokenizer=None) -> None:
         """Called before this press is applied to a recorded prefill (`kvpress.recording.Recording`);
         presses with `needs_whole_context` run their own pass over the context here."""

@@ -57,6 +57,9 @@ class WrapsPress:
     def observe_frozen(self, obs) -> None:
         self.press.observe_frozen(obs)
 
+    def mass_block(self) -> int | None:
+        return self.press.mass_block()
+
     def after_eviction(self, obs) -> None:
         self.press.after_eviction(obs)
 
