@@ -61,13 +61,14 @@ def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 
 def attention_with_mass(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        rows_mask: Callable[..., torch.Tensor | None], block: int, scaling: float | None = None,
+                        rows_mask: Callable[..., torch.Tensor] | None, block: int, scaling: float | None = None,
                         softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Attention of `query` `[B, Hq, q, D]` (the newest `q` slots of `key`/`value` `[B, Hkv, n, D]`) from its
     weights, `block` queries at a time, and the attention mass: `[B, Hkv, n]` fp32, the weight each slot received,
     summed over the queries and the query heads that share its KV head. `rows_mask(rows=(s, e))`: the bool mask
-    of queries `s:e` over the first `n - q + e` slots, `[B or 1, Hkv or 1, e - s, n - q + e]`, or None (all
-    visible). Logits in the model's dtype, weights in fp32. Returns (`[B, q, Hq, Dv]`, mass)."""
+    of queries `s:e` over the first `n - q + e` slots, `[B or 1, Hkv or 1, e - s, n - q + e]`; None: every held
+    slot visible, the new ones causally. Logits in the model's dtype, weights in fp32. Returns (`[B, q, Hq, Dv]`,
+    mass)."""
     b, hq, q, d = query.shape
     hkv, n = key.shape[1], key.shape[2]
     g = hq // hkv
@@ -86,11 +87,13 @@ def attention_with_mass(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                               key[:, :, :width].transpose(-1, -2), out=logits_buffer[:used].view(shape))  # fmt: skip
         if softcap:
             logits.div_(softcap).tanh_().mul_(softcap)
-        hidden = rows_mask(rows=(s, e))
-        if hidden is not None:
-            hidden = ~hidden
+        if rows_mask is None:  # causal: only the block's own corner hides anything
+            corner = torch.ones(w, w, dtype=torch.bool, device=query.device).triu(1)
+            logits.view(b, hkv, g, w, width)[..., width - w :].masked_fill_(corner, float("-inf"))
+        else:
+            hidden = ~rows_mask(rows=(s, e))
             hidden_cols = hidden.flatten(0, -2).any(dim=0).nonzero()  # the columns with something hidden
-            if len(hidden_cols):  # (without holes: the block's own causal corner) masked, the rest left as is
+            if len(hidden_cols):  # masked from the first of them on
                 c = int(hidden_cols[0])
                 logits.view(b, hkv, g, w, width)[..., c:].masked_fill_(hidden[:, :, None, :, c:], float("-inf"))
         weights = torch.softmax(logits, dim=-1, dtype=torch.float32, out=weights_buffer[:used].view(shape))

@@ -289,7 +289,8 @@ class Intercept:
         out = mass = None
         block = self.handler.mass_block(layer, call.compressing) if layer.window is None else None
         if block and blocked.weighable(module, kwargs):  # the press reads the weights: computed once, here
-            rows_mask = functools.partial(layer_mask, layer, q_len, 1, query.dtype, False)
+            plain = layer.valid is None  # no padding, no holes: causal among the new tokens is all the mask says
+            rows_mask = None if plain else functools.partial(layer_mask, layer, q_len, 1, query.dtype, False)
             out, mass = blocked.attention_with_mass(query, key, value, rows_mask, block, kwargs.get("scaling"),
                                                     kwargs.get("softcap"))  # fmt: skip
             out = out, None

@@ -69,14 +69,15 @@ def test_chunks_in_blocks_give_whole_mask_logits(family, press, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral-window", "gemma3"])
-def test_attention_mass_from_the_attention_weights(family, monkeypatch):
-    """H2O on a left-padded batch in chunks of 12 (evicting after each, so the layers hold holes), then decoding
+@pytest.mark.parametrize("padded", [True, False])
+def test_attention_mass_from_the_attention_weights(family, padded, monkeypatch):
+    """H2O on a batch (left-padded: its layers hold holes) in chunks of 12, evicting after each, then decoding
     steps, blocks of 5 queries: the logits, the kept tokens and the accumulated scores of the path where the press
     computes the weights again after sdpa."""
     model = tiny_model(family)
     ids = prompt(2, 40, seed=2)
     mask = torch.ones_like(ids)
-    mask[0, :7] = 0
+    mask[0, :7] = 0 if padded else 1
 
     def run() -> tuple[torch.Tensor, DynamicCache]:
         cache = DynamicCache(config=model.config)
