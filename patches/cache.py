@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from kvpress.patches import kv_quantization as quant
 
@@ -553,6 +553,25 @@ def layer_tensors(layer) -> list[torch.Tensor]:
 def cache_bytes(cache: Cache) -> int:
     """Bytes held by every tensor of every layer of `cache` (keys, values, positions, masks, scores)."""
     return tensor_bytes(t for layer in cache.layers for t in layer_tensors(layer))
+
+
+class SkippedLayer(DynamicLayer):
+    """The cache layer of a decoder layer that a layer-skipped draft does not run (`draft_view`): it holds nothing,
+    no press drives it, and it refuses an update (the decoder layer was meant to be skipped)."""
+
+    def update(self, *args, **kwargs):
+        raise RuntimeError("a layer-skipped draft ran a layer it skips (`model_access.skipped_layers` not entered?)")
+
+
+def draft_view(cache: DynamicCache, skip: set[int]) -> DynamicCache:
+    """A cache over the same layer objects as `cache` (what a forward on it appends, it appends to them), with a
+    `SkippedLayer` at each index of `skip`: the cache of a draft that runs the model with those layers skipped
+    (`model_access.skipped_layers`). Layer 0 must run: positions come from its length."""
+    if 0 in skip:
+        raise ValueError("a draft must run layer 0 (the cache's length, hence the positions, is read from it)")
+    view = DynamicCache()
+    view.layers = [SkippedLayer() if i in skip else layer for i, layer in enumerate(cache.layers)]
+    return view
 
 
 @contextmanager

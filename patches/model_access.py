@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -166,3 +168,35 @@ def output_projection(module: nn.Module) -> tuple[torch.Tensor, int]:
     """An attention module's output projection weight `[hidden, query heads x head dim]` (its `o_proj`, in every
     supported family) and how many query heads share a KV head."""
     return module.o_proj.weight, module.num_key_value_groups
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder's layers, in order (the `layers` of `model.get_decoder()` in every supported family)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) != text_config(model).num_hidden_layers:
+        raise TypeError(f"{type(model).__name__}'s decoder has no `layers` list kvpress can skip layers of")
+    return layers
+
+
+@contextlib.contextmanager
+def skipped_layers(model: nn.Module, skip: Iterable[int]) -> Iterator[None]:
+    """Inside this block the decoder layers `skip` pass their hidden states through untouched (no attention, no
+    MLP, no cache update): the model runs as a layer-skipped draft of itself. Each skipped layer's `forward` is
+    an attribute of that instance while the block lasts; leaving it, error or not, removes them."""
+    skip = sorted(set(skip))
+    chosen = [decoder_layers(model)[i] for i in skip] if skip else []
+    taken = [layer for layer in chosen if "forward" in vars(layer)]
+    if taken:
+        raise RuntimeError("a decoder layer's forward is already replaced (a skipped_layers block inside another?)")
+    try:
+        for layer in chosen:
+            layer.forward = _pass_through
+        yield
+    finally:
+        for layer in chosen:
+            vars(layer).pop("forward", None)
+
+
+def _pass_through(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return hidden_states

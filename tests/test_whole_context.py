@@ -1,4 +1,4 @@
-"""Presses that score the whole context (KVzip, Lookahead, AdaKV over them, the default press) inside
+"""Presses that score the whole context (KVzip, Lookahead, SpecAttn, AdaKV over them, the default press) inside
 `with press(model, tokenizer=...): model.generate(...)`: scored and evicted at the end of the prefill, before
 the first token is decoded, with the same tokens as `kvpress.generate(..., query_aware=True)`."""
 
@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import kvpress
-from kvpress import AdaKVPress, KVzipPress, LookaheadPress, SnapKVPress
+from kvpress import AdaKVPress, KVzipPress, LookaheadPress, SnapKVPress, SpecAttnPress
 from kvpress.pipeline import split_prompt
 from tiny import CONTEXT, QUESTION
 
@@ -15,6 +15,7 @@ PRESSES = {
     "kvzip": lambda: KVzipPress(0.5, reconstruction_chunk=8, window_size=4),
     "adakv-kvzip": lambda: AdaKVPress(KVzipPress(0.5, window_size=4)),
     "lookahead": lambda: LookaheadPress(0.5, window_size=4, lookahead=3),
+    "specattn": lambda: SpecAttnPress(0.5, window_size=4, lookahead=3),  # its 3-layer draft skips layer 1
     "default": lambda: kvpress.press_from_name(kvpress.DEFAULT_PRESS, compression_ratio=0.5),
     "default-4bit": lambda: kvpress.press_from_name(kvpress.DEFAULT_PRESS, compression_ratio=0.5, kv_bits=4),
 }

@@ -29,6 +29,7 @@ from kvpress.presses.shotkv import ShotKVPress
 from kvpress.presses.simlayerkv import SimLayerKVPress
 from kvpress.presses.sink_window import SinkWindowPress, StreamingLLMPress
 from kvpress.presses.snapkv import SnapKVPress
+from kvpress.presses.specattn import SpecAttnPress
 from kvpress.presses.tappa import TAPPAPress
 from kvpress.presses.think import ThinKPress
 from kvpress.presses.tova import TOVAPress
@@ -102,6 +103,7 @@ PRESSES = {
     "shotkv": _shotkv,
     "simlayerkv": SimLayerKVPress,
     "sink-window": SinkWindowPress,
+    "specattn": SpecAttnPress,
     "streaming-llm": SinkWindowPress,
     "knorm": KnormPress,
     "keydiff": KeyDiffPress,
@@ -181,7 +183,7 @@ def press_table() -> str:
         keeps = inspect.getdoc(cls).split("\n\n")[0].replace("\n", " ").split(". ")[0].rstrip(".")
         doc = inspect.getmodule(cls).__doc__
         arxiv = re.search(r"arXiv:(\d{4}\.\d{4,5})", doc)
-        who = re.search(r"([A-Z][A-Za-z-]+ et al\. \d{4})", doc)
+        who = re.search(r"([A-Z][A-Za-z-]+(?: et al\.)? \d{4})", doc)  # "Kim et al. 2025", "Shah 2025"
         paper = f"{who.group(1)}, arXiv:{arxiv.group(1)}" if arxiv and who else "baseline"
         names = ", ".join(f"`{n}`" for n in [name, *aliases(name)])
         rows.append(f"| {names} | `{cls.__name__}` | {params or '-'} | {keeps} | {paper} |")

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from kvpress.engine import observe
-from kvpress.patches.cache import scratch
+from kvpress.patches import model_access
+from kvpress.patches.cache import draft_view, scratch
 from kvpress.presses.base import Observation
 from kvpress.presses.prepared import PromptAttention, at_held_slots, check_prepared
 from kvpress.presses.snapkv import SnapKVPress, pool_by_position
@@ -90,15 +91,18 @@ class LookaheadPress(SnapKVPress):
 
 
 @torch.no_grad()
-def draft_attention(model: nn.Module, recording, steps: int, tokenizer=None) -> dict[int, tuple[torch.Tensor, int]]:
+def draft_attention(model: nn.Module, recording, steps: int, tokenizer=None,
+                    skip: frozenset[int] = frozenset()) -> dict[int, tuple[torch.Tensor, int]]:  # fmt: skip
     """Feed `recording.next_ids`, then up to `steps` greedy tokens, over the recorded cache (which drops them
     after: no copy); per compressible layer, the attention those queries paid the recorded tokens, summed
-    (`PromptAttention.sums`)."""
+    (`PromptAttention.sums`). `skip`: decoder layers the draft does not run (a layer-skipped draft of the model
+    itself, `model_access.skipped_layers`): they have no entry."""
     observer = PromptAttention(n_prompt=recording.tokens)
     eos = tokenizer.eos_token_id if tokenizer is not None else model.config.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
     fed = recording.next_ids
-    with observe(model, observer), scratch(recording.cache) as work:
+    cache = draft_view(recording.cache, set(skip)) if skip else recording.cache
+    with observe(model, observer), scratch(cache) as work, model_access.skipped_layers(model, skip):
         for step in range(steps + 1):
             logits = model(fed, cache=work, use_cache=True, logits_to_keep=1).logits[:, -1]
             fed = logits.argmax(dim=-1, keepdim=True)
