@@ -199,11 +199,12 @@ class Intercept:
             me = threading.get_ident()
             with self._flight:
                 self._forwards[me] = self._forwards.get(me, 0) + 1
-            call = None
+            call = outer = None
             try:
                 call = self._call()
                 if call is None:
                     return forward(*args, **kwargs)
+                outer = call.cache  # a cache already: this forward runs inside another (a press's own pass)
                 self._prepare(call, args, kwargs)
                 return self.handler.run_forward(forward, call.cache, args, kwargs)
             except BaseException:
@@ -213,6 +214,8 @@ class Intercept:
                             layer.torn = True
                 raise
             finally:
+                if call is not None:
+                    call.cache = outer  # the outer forward goes on with its own cache (a draft runs on another)
                 with self._flight:
                     self._forwards[me] = max(0, self._forwards.get(me, 0) - 1)
                     self._flight.notify_all()
@@ -288,7 +291,8 @@ class Intercept:
         flash = self._original.startswith("flash_attention")
         out = mass = None
         block = self.handler.mass_block(layer, call.compressing) if layer.window is None else None
-        if block and blocked.weighable(module, kwargs):  # the press reads the weights: computed once, here
+        grad = torch.is_grad_enabled() and query.requires_grad  # (its buffers take no autograd history)
+        if block and blocked.weighable(module, kwargs) and not grad:  # the press reads the weights: computed once
             plain = layer.valid is None  # no padding, no holes: causal among the new tokens is all the mask says
             rows_mask = None if plain else functools.partial(layer_mask, layer, q_len, 1, query.dtype, False)
             out, mass = blocked.attention_with_mass(query, key, value, rows_mask, block, kwargs.get("scaling"),

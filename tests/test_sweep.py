@@ -43,8 +43,15 @@ def test_recorded_prefill_equals_a_live_one(make):
     assert kvpress.cache_bytes(swept) == kvpress.cache_bytes(live) == kvpress.cache_bytes(again)
     token = prompt(1, 1, seed=3)
     expected = _next_logits(model, live, press, token)
-    assert torch.equal(_next_logits(model, swept, press, token), expected)
-    assert torch.equal(_next_logits(model, again, press, token), expected)
+    got = _next_logits(model, swept, press, token)
+    if make == "h2o":  # live, its layers' attention comes from the weights it reads, not from sdpa as in the
+        # recording (`blocked_attention.attention_with_mass`): the same tokens kept, values within float rounding
+        for mine, theirs in zip(swept.layers, live.layers, strict=True):
+            assert torch.equal(mine.pos[..., : mine.n], theirs.pos[..., : theirs.n])
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(got, expected)
+    assert torch.equal(_next_logits(model, again, press, token), got)
 
 
 @pytest.fixture(scope="module")
