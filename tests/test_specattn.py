@@ -10,7 +10,7 @@ import kvpress
 from kvpress import SpecAttnPress
 from kvpress.patches import model_access
 from kvpress.presses.lookahead import draft_attention
-from kvpress.presses.specattn import drafted_layers, window_profile
+from kvpress.presses.specattn import skipped_layers, window_profile
 from kvpress.recording import compress_recording, record_prefill
 from tiny import prompt, tiny_model
 
@@ -22,14 +22,14 @@ def _recording(model, length=40):
 
 def test_the_draft_skips_layers_and_each_layer_reads_its_closest_drafted_pair():
     model = tiny_model("llama", num_hidden_layers=5)
-    assert drafted_layers(5, 2) == {0, 2, 4} and drafted_layers(6, 4) == {0, 4, 5}
+    assert skipped_layers(5, 2) == {1, 3} and skipped_layers(9, 4) == {3, 7} and skipped_layers(5, 0) == set()
     recording = _recording(model)
     before = copy.deepcopy(recording.cache)
     ran = []
     hooks = [m.register_forward_hook(lambda m, *_: ran.append(m.layer_idx))
              for m in model_access.attention_modules(model).values()]  # fmt: skip
     try:
-        press = SpecAttnPress(0.5, lookahead=3, window_size=4)
+        press = SpecAttnPress(0.5, skip_every=2, lookahead=3, window_size=4)
         press.prepare(model, recording)
     finally:
         for hook in hooks:
@@ -57,7 +57,7 @@ def test_the_draft_skips_layers_and_each_layer_reads_its_closest_drafted_pair():
 def test_drafting_with_every_layer_is_lookaheads_draft():
     model = tiny_model("llama", num_hidden_layers=3)
     recording = _recording(model)
-    press = SpecAttnPress(0.5, draft_every=1, lookahead=2)
+    press = SpecAttnPress(0.5, skip_every=0, lookahead=2)
     press.prepare(model, recording)
     for idx, (total, count) in draft_attention(model, recording, 2).items():
         assert torch.equal(press.scores[idx], total / count)
@@ -70,8 +70,8 @@ def test_generate_query_aware_keeps_the_budget_and_refusals():
     assert all(layer.n == 20 for layer in cache.layers)
     with pytest.raises(ValueError, match="use query_aware=True"):
         compress_recording(model, record_prefill(model, prompt(1, 40)), SpecAttnPress(0.5))
-    with pytest.raises(ValueError, match="draft_every must be a positive integer"):
-        SpecAttnPress(0.5, draft_every=0)
+    with pytest.raises(ValueError, match="skip_every must be 0 .skip none. or an integer >= 2"):
+        SpecAttnPress(0.5, skip_every=1)
     with pytest.raises(ValueError, match="SpecAttnPress pairs layers by their attention over the whole context"):
         with SpecAttnPress(0.5)(tiny_model("mistral-window"), tokenizer=object()):
             pass

@@ -15,7 +15,7 @@ PRESSES = {
     "kvzip": lambda: KVzipPress(0.5, reconstruction_chunk=8, window_size=4),
     "adakv-kvzip": lambda: AdaKVPress(KVzipPress(0.5, window_size=4)),
     "lookahead": lambda: LookaheadPress(0.5, window_size=4, lookahead=3),
-    "specattn": lambda: SpecAttnPress(0.5, window_size=4, lookahead=3),  # its 3-layer draft skips layer 1
+    "specattn": lambda: SpecAttnPress(0.5, skip_every=2, window_size=4, lookahead=3),  # the draft skips layer 1
     "default": lambda: kvpress.press_from_name(kvpress.DEFAULT_PRESS, compression_ratio=0.5),
     "default-4bit": lambda: kvpress.press_from_name(kvpress.DEFAULT_PRESS, compression_ratio=0.5, kv_bits=4),
 }
