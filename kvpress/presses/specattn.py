@@ -36,8 +36,8 @@ from kvpress.presses.prepared import check_prepared
 
 @dataclass
 class SpecAttnPress(BasePress):
-    """Keep the tokens a layer-skipped draft of the answer attends to, each layer read through its closest
-    drafted layer (KL divergence).
+    """Keep the tokens a draft of the answer attends to (the model itself, optionally with layers skipped: each
+    layer then read through its closest drafted layer by KL divergence).
 
     Parameters:
         compression_ratio / max_tokens: the budget (see `BasePress`).
