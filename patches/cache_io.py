@@ -53,6 +53,9 @@ def layer_from_state(tensors: dict[str, torch.Tensor], fields: dict, prefix: str
     cls = LAYER_CLASSES.get(fields.get("class"))
     if cls is None:
         raise ValueError(f"unknown cache layer class {fields.get('class')!r} (loadable: {', '.join(LAYER_CLASSES)})")
+    if cls is HeadwiseLayer and "keys_h" in fields["list"]:
+        raise ValueError("this head-wise layer was saved by a kvpress before per-head storage was packed: compress "
+                         "the prompt again and save it anew")  # fmt: skip
     layer = cls.__new__(cls)
     state = {}
     for attr, value in fields["plain"].items():

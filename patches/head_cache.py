@@ -1,20 +1,24 @@
-"""A cache layer whose KV heads hold different numbers of tokens, each in storage of its own size.
+"""A cache layer whose KV heads hold different numbers of tokens, packed into one tensor per kind of state.
 
 `HeadwiseLayer` is what head-specific presses (AdaKV, DuoAttention) turn a `PressedLayer` into: every
-(row, KV head) pair owns its own key and value tensors `[capacity, head_dim]`, so a layer's bytes are
+(row, KV head) pair `i = row * kv_heads + head` owns a segment `bounds[i]:bounds[i + 1]` of the layer's packed
+storage, of which its first `lengths[i]` slots hold its tokens, in position order. A layer's bytes are
 proportional to the tokens kept per head: nothing is padded to the largest head, nothing is masked.
-Decoding appends to every head (in place while a head has spare capacity, which only decoding adds).
+Decoding appends to every head into the spare room of its segment; when a segment is full, the layer is
+repacked with room for every head (`max(8, n // 32)` slots, ~3%); an eviction frees slots in place, and a
+layer whose spare room grew past twice that is packed tight again (`compact`). One tensor per kind of state
+lets a decoding step attend over every head of a row in one batched call (`patches/headwise_attention.py`).
 A sliding-window layer (`window`) keeps per head only the real tokens of the last `window - 1` positions,
 as its `PressedLayer` did (`trim_window`).
 
-Storage, all of it counted by `cache_bytes`: per pair `i = row * kv_heads + head`, `keys_h[i]` and
-`values_h[i]`, and per-slot tensors `slots_h[name][i]` (`"pos"`: int32 token positions among the
-row's real tokens; press state such as H2O's accumulated attention). Slots stay in position order.
+Storage, all of it counted by `cache_bytes`: `store["keys"]` `[slots, head_dim]`, `store["values"]`, and
+per-slot state under other names (`"pos"`: int32 token positions among the row's real tokens; press state
+such as H2O's accumulated attention). Spare slots hold finite values (zeros, or tokens evicted in place).
 
-Quantized (`kv_bits`, from a quantized `PressedLayer` or by `quantize`): each pair's `keys_h[i]` /
-`values_h[i]` hold `uint8` codes, one row per slot (`kvpress.patches.kv_quantization`), normalised by
-the key channels' `key_stats` `[batch, kv_heads, 2, head_dim]`; `pair()` decodes them (the forward's own
-tokens exact until a press evicts in the layer).
+Quantized (`kv_bits`, from a quantized `PressedLayer` or by `quantize`): `store["keys"]` / `store["values"]`
+hold `uint8` codes, one row per slot (`kvpress.patches.kv_quantization`), normalised by the key channels'
+`key_stats` `[batch, kv_heads, 2, head_dim]`; `pair()` decodes them (the forward's own tokens exact until a
+press evicts in the layer).
 
 Attention over it needs the kvpress intercept (`patches/headwise_attention.py`), so such a cache can
 only be continued inside `with press(model):` with a head-wise press; elsewhere `update` refuses.
@@ -30,7 +34,7 @@ from kvpress.patches.cache import PressedLayer
 
 
 class HeadwiseLayer(DynamicLayer):
-    """Per-(row, KV head) variable-length storage; see the module docstring."""
+    """Per-(row, KV head) variable-length segments of packed storage; see the module docstring."""
 
     is_croppable = False  # evicted tokens are gone: transformers' rollback paths must not pick crop()
     kv_bits: int | None = None  # class defaults: a layer saved before quantization existed loads as dense
@@ -43,10 +47,9 @@ class HeadwiseLayer(DynamicLayer):
         empty = like.new_empty(batch, heads, 0, like.shape[-1])
         self.keys, self.values = empty, empty  # placeholders: dtype/device/head_dim for transformers' helpers
         self.device, self.dtype, self.is_initialized = like.device, like.dtype, True
-        self.keys_h: list[torch.Tensor] = []
-        self.values_h: list[torch.Tensor] = []
-        self.slots_h: dict[str, list[torch.Tensor]] = {}
-        self.lengths: list[int] = []
+        self.store: dict[str, torch.Tensor] = {}
+        self.bounds: list[int] = [0] * (batch * heads + 1)
+        self.lengths: list[int] = [0] * (batch * heads)
         self.seen = 0
         self.real_seen = torch.zeros(batch, dtype=torch.long)
         self.pending: int = 0
@@ -73,24 +76,23 @@ class HeadwiseLayer(DynamicLayer):
     @classmethod
     def from_dense(cls, layer: PressedLayer, keep: torch.Tensor) -> HeadwiseLayer:
         """The slots of `layer` marked by `keep` `[B, H, n]` (padding must be unmarked), per head in
-        position order, each head in tensors of exactly its size."""
+        position order, packed tight."""
         if layer.key_channels is not None:
             raise ValueError("a layer whose keys keep only some channels (ThinK) cannot move to per-head storage")
-        b, h = layer.keys.shape[:2]
+        b, h, n = *layer.keys.shape[:2], layer.n
         like = layer.keys if layer.kv_bits is None else layer.key_stats.to(layer.dtype)  # dtype and head size
         new = cls(b, h, like)
         new.kv_bits, new.key_stats = layer.kv_bits, layer.key_stats
         order = layer.position_order()
         keep = keep.gather(-1, order)
+        pairs = torch.arange(b * h, device=order.device).view(b, h, 1)
+        index = (order + pairs * n)[keep]  # pair by pair, each in position order
         names = [name for name in layer.slots if name not in ("valid", "rot")]
-        for row in range(b):
-            for head in range(h):
-                index = order[row, head][keep[row, head]]
-                new.keys_h.append(layer.keys[row, head].index_select(0, index))
-                new.values_h.append(layer.values[row, head].index_select(0, index))
-                for name in names:
-                    new.slots_h.setdefault(name, []).append(layer.slots[name][row, head].index_select(0, index))
-                new.lengths.append(int(index.numel()))
+        held = {"keys": layer.keys, "values": layer.values, **{name: layer.slots[name] for name in names}}
+        new.store = {name: t[:, :, :n].reshape(b * h * n, *t.shape[3:]).index_select(0, index)
+                     for name, t in held.items()}  # fmt: skip
+        new.lengths = keep.sum(-1).flatten().tolist()
+        new.bounds = _cumulative(new.lengths)
         new.seen = layer.seen
         new.real_seen = layer.real_seen.clone()
         new.window = layer.window
@@ -124,15 +126,13 @@ class HeadwiseLayer(DynamicLayer):
 
     def reset(self) -> None:
         """Empty every head (the layer then takes a new prompt, appended to every head)."""
-        width = self.keys.shape[-1] if self.kv_bits is None else quant.code_width(self.kv_bits, self.keys.shape[-1])
-        empty = self.keys.new_empty(0, width, dtype=self.keys.dtype if self.kv_bits is None else torch.uint8)
-        self.keys_h = [empty for _ in range(self.batch * self.heads)]
-        self.values_h = list(self.keys_h)
-        self.slots_h = {"pos": [torch.zeros(0, dtype=torch.int32, device=empty.device)] * len(self.keys_h)}
-        self.lengths = [0] * len(self.keys_h)
+        self.store = {name: t.new_empty(0, *t.shape[1:]) for name, t in self.store.items()
+                      if name in ("keys", "values", "pos")}  # fmt: skip
+        self.bounds = [0] * (len(self.lengths) + 1)
+        self.lengths = [0] * len(self.lengths)
         self.seen, self.pending, self._new, self.torn, self._fresh = 0, 0, None, False, None
         self.key_stats = None  # a quantized layer fits the next prompt's ranges on its first commit
-        self.real_seen = torch.zeros(self.batch, dtype=torch.long, device=empty.device)
+        self.real_seen = torch.zeros(self.batch, dtype=torch.long, device=self.device)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_rows([int(i) for i in beam_idx])
@@ -153,31 +153,40 @@ class HeadwiseLayer(DynamicLayer):
     # ----- what the intercept and the presses use -------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer keeps (for `cache_bytes`)."""
-        out = self.keys_h + self.values_h + [t for ts in self.slots_h.values() for t in ts] + [self.real_seen]
-        out += [t for t in (self.head_budget, self.key_stats) if t is not None]
-        return out
+        out = [*self.store.values(), self.real_seen]
+        return out + [t for t in (self.head_budget, self.key_stats) if t is not None]
 
     @property
     def value_dim(self) -> int | None:
-        """The size of one head's values (None while no head holds any storage)."""
-        if not self.values_h:
+        """The size of one head's values (None while the layer has no storage)."""
+        if "values" not in self.store:
             return None
-        width = self.values_h[0].shape[-1]
+        width = self.store["values"].shape[-1]
         return width if self.kv_bits is None else quant.head_size(width, self.kv_bits)
 
     def pair(self, row: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The held keys and values `[n, D]` of one (row, KV head), dense."""
-        i = row * self.heads + head
-        n = self.lengths[i]
+        keys, values = self.slot("keys", row, head), self.slot("values", row, head)
         if self.kv_bits is None:
-            return self.keys_h[i][:n], self.values_h[i][:n]
+            return keys, values
         q = 0 if self._fresh is None else self._fresh[0].shape[2]
-        keys = quant.decode(self.keys_h[i][: n - q], self.key_stats[row, head], self.kv_bits, self.dtype)
-        values = quant.decode(self.values_h[i][: n - q], None, self.kv_bits, self.dtype)
+        n = keys.shape[0]
+        keys = quant.decode(keys[: n - q], self.key_stats[row, head], self.kv_bits, self.dtype)
+        values = quant.decode(values[: n - q], None, self.kv_bits, self.dtype)
         if q:
             keys = torch.cat([keys, self._fresh[0][row, head]])
             values = torch.cat([values, self._fresh[1][row, head]])
         return keys, values
+
+    def row_slots(self, row: int) -> tuple[slice, torch.Tensor]:
+        """The packed slots of `row` (a slice of the storage) and `[H, n]` bool: False where a slot holds a token
+        of that KV head, True elsewhere (another head's token, or spare room)."""
+        first = row * self.heads
+        lo, hi = self.bounds[first], self.bounds[first + self.heads]
+        starts = torch.tensor(self.bounds[first : first + self.heads], device=self.device) - lo
+        ends = starts + torch.tensor(self.lengths[first : first + self.heads], device=self.device)
+        slots = torch.arange(hi - lo, device=self.device)
+        return slice(lo, hi), (slots < starts[:, None]) | (slots >= ends[:, None])
 
     def quantize(self, bits: int) -> None:
         """Store every pair's slots, and those appended from now on, as `bits`-bit codes (each pair's channel
@@ -187,14 +196,16 @@ class HeadwiseLayer(DynamicLayer):
         quant.check_bits(bits, self.keys.shape[-1])
         pairs = [self.pair(row, head) for row in range(self.batch) for head in range(self.heads)]
         stats = [quant.fit(k) for k, _ in pairs]
+        self._repack(self.lengths)  # tight: the codes below fill it in order
         self.key_stats = torch.stack(stats).view(self.batch, self.heads, 2, -1)
-        self.keys_h = [quant.encode(k, ks, bits) for (k, _), ks in zip(pairs, stats, strict=True)]
-        self.values_h = [quant.encode(v, None, bits) for _, v in pairs]
+        self.store["keys"] = torch.cat([quant.encode(k, ks, bits) for (k, _), ks in zip(pairs, stats, strict=True)])
+        self.store["values"] = torch.cat([quant.encode(v, None, bits) for _, v in pairs])
         self.kv_bits, self._fresh = bits, None
 
     def slot(self, name: str, row: int, head: int) -> torch.Tensor:
+        """The held part of `store[name]` of one (row, KV head): a view of the storage."""
         i = row * self.heads + head
-        return self.slots_h[name][i][: self.lengths[i]]
+        return self.store[name][self.bounds[i] : self.bounds[i] + self.lengths[i]]
 
     def held(self) -> torch.Tensor:
         """`[B, H]` tokens held per (row, KV head)."""
@@ -212,35 +223,44 @@ class HeadwiseLayer(DynamicLayer):
                 self.key_stats = quant.fit(keys)
             keys = quant.encode(keys, self.key_stats, self.kv_bits)
             values = quant.encode(values, None, self.kv_bits)
+        if "keys" not in self.store:  # the first tokens after `reset` of a layer never filled
+            self.store = {"keys": keys.new_empty(0, keys.shape[-1]), "values": values.new_empty(0, values.shape[-1]),
+                          "pos": torch.zeros(0, dtype=torch.int32, device=keys.device)}  # fmt: skip
+        if any(b - a - n < q for a, b, n in zip(self.bounds, self.bounds[1:], self.lengths, strict=False)):
+            self._repack([n + q + max(8, n // 32) for n in self.lengths])  # decoding reserves a little room (~3%)
+        pairs = len(self.lengths)
+        ends = torch.tensor([a + n for a, n in zip(self.bounds, self.lengths, strict=False)], device=self.device)
+        where = (ends[:, None] + torch.arange(q, device=self.device)).flatten()
         pos = (self.real_seen[:, None] + torch.arange(q, device=self.real_seen.device)).to(torch.int32)
         self.real_seen = self.real_seen + q
-        fresh = {name: ts[0].new_zeros(q, *ts[0].shape[1:]) for name, ts in self.slots_h.items() if name != "pos"}
-        pos = pos.to(self.device)
-        for row in range(self.batch):
-            fresh["pos"] = pos[row]
-            for head in range(self.heads):
-                i = row * self.heads + head
-                n = self.lengths[i]
-                self.keys_h[i] = self._append(self.keys_h[i], n, keys[row, head])
-                self.values_h[i] = self._append(self.values_h[i], n, values[row, head])
-                for name, ts in self.slots_h.items():
-                    ts[i] = self._append(ts[i], n, fresh[name])
-                self.lengths[i] = n + q
+        for name, t in self.store.items():
+            if name in ("keys", "values"):
+                t.index_copy_(0, where, (keys if name == "keys" else values).reshape(pairs * q, -1))
+            elif name == "pos":
+                t.index_copy_(0, where, pos.to(t.device)[:, None].expand(-1, self.heads, -1).flatten())
+            else:
+                t.index_fill_(0, where, 0)
+        self.lengths = [n + q for n in self.lengths]
 
     def settle(self) -> None:
         """The forward is over: its tokens are read from their codes from now on."""
         self._fresh = None
 
     def keep(self, row: int, head: int, index: torch.Tensor) -> None:
-        """Keep the slots `index` (sorted) of one (row, KV head), in tensors of exactly that size."""
+        """Keep the slots `index` (sorted) of one (row, KV head), moved to the front of its segment (the slots
+        freed stay spare room until `compact`)."""
         i = row * self.heads + head
-        n = self.lengths[i]
         self._fresh = None  # which of the held slots are this forward's is no longer known
-        self.keys_h[i] = self.keys_h[i][:n].index_select(0, index)
-        self.values_h[i] = self.values_h[i][:n].index_select(0, index)
-        for ts in self.slots_h.values():
-            ts[i] = ts[i][:n].index_select(0, index)
-        self.lengths[i] = int(index.numel())
+        start, k = self.bounds[i], int(index.numel())
+        for name, t in self.store.items():
+            t[start : start + k] = self.slot(name, row, head).index_select(0, index)
+        self.lengths[i] = k
+
+    def compact(self) -> None:
+        """Pack the layer tight when evictions left more spare room than twice what decoding reserves."""
+        spare = self.bounds[-1] - sum(self.lengths)
+        if spare > 2 * sum(max(8, n // 32) for n in self.lengths) + len(self.lengths):
+            self._repack(self.lengths)
 
     def trim_window(self) -> None:
         """A sliding-window layer drops, per head, the slots older than the last `window - 1` real tokens."""
@@ -248,7 +268,7 @@ class HeadwiseLayer(DynamicLayer):
             return
         low = (self.real_seen - (self.window - 1)).tolist()
         for i, n in enumerate(self.lengths):
-            pos = self.slots_h["pos"][i][:n]
+            pos = self.slot("pos", i // self.heads, i % self.heads)
             if n and int(pos[0]) < low[i // self.heads]:  # slots are in position order
                 self.keep(i // self.heads, i % self.heads, (pos >= low[i // self.heads]).nonzero().squeeze(-1))
 
@@ -260,38 +280,42 @@ class HeadwiseLayer(DynamicLayer):
         v.keys, v.values = keys[None, None], values[None, None]
         v.device, v.is_initialized, v.driven = keys.device, True, True
         v.n, v.seen = keys.shape[0], int(self.real_seen[row])
-        v.slots = {name: self.slot(name, row, head)[None, None] for name in self.slots_h}
+        names = [name for name in self.store if name not in ("keys", "values")]
+        v.slots = {name: self.slot(name, row, head)[None, None] for name in names}
         v.real_seen = self.real_seen[row : row + 1].to(keys.device)
         v.shift = v.real_seen - v.n
         return v
 
     def absorb(self, row: int, head: int, view: PressedLayer) -> None:
-        """Take back per-slot state a press created on `view(row, head)`."""
+        """Take back per-slot state a press created (or replaced) on `view(row, head)`."""
         for name, t in view.slots.items():
-            if name not in self.slots_h:
-                zeros = [torch.zeros(n, dtype=t.dtype, device=t.device) for n in self.lengths]
-                self.slots_h[name] = zeros
-                self.slots_h[name][row * self.heads + head] = t[0, 0].clone()
+            if name not in self.store:
+                self.store[name] = t.new_zeros(self.bounds[-1], *t.shape[3:])
+            held = self.slot(name, row, head)
+            if held.data_ptr() != t.data_ptr():
+                held.copy_(t[0, 0])
 
     # ----- helpers ----------------------------------------------------------------------------------------
-    @staticmethod
-    def _append(t: torch.Tensor, n: int, new: torch.Tensor) -> torch.Tensor:
-        q = new.shape[0]
-        if n + q <= t.shape[0]:
-            t[n : n + q] = new
-            return t
-        grown = t.new_empty(n + q + max(8, n // 32), *t.shape[1:])  # decoding reserves a little room (~3%)
-        grown[:n] = t[:n]
-        grown[n : n + q] = new
-        return grown
+    def _repack(self, sizes: list[int]) -> None:
+        """Give pair `i` a segment of `sizes[i]` slots (at least its held ones), its held slots first."""
+        held = torch.tensor(self.lengths, device=self.device)
+        old = torch.tensor(self.bounds[:-1], device=self.device)
+        bounds = _cumulative(sizes)
+        new = torch.tensor(bounds[:-1], device=self.device)
+        offset = torch.arange(int(held.sum()), device=self.device) - torch.repeat_interleave(
+            torch.tensor(_cumulative(self.lengths)[:-1], device=self.device), held)  # fmt: skip
+        source, target = torch.repeat_interleave(old, held) + offset, torch.repeat_interleave(new, held) + offset
+        self.store = {name: t.new_zeros(bounds[-1], *t.shape[1:]).index_copy_(0, target, t.index_select(0, source))
+                      for name, t in self.store.items()}  # fmt: skip
+        self.bounds = bounds
 
     def _select_rows(self, rows: list[int]) -> None:
-        def pick(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-            return [ts[r * self.heads + h].clone() for r in rows for h in range(self.heads)]
-
-        self.keys_h, self.values_h = pick(self.keys_h), pick(self.values_h)
-        self.slots_h = {name: pick(ts) for name, ts in self.slots_h.items()}
-        self.lengths = [self.lengths[r * self.heads + h] for r in rows for h in range(self.heads)]
+        pairs = [r * self.heads + h for r in rows for h in range(self.heads)]
+        index = torch.cat([torch.arange(self.bounds[i], self.bounds[i] + self.lengths[i]) for i in pairs])
+        index = index.to(self.device)
+        self.store = {name: t.index_select(0, index) for name, t in self.store.items()}
+        self.lengths = [self.lengths[i] for i in pairs]
+        self.bounds = _cumulative(self.lengths)
         self.real_seen = self.real_seen[rows]
         for name in ("head_budget", "key_stats"):
             if getattr(self, name) is not None:
@@ -301,7 +325,14 @@ class HeadwiseLayer(DynamicLayer):
         self.values = self.keys
 
     def _map(self, fn) -> None:
-        self.keys_h, self.values_h = [fn(t) for t in self.keys_h], [fn(t) for t in self.values_h]
-        self.slots_h = {name: [fn(t) for t in ts] for name, ts in self.slots_h.items()}
+        self.store = {name: fn(t) for name, t in self.store.items()}
         if self.kv_bits is not None:
             self.key_stats = fn(self.key_stats)
+
+
+def _cumulative(sizes: list[int]) -> list[int]:
+    """`[0, sizes[0], sizes[0] + sizes[1], ...]`."""
+    out = [0]
+    for size in sizes:
+        out.append(out[-1] + size)
+    return out

@@ -1,14 +1,14 @@
 """Attention over a `HeadwiseLayer`: each (row, KV head) attends over its own variable-length slots.
 
-Attention runs once per (row, KV head) over that head's tensors, for the `g` query heads that share it (GQA
-without repeating keys): no padding, no mask over evicted slots. A decoding step's one query runs as two matrix
-products (softmax between), a chunk as torch's `scaled_dot_product_attention` in blocks of queries. The
-`q` newest slots of every head are this forward's tokens: causal among themselves. On a sliding-window
-layer a query also sees only the slots less than `window` positions behind it. Returns transformers'
-layout `[B, q, Hq, D]`.
+A chunk (several new tokens) runs once per (row, KV head) over that head's slots, for the `g` query heads that
+share it (GQA without repeating keys), as torch's `scaled_dot_product_attention` in blocks of queries: no padding,
+no mask over evicted slots. The `q` newest slots of every head are this forward's tokens: causal among themselves.
+On a sliding-window layer a query also sees only the slots less than `window` positions behind it. A decoding
+step (one token) attends over the row's packed storage in one batched call for all its heads, the other heads'
+slots and the spare room masked. Returns transformers' layout `[B, q, Hq, D]`.
 
-On a GPU, flash-attn's variable-length kernel would run all heads in one call; that path is not
-built yet (it needs packed storage), so CUDA runs the same per-head calls.
+On a GPU, flash-attn's variable-length kernel could run a chunk's heads in one call; that path is not built yet,
+so CUDA runs the same calls.
 """
 
 from __future__ import annotations
@@ -63,18 +63,26 @@ def headwise_attention(module: nn.Module, query: torch.Tensor, layer: HeadwiseLa
 
 
 def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float) -> torch.Tensor:
-    """A decoding step: per (row, KV head), its `g` queries over the head's slots as two matrix products written
-    into the output (a sdpa call per head, and each extra op, costs more than this work); `[B, 1, Hq, Dv]`."""
+    """A decoding step: per row, every query head against every packed slot of the row in one matrix product,
+    the slots of other KV heads and spare room masked, softmax, one product with the values (the few wasted
+    logits cost less than a call per head); `[B, 1, Hq, Dv]`. Quantized layers decode per (row, KV head)."""
     b, hq = query.shape[:2]
-    g = hq // layer.heads
+    h = layer.heads
+    g = hq // h
     scaled = query[:, :, 0] * scale  # [B, Hq, D]
     out = query.new_empty(b, hq, layer.value_dim or query.shape[-1])
     for row in range(b):
-        for head in range(layer.heads):
-            keys, values = layer.pair(row, head)
-            heads = slice(head * g, (head + 1) * g)
-            weights = torch.softmax(torch.mm(scaled[row, heads], keys.T), dim=-1)
-            torch.mm(weights, values, out=out[row, heads])
+        if layer.kv_bits is not None:
+            for head in range(h):
+                keys, values = layer.pair(row, head)
+                heads = slice(head * g, (head + 1) * g)
+                weights = torch.softmax(torch.mm(scaled[row, heads], keys.T), dim=-1)
+                torch.mm(weights, values, out=out[row, heads])
+            continue
+        slots, hidden = layer.row_slots(row)
+        logits = torch.mm(scaled[row], layer.store["keys"][slots].T)  # [Hq, n]
+        logits.view(h, g, -1).masked_fill_(hidden[:, None], float("-inf"))
+        torch.mm(torch.softmax(logits, dim=-1), layer.store["values"][slots], out=out[row])
     return out[:, None]
 
 

@@ -279,6 +279,7 @@ class Intercept:
             out = headwise_attention(module, query, layer)
             layer.trim_window()
             self.handler.after_headwise(module, query, layer, hidden, call.compressing)
+            layer.compact()  # evictions free slots in place: a layer with too much spare room is packed tight
             layer.settle()
             return out, None
         thin = layer.key_channels is not None  # keys of fewer channels (ThinK): the queries meet only those

@@ -156,8 +156,8 @@ def _held(layer) -> list[torch.Tensor]:
     """The held part of every tensor a cache layer keeps (the room reserved past it is uninitialised)."""
     if isinstance(layer, HeadwiseLayer):
         out = [layer.real_seen]
-        for i, n in enumerate(layer.lengths):
-            out += [layer.keys_h[i][:n], layer.values_h[i][:n], *(ts[i][:n] for ts in layer.slots_h.values())]
+        for row in range(layer.batch):
+            out += [layer.slot(name, row, head) for head in range(layer.heads) for name in layer.store]
         return out
     out = [*layer.held_kv(), *(t[..., : layer.n] for t in layer.slots.values())]
     return out + [t for t in (layer.real_seen, layer.shift) if t is not None]

@@ -63,8 +63,8 @@ def test_adakv_frees_memory_per_head(family, ratio):
     for layer in cache.layers:
         assert isinstance(layer, HeadwiseLayer)
         assert sum(layer.lengths) == 2 * round(256 * (1 - ratio))  # the layer's total budget, spread
-        for keys, n in zip(layer.keys_h, layer.lengths, strict=True):
-            assert keys.shape[0] == n and keys.untyped_storage().nbytes() == keys.numel() * 4  # no padding
+        keys = layer.store["keys"]  # packed tight after the prefill: no padding, no spare room
+        assert keys.shape[0] == sum(layer.lengths) and keys.untyped_storage().nbytes() == keys.numel() * 4
     assert any(len(set(layer.lengths)) > 1 for layer in cache.layers)  # heads really differ
 
 
@@ -98,6 +98,54 @@ def test_varlen_attention_equals_masked_dense(q_len, softcap):
     ref = logits.masked_fill(~mask, float("-inf")).softmax(-1) @ all_v
     assert out.shape == (b, q_len, hkv * g, d)
     assert (out - ref.transpose(1, 2)).abs().max() <= 1e-5
+
+
+def test_packed_storage_appends_and_evicts_in_place_then_packs_tight():
+    torch.manual_seed(0)
+    b, hkv, g, n, d = 2, 3, 2, 200, 8
+    dense = PressedLayer()
+    dense.update(torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d))
+    keep = torch.rand(b, hkv, n) < torch.tensor([0.2, 0.5, 0.9])[None, :, None]
+    layer = HeadwiseLayer.from_dense(dense, keep)
+    layer.driven = True
+    pairs = [(row, head) for row in range(b) for head in range(hkv)]
+    ref = {p: (*layer.pair(*p), layer.slot("pos", *p).clone()) for p in pairs}
+    assert layer.bounds[-1] == sum(layer.lengths)  # tight after the prefill
+    module = torch.nn.Module()
+    module.scaling, module.attn_logit_softcapping = d**-0.5, None
+
+    def step():
+        new_k, new_v = torch.randn(b, hkv, 1, d), torch.randn(b, hkv, 1, d)
+        seen = layer.real_seen.clone()
+        layer.update(new_k, new_v)
+        layer.commit()
+        for row, head in pairs:
+            k, v, pos = ref[row, head]
+            ref[row, head] = (torch.cat([k, new_k[row, head]]), torch.cat([v, new_v[row, head]]),
+                              torch.cat([pos, seen[row : row + 1].int()]))  # fmt: skip
+        query = torch.randn(b, hkv * g, 1, d)
+        out = headwise_attention(module, query, layer)
+        for row, head in pairs:
+            k, v, pos = ref[row, head]
+            group = query[row, head * g : (head + 1) * g, 0]
+            expected = (group @ k.T * d**-0.5).softmax(-1) @ v
+            assert (out[row, 0, head * g : (head + 1) * g] - expected).abs().max() <= 1e-5
+            assert torch.equal(layer.slot("pos", row, head), pos) and torch.equal(layer.pair(row, head)[0], k)
+
+    step()
+    bounds = list(layer.bounds)
+    assert all(hi - lo - held >= 7 for lo, hi, held in zip(bounds, bounds[1:], layer.lengths, strict=False))
+    step()
+    assert layer.bounds == bounds  # appended into the room, nothing moved
+    for row, head in pairs:  # evict every other slot, in place: spare slots keep stale (finite) tokens
+        index = torch.arange(0, layer.lengths[row * hkv + head], 2)
+        layer.keep(row, head, index)
+        ref[row, head] = tuple(t[index] for t in ref[row, head])
+    assert layer.bounds == bounds
+    step()  # stale slots do not leak into the attention
+    layer.compact()
+    assert layer.bounds[-1] == sum(layer.lengths) < bounds[-1]  # packed tight again
+    step()
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -392,6 +440,7 @@ def test_headwise_cache_refuses_another_headwise_press_and_resets():
     with duo(model), pytest.raises(ValueError, match="made by AdaKVPress; DuoAttentionPress cannot continue it"):
         model(ids[:, :1], cache=cache)
     cache.reset()  # an emptied head-wise cache takes a new prompt: the same logits as a fresh cache
+    assert all(t.untyped_storage().nbytes() == 0 for layer in cache.layers for t in layer.store.values())  # freed
     with ada(model):
         again = model(ids, cache=cache).logits
     with ada(model):

@@ -92,7 +92,7 @@ def test_a_recorded_prefill_keeps_the_codes_a_live_one_keeps(tokenized, press):
     for a, b in zip(cache.layers, live.layers, strict=True):
         assert a.kv_bits == b.kv_bits == 4
         if isinstance(a, HeadwiseLayer):
-            assert all(torch.equal(x, y) for x, y in zip(a.keys_h, b.keys_h, strict=True))
+            assert a.lengths == b.lengths and torch.equal(a.store["keys"], b.store["keys"])
         else:
             assert torch.equal(a.keys[:, :, : a.n], b.keys[:, :, : b.n])
     recorded = answer_ids_from_cache(model, tokenizer, ids, cache, press(4), max_new_tokens=6)
@@ -132,7 +132,7 @@ def test_quantized_head_wise_layers_continue_decoding_and_free_memory():
             model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=6, do_sample=False,
                            pad_token_id=0)  # fmt: skip
     layer = caches[4].layers[0]
-    assert isinstance(layer, HeadwiseLayer) and layer.kv_bits == 4 and layer.keys_h[0].dtype == torch.uint8
+    assert isinstance(layer, HeadwiseLayer) and layer.kv_bits == 4 and layer.store["keys"].dtype == torch.uint8
     assert layer.lengths == caches[None].layers[0].lengths  # the same slots were kept, as codes
     assert kvpress.cache_bytes(caches[4]) < 0.45 * kvpress.cache_bytes(caches[None])  # head size 16: 10 B vs 64 B
 
