@@ -228,16 +228,20 @@ class HeadwiseLayer(DynamicLayer):
                           "pos": torch.zeros(0, dtype=torch.int32, device=keys.device)}  # fmt: skip
         if any(b - a - n < q for a, b, n in zip(self.bounds, self.bounds[1:], self.lengths, strict=False)):
             self._repack([n + q + max(8, n // 32) for n in self.lengths])  # decoding reserves a little room (~3%)
-        pairs = len(self.lengths)
-        ends = torch.tensor([a + n for a, n in zip(self.bounds, self.lengths, strict=False)], device=self.device)
-        where = (ends[:, None] + torch.arange(q, device=self.device)).flatten()
-        pos = (self.real_seen[:, None] + torch.arange(q, device=self.real_seen.device)).to(torch.int32)
+        where = torch.tensor([a + n for a, n in zip(self.bounds, self.lengths, strict=False)], device=self.device)
+        pos = self.real_seen.to(self.device, torch.int32)
+        if q == 1:  # a decoding step: one slot a pair (the fewest ops: this runs every step in every layer)
+            pos = pos.repeat_interleave(self.heads)
+        else:
+            where = (where[:, None] + torch.arange(q, device=self.device)).flatten()
+            pos = pos[:, None, None] + torch.arange(q, dtype=torch.int32, device=self.device)
+            pos = pos.expand(-1, self.heads, -1)
         self.real_seen = self.real_seen + q
         for name, t in self.store.items():
             if name in ("keys", "values"):
-                t.index_copy_(0, where, (keys if name == "keys" else values).reshape(pairs * q, -1))
+                t.index_copy_(0, where, (keys if name == "keys" else values).reshape(where.shape[0], -1))
             elif name == "pos":
-                t.index_copy_(0, where, pos.to(t.device)[:, None].expand(-1, self.heads, -1).flatten())
+                t.index_copy_(0, where, pos.flatten())
             else:
                 t.index_fill_(0, where, 0)
         self.lengths = [n + q for n in self.lengths]

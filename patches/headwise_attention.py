@@ -63,27 +63,24 @@ def headwise_attention(module: nn.Module, query: torch.Tensor, layer: HeadwiseLa
 
 
 def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float) -> torch.Tensor:
-    """A decoding step: per row, every query head against every packed slot of the row in one matrix product,
-    the slots of other KV heads and spare room masked, softmax, one product with the values (the few wasted
-    logits cost less than a call per head); `[B, 1, Hq, Dv]`. Quantized layers decode per (row, KV head)."""
-    b, hq = query.shape[:2]
+    """A decoding step: per (row, KV head), its `g` queries over the head's segment of the packed storage as two
+    matrix products written into the output (a sdpa call per head, or one product over every head's slots, costs
+    more than this work); `[B, 1, Hq, Dv]`. Quantized layers read each head decoded (`pair`)."""
+    b, hq, _, d = query.shape
     h = layer.heads
-    g = hq // h
-    scaled = query[:, :, 0] * scale  # [B, Hq, D]
-    out = query.new_empty(b, hq, layer.value_dim or query.shape[-1])
+    scaled = (query[:, :, 0] * scale).view(b, h, hq // h, d)  # each KV head's g queries
+    out = query.new_empty(b, h, hq // h, layer.value_dim or d)
+    keys, values = layer.store["keys"], layer.store["values"]
     for row in range(b):
-        if layer.kv_bits is not None:
-            for head in range(h):
-                keys, values = layer.pair(row, head)
-                heads = slice(head * g, (head + 1) * g)
-                weights = torch.softmax(torch.mm(scaled[row, heads], keys.T), dim=-1)
-                torch.mm(weights, values, out=out[row, heads])
-            continue
-        slots, hidden = layer.row_slots(row)
-        logits = torch.mm(scaled[row], layer.store["keys"][slots].T)  # [Hq, n]
-        logits.view(h, g, -1).masked_fill_(hidden[:, None], float("-inf"))
-        torch.mm(torch.softmax(logits, dim=-1), layer.store["values"][slots], out=out[row])
-    return out[:, None]
+        for head in range(h):
+            i = row * h + head
+            if layer.kv_bits is None:
+                start, end = layer.bounds[i], layer.bounds[i] + layer.lengths[i]
+                k, v = keys[start:end], values[start:end]
+            else:
+                k, v = layer.pair(row, head)
+            torch.mm(torch.softmax(torch.mm(scaled[row, head], k.T), dim=-1), v, out=out[row, head])
+    return out.view(b, 1, hq, -1)
 
 
 def _rows(mask: torch.Tensor, held: int, rows: tuple[int, int]) -> torch.Tensor:
