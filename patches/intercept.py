@@ -288,8 +288,12 @@ class Intercept:
         if layer.adopted and info is not None and info.padding is not None:
             layer.adopt_padding(info.padding[:, : layer.seen - q_len])
         layer.commit(info.new_valid(q_len) if info is not None else None)
-        standard = info.standard() if info is not None and not layer.compressed else None  # built only if used
         flash = self._original.startswith("flash_attention")
+        # a chunk after held tokens on the CPU: transformers' sdpa path would copy every KV head g times over all
+        # of them and the kernel turn its mask into floats, so even a layer the press left whole runs in blocks
+        blocks = self._original == "sdpa" and key.shape[2] > q_len and blocked.applies(module, query, kwargs)
+        whole = not layer.compressed and not blocks
+        standard = info.standard() if info is not None and whole else None  # built only if used
         out = mass = None
         block = self.handler.mass_block(layer, call.compressing) if layer.window is None else None
         grad = torch.is_grad_enabled() and query.requires_grad  # (its buffers take no autograd history)
@@ -299,11 +303,12 @@ class Intercept:
             out, mass = blocked.attention_with_mass(query, key, value, rows_mask, block, kwargs.get("scaling"),
                                                     kwargs.get("softcap"))  # fmt: skip
             out = out, None
-        elif not layer.compressed and not _sized_for_another_layer(standard, key) and not (flash and thin):
+        elif whole and not _sized_for_another_layer(standard, key) and not (flash and thin):
             mask = standard  # slots still line up with tokens: transformers' own mask is right
         elif flash and "valid" not in layer.slots and not thin:
             mask = None  # flash aligns causal masks bottom-right: new tokens after every held slot
-        else:  # flash cannot express holes in a padded batch, nor keys narrower than values: that call runs on sdpa
+        else:  # kvpress's own mask (flash cannot express holes in a padded batch, nor keys narrower than values: that
+            # call runs on sdpa), on the CPU in blocks of queries
             fn = "sdpa" if flash else self._original
             inner = model_access.inner_attention(self.model, fn, module) if fn != self._original else inner
             n_rep = query.shape[1] // key.shape[1]

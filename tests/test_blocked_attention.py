@@ -68,6 +68,33 @@ def test_chunks_in_blocks_give_whole_mask_logits(family, press, monkeypatch):
     torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_a_layer_left_whole_runs_its_later_chunks_in_blocks(family, monkeypatch):
+    """A press whose budget holds the whole prompt leaves every layer whole: a chunk after held tokens still runs
+    in blocks sharing the KV heads (transformers' sdpa path would repeat every KV head over all the held tokens),
+    with the logits of that path; the first chunk (nothing held) keeps transformers' own causal call."""
+    model = tiny_model(family)
+    ids = prompt(1, 40, seed=2)
+
+    def run() -> torch.Tensor:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad(), SnapKVPress(max_tokens=100, window_size=4)(model):
+            chunks = [model(ids[:, s : s + 12], cache=cache).logits for s in range(0, 40, 12)]
+        assert all(not layer.compressed for layer in cache.layers if layer.window is None)  # (windows trim)
+        return torch.cat(chunks, dim=1)
+
+    calls = []
+    original = blocked.blocked_attention
+    monkeypatch.setattr(blocked, "blocked_attention", lambda *a, **k: calls.append(a[0].shape[2]) or original(*a, **k))
+    monkeypatch.setattr(blocked, "QUERY_BLOCK", 5)
+    got = run()
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    assert len(calls) == 3 * layers  # chunks 2-4 (12, 12 and 4 queries) in every layer; not chunk 1
+    monkeypatch.setattr(blocked, "applies", lambda *a: False)
+    expected = run()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral-window", "gemma3"])
 @pytest.mark.parametrize("padded", [True, False])
 def test_attention_mass_from_the_attention_weights(family, padded, monkeypatch):
