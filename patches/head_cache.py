@@ -7,7 +7,7 @@ proportional to the tokens kept per head: nothing is padded to the largest head,
 Decoding appends to every head into the spare room of its segment; when a segment is full, the layer is
 repacked with room for every head (`max(8, n // 32)` slots, ~3%); an eviction frees slots in place, and a
 layer whose spare room grew past twice that is packed tight again (`compact`). One tensor per kind of state
-lets a decoding step attend over every head of a row in one batched call (`patches/headwise_attention.py`).
+lets a commit append to every head in one indexed copy, and an eviction reuse the storage it frees.
 A sliding-window layer (`window`) keeps per head only the real tokens of the last `window - 1` positions,
 as its `PressedLayer` did (`trim_window`).
 
@@ -177,16 +177,6 @@ class HeadwiseLayer(DynamicLayer):
             keys = torch.cat([keys, self._fresh[0][row, head]])
             values = torch.cat([values, self._fresh[1][row, head]])
         return keys, values
-
-    def row_slots(self, row: int) -> tuple[slice, torch.Tensor]:
-        """The packed slots of `row` (a slice of the storage) and `[H, n]` bool: False where a slot holds a token
-        of that KV head, True elsewhere (another head's token, or spare room)."""
-        first = row * self.heads
-        lo, hi = self.bounds[first], self.bounds[first + self.heads]
-        starts = torch.tensor(self.bounds[first : first + self.heads], device=self.device) - lo
-        ends = starts + torch.tensor(self.lengths[first : first + self.heads], device=self.device)
-        slots = torch.arange(hi - lo, device=self.device)
-        return slice(lo, hi), (slots < starts[:, None]) | (slots >= ends[:, None])
 
     def quantize(self, bits: int) -> None:
         """Store every pair's slots, and those appended from now on, as `bits`-bit codes (each pair's channel

@@ -4,8 +4,8 @@ A chunk (several new tokens) runs once per (row, KV head) over that head's slots
 share it (GQA without repeating keys), as torch's `scaled_dot_product_attention` in blocks of queries: no padding,
 no mask over evicted slots. The `q` newest slots of every head are this forward's tokens: causal among themselves.
 On a sliding-window layer a query also sees only the slots less than `window` positions behind it. A decoding
-step (one token) attends over the row's packed storage in one batched call for all its heads, the other heads'
-slots and the spare room masked. Returns transformers' layout `[B, q, Hq, D]`.
+step (one token) runs two matrix products per (row, KV head) over the head's segment of the packed storage.
+Returns transformers' layout `[B, q, Hq, D]`.
 
 On a GPU, flash-attn's variable-length kernel could run a chunk's heads in one call; that path is not built yet,
 so CUDA runs the same calls.
