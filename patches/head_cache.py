@@ -26,6 +26,8 @@ only be continued inside `with press(model):` with a head-wise press; elsewhere 
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -92,7 +94,7 @@ class HeadwiseLayer(DynamicLayer):
         new.store = {name: t[:, :, :n].reshape(b * h * n, *t.shape[3:]).index_select(0, index)
                      for name, t in held.items()}  # fmt: skip
         new.lengths = keep.sum(-1).flatten().tolist()
-        new.bounds = _cumulative(new.lengths)
+        new.bounds = _bounds(new.lengths)
         new.seen = layer.seen
         new.real_seen = layer.real_seen.clone()
         new.window = layer.window
@@ -294,10 +296,10 @@ class HeadwiseLayer(DynamicLayer):
         """Give pair `i` a segment of `sizes[i]` slots (at least its held ones), its held slots first."""
         held = torch.tensor(self.lengths, device=self.device)
         old = torch.tensor(self.bounds[:-1], device=self.device)
-        bounds = _cumulative(sizes)
+        bounds = _bounds(sizes)
         new = torch.tensor(bounds[:-1], device=self.device)
         offset = torch.arange(int(held.sum()), device=self.device) - torch.repeat_interleave(
-            torch.tensor(_cumulative(self.lengths)[:-1], device=self.device), held)  # fmt: skip
+            torch.tensor(_bounds(self.lengths)[:-1], device=self.device), held)  # fmt: skip
         source, target = torch.repeat_interleave(old, held) + offset, torch.repeat_interleave(new, held) + offset
         self.store = {name: t.new_zeros(bounds[-1], *t.shape[1:]).index_copy_(0, target, t.index_select(0, source))
                       for name, t in self.store.items()}  # fmt: skip
@@ -309,7 +311,7 @@ class HeadwiseLayer(DynamicLayer):
         index = index.to(self.device)
         self.store = {name: t.index_select(0, index) for name, t in self.store.items()}
         self.lengths = [self.lengths[i] for i in pairs]
-        self.bounds = _cumulative(self.lengths)
+        self.bounds = _bounds(self.lengths)
         self.real_seen = self.real_seen[rows]
         for name in ("head_budget", "key_stats"):
             if getattr(self, name) is not None:
@@ -324,9 +326,6 @@ class HeadwiseLayer(DynamicLayer):
             self.key_stats = fn(self.key_stats)
 
 
-def _cumulative(sizes: list[int]) -> list[int]:
-    """`[0, sizes[0], sizes[0] + sizes[1], ...]`."""
-    out = [0]
-    for size in sizes:
-        out.append(out[-1] + size)
-    return out
+def _bounds(sizes: list[int]) -> list[int]:
+    """`[0, sizes[0], sizes[0] + sizes[1], ...]`: where each segment of those sizes starts, and the total."""
+    return list(accumulate(sizes, initial=0))

@@ -10,7 +10,7 @@ import kvpress
 from kvpress import SpecAttnPress
 from kvpress.patches import model_access
 from kvpress.presses.lookahead import draft_attention
-from kvpress.presses.specattn import skipped_layers, window_profile
+from kvpress.presses.specattn import layers_to_skip, window_profile
 from kvpress.recording import compress_recording, record_prefill
 from tiny import prompt, tiny_model
 
@@ -22,7 +22,7 @@ def _recording(model, length=40):
 
 def test_the_draft_skips_layers_and_each_layer_reads_its_closest_drafted_pair():
     model = tiny_model("llama", num_hidden_layers=5)
-    assert skipped_layers(5, 2) == {1, 3} and skipped_layers(9, 4) == {3, 7} and skipped_layers(5, 0) == set()
+    assert layers_to_skip(5, 2) == {1, 3} and layers_to_skip(9, 4) == {3, 7} and layers_to_skip(5, 0) == set()
     recording = _recording(model)
     before = copy.deepcopy(recording.cache)
     ran = []

@@ -91,7 +91,7 @@ class SpecAttnPress(BasePress):
         key = ("specattn", self.skip_every, self.lookahead, self.window_size)
         if key not in recording.memo:
             n_layers = len(model_access.decoder_layers(model))
-            skip = skipped_layers(n_layers, self.skip_every)
+            skip = layers_to_skip(n_layers, self.skip_every)
             draft = draft_attention(model, recording, self.lookahead, tokenizer, skip)
             profiles = {idx: window_profile(recording, idx, self.window_size) for idx in recording.queries}
             recording.memo[key] = paired_scores(profiles, {idx: total / count for idx, (total, count) in draft.items()})
@@ -104,7 +104,7 @@ class SpecAttnPress(BasePress):
         return self.scores[obs.layer_idx]
 
 
-def skipped_layers(n_layers: int, every: int) -> frozenset[int]:
+def layers_to_skip(n_layers: int, every: int) -> frozenset[int]:
     """The decoder layers a draft with `skip_every=every` skips: every `every`-th, never the first or the last."""
     return frozenset(range(every - 1, n_layers - 1, every)) if every else frozenset()
 
