@@ -1,9 +1,10 @@
-"""The `kvpress` command: `demo` (the main job), `generate`, `presses`, `calibrate-heads`, `train-scorer`, `lm-eval`,
-`sweep`."""
+"""The `kvpress` command: `demo` (the main job), `generate`, `presses`, `calibrate-heads`, `train-scorer`,
+`train-gates`, `lm-eval`, `sweep`."""
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -181,8 +182,7 @@ def cmd_train_scorer(args: argparse.Namespace) -> int:
         save_scorer(scorer, args.out)
         print(f"wrote {args.out}: layer profile at ratios {list(PROFILE_RATIOS)} on {PROFILE_TEXTS} training texts")
         return 0
-    scorer = train_scorer(model, tokenizer, name, texts=args.texts, held_out=args.held_out, tokens=args.tokens,
-                          seed=args.seed)  # fmt: skip
+    scorer = train_scorer(model, tokenizer, name, **_trainer_args(train_scorer, args))
     save_scorer(scorer, args.out)
     fit = scorer.training["test"]
     print(f"wrote {args.out}: {scorer.weight.shape[0]} layers x {scorer.weight.shape[2]} KV heads; on "
@@ -192,11 +192,49 @@ def cmd_train_scorer(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_gates(args: argparse.Namespace) -> int:
+    import kvpress
+    from kvpress.gates import save_gates
+    from kvpress.train_gates import train_gates
+
+    model, tokenizer = kvpress.load_model(args.model)
+    name = args.model or kvpress.models.DEFAULT_MODEL
+    gates = train_gates(model, tokenizer, name, **_trainer_args(train_gates, args))
+    save_gates(gates, args.out)
+    fit = gates.training["test"]
+    print(f"wrote {args.out}: {gates.weight.shape[0]} layers x {gates.weight.shape[2]} KV heads; on {args.held_out} "
+          f"test texts, averaged over layers: output error {fit['error']:.4f} with the learned roles, "
+          f"{fit['shuffled_error']:.4f} with them shuffled; cache held {fit['held']:.3f}")  # fmt: skip
+    return 0
+
+
 def cmd_presses(args: argparse.Namespace) -> int:
     from kvpress.presses import press_table
 
     print(press_table())
     return 0
+
+
+_NOT_FLAGS = ("model", "tokenizer", "name", "log")  # a trainer's arguments that are not its command's flags
+
+
+def _trainer(sub, command: str, fn, help: str, **helps: str) -> argparse.ArgumentParser:
+    """The subcommand `command` that runs the trainer `fn`: `--model`, `--out`, and a flag per keyword of `fn`, its
+    default and type from `fn`'s signature (`helps`: their help texts; texts and tokens have theirs)."""
+    helps = {"texts": "training texts", "tokens": "tokens per text", **helps}
+    parser = sub.add_parser(command, help=help)
+    parser.add_argument("--model", default=None, help="packaged model name or local directory (default SmolLM2-135M)")
+    parser.add_argument("--out", required=True, help="the safetensors file to write")
+    for param in inspect.signature(fn).parameters.values():
+        if param.name not in _NOT_FLAGS:
+            parser.add_argument(f"--{param.name.replace('_', '-')}", type=type(param.default), default=param.default,
+                                help=helps.get(param.name))  # fmt: skip
+    return parser
+
+
+def _trainer_args(fn, args: argparse.Namespace) -> dict:
+    """The keywords of the trainer `fn` from its command's flags (see `_trainer`)."""
+    return {name: getattr(args, name) for name in inspect.signature(fn).parameters if name not in _NOT_FLAGS}
 
 
 def _check_generate(args: argparse.Namespace) -> None:
@@ -219,7 +257,7 @@ def _check_generate(args: argparse.Namespace) -> None:
 def _check_counts(args: argparse.Namespace) -> None:
     """Refuse counts no command can run with, naming the flag and the allowed values."""
     least = {"max_new_tokens": 1, "max_tokens": 1, "examples": 1, "length": 100, "seed": 0, "texts": 1, "held_out": 1,
-             "tokens": 64}
+             "tokens": 64, "window": 1, "epochs": 1}
     for name, bound in least.items():
         value = getattr(args, name, None)
         if value is not None and value < bound:
@@ -283,16 +321,18 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--length", type=int, default=1024, help="tokens per passkey prompt")
     cal.add_argument("--seed", type=int, default=0)
     cal.set_defaults(fn=cmd_calibrate_heads)
-    train = sub.add_parser("train-scorer", help="fit KVzapPress's per-layer scorers to KVzip's scores on offline text")
-    train.add_argument("--model", default=None, help="packaged model name or local directory (default SmolLM2-135M)")
-    train.add_argument("--out", required=True, help="the safetensors file to write")
-    train.add_argument("--texts", type=int, default=48, help="training texts")
-    train.add_argument("--held-out", type=int, default=4, help="validation texts, and as many test texts")
-    train.add_argument("--tokens", type=int, default=1024, help="tokens per text")
-    train.add_argument("--seed", type=int, default=0)
+    from kvpress.train_gates import train_gates
+    from kvpress.train_scorer import train_scorer
+
+    train = _trainer(sub, "train-scorer", train_scorer, "fit KVzapPress's per-layer scorers to KVzip's scores on "
+                     "offline text", held_out="validation texts, and as many test texts")  # fmt: skip
     train.add_argument("--update-profile", action="store_true",
                        help="only measure again the layer profile of the scorer in --out, on its own training texts")
     train.set_defaults(fn=cmd_train_scorer)
+    gates = _trainer(sub, "train-gates", train_gates, "fit NAtSPress's per-layer role gates (model frozen) on "
+                     "offline text", held_out="test texts", window="tokens the sliding-window role keeps a token for",
+                     sparsity="weight of the cache held in the loss", lr="Adam's learning rate")  # fmt: skip
+    gates.set_defaults(fn=cmd_train_gates)
 
     args = parser.parse_args(argv)
     try:

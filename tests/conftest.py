@@ -28,17 +28,18 @@ def _inference():
 
 @pytest.fixture(autouse=True)
 def _tiny_scorers(monkeypatch):
-    """KVzapPress's scorer="auto" on a tiny model (no packaged scorer fits it): a fixed random linear scorer, so
-    every test that runs the registry's presses runs KVzap too."""
-    from kvpress.presses import kvzap
-    from tiny import tiny_scorer
+    """KVzapPress's scorer="auto" and NAtSPress's gates="auto" on a tiny model (nothing packaged fits it): fixed
+    random linear scorers and gates, so every test that runs the registry's presses runs KVzap and NAtS too."""
+    from kvpress.presses import kvzap, nats
+    from tiny import tiny_gates, tiny_scorer
 
-    real = kvzap.find_scorer
+    for module, name, make in ((kvzap, "find_scorer", tiny_scorer), (nats, "find_gates", tiny_gates)):
+        real = getattr(module, name)
 
-    def find(model):
-        try:
-            return real(model)
-        except ValueError:
-            return tiny_scorer(model)
+        def find(model, real=real, make=make):
+            try:
+                return real(model)
+            except ValueError:
+                return make(model)
 
-    monkeypatch.setattr(kvzap, "find_scorer", find)
+        monkeypatch.setattr(module, name, find)

@@ -92,6 +92,18 @@ def live_presses(**settings) -> dict:
     return out
 
 
+def tiny_gates(model: torch.nn.Module, seed: int = 0, window: int = 4):
+    """Random NAtS gates trained on nothing, for `model`'s architecture."""
+    from kvpress.gates import Gates
+    from kvpress.patterns import config_hash
+
+    config = model.config.get_text_config(decoder=True)
+    g = torch.Generator().manual_seed(seed)
+    shape = (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads, 3)
+    weight, bias = torch.randn(shape, generator=g), torch.zeros(shape[0], shape[2], 3)
+    return Gates("tiny", config_hash(model), weight, bias, window)
+
+
 def tiny_scorer(model: torch.nn.Module, seed: int = 0):
     """A random linear KVzap scorer fitted to nothing, for `model`'s architecture."""
     from kvpress.patterns import config_hash

@@ -22,6 +22,7 @@ from kvpress.presses.kvzap import KVzapPress
 from kvpress.presses.kvzip import KVzipPress
 from kvpress.presses.lagkv import LagKVPress
 from kvpress.presses.lookahead import LookaheadPress
+from kvpress.presses.nats import NAtSPress
 from kvpress.presses.pyramidkv import PyramidKVPress
 from kvpress.presses.random_press import RandomPress
 from kvpress.presses.recall import RecallPress
@@ -111,6 +112,7 @@ PRESSES = {
     "kvzap": KVzapPress,
     "lagkv": LagKVPress,
     "lookahead": LookaheadPress,
+    "nats": NAtSPress,
     "pyramidkv": _pyramidkv,
     "random": RandomPress,
     "recall": _recall,

@@ -11,16 +11,13 @@ one; the packaged scorers live next to this file, `load_scorer("smollm2-135m")` 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 
-from kvpress.patterns import config_hash
+from kvpress import shipped
 
 _HERE = Path(__file__).parent
 _HOW = "make one with `kvpress train-scorer --model ... --out scorer.safetensors`"
@@ -71,62 +68,30 @@ class Scorer:
         """Raise ValueError unless this scorer was trained for `model`'s architecture."""
         config = model.config.get_text_config(decoder=True)
         shape = (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads)
-        if self.config_hash != config_hash(model) or tuple(self.weight.shape) != shape:
-            raise ValueError(
-                f"this scorer was trained for {self.model!r} (config hash {self.config_hash}, layers x hidden x KV "
-                f"heads {tuple(self.weight.shape)}), not for this {type(model).__name__} (config hash "
-                f"{config_hash(model)}, {shape}); {_HOW}"
-            )
+        shipped.check_fits(model, "scorer", self.model, self.config_hash, self.weight.shape, shape, _HOW)
 
 
 def packaged() -> list[str]:
     """Model names with a scorer shipped in the package."""
-    return sorted(p.stem for p in _HERE.glob("*.safetensors"))
+    return shipped.packaged(_HERE)
 
 
 def load_scorer(scorer: str | Path | Scorer) -> Scorer:
     """A scorer from a `Scorer`, a safetensors path, or the name of a packaged scorer."""
     if isinstance(scorer, Scorer):
         return scorer
-    is_packaged = str(scorer) in packaged()
-    path = _HERE / f"{scorer}.safetensors" if is_packaged else Path(scorer)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"scorer {str(scorer)!r} is neither a safetensors file nor a packaged scorer ({', '.join(packaged())}); "
-            f"{_HOW}"
-        )
-    try:
-        tensors = load_file(path)
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-        training = json.loads(meta.get("training", "{}"))
-    except (SafetensorError, OSError, ValueError) as error:
-        raise ValueError(f"scorer {path} is not a readable safetensors file: {error}; {_HOW}") from error
-    missing = [k for k in ("weight", "bias") if k not in tensors]
-    missing += [k for k in ("model", "config_hash") if k not in meta]
-    if missing:
-        raise ValueError(f"scorer {path} lacks {missing}; {_HOW}")
+    tensors, meta, training = shipped.read(scorer, _HERE, "scorer", _HOW, ("weight", "bias"))
     return Scorer(meta["model"], meta["config_hash"], tensors["weight"].float(), tensors["bias"].float(), training,
                   tensors.get("layer_profile"), tensors.get("profile_ratios"))  # fmt: skip
 
 
 def find_scorer(model: nn.Module) -> Scorer:
     """The packaged scorer trained for `model`'s architecture (by config hash), or a clear error."""
-    wanted = config_hash(model)
-    for name in packaged():
-        scorer = load_scorer(name)
-        if scorer.config_hash == wanted:
-            return scorer
-    raise ValueError(
-        f"no packaged scorer fits this {type(model).__name__} (config hash {wanted}; packaged: "
-        f"{', '.join(packaged()) or 'none'}); {_HOW} and pass scorer='scorer.safetensors'"
-    )
+    return shipped.find(model, _HERE, load_scorer, "scorer", _HOW)
 
 
 def save_scorer(scorer: Scorer, path: str | Path) -> None:
-    meta = {"model": scorer.model, "config_hash": scorer.config_hash, "training": json.dumps(scorer.training)}
-    tensors = {"weight": scorer.weight.float().contiguous(), "bias": scorer.bias.float().contiguous()}
+    tensors = {"weight": scorer.weight, "bias": scorer.bias}
     if scorer.layer_profile is not None:
-        tensors["layer_profile"] = scorer.layer_profile.float().contiguous()
-        tensors["profile_ratios"] = scorer.profile_ratios.float().contiguous()
-    save_file(tensors, str(path), metadata=meta)
+        tensors.update(layer_profile=scorer.layer_profile, profile_ratios=scorer.profile_ratios)
+    shipped.write(path, tensors, scorer.model, scorer.config_hash, scorer.training)
