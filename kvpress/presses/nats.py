@@ -1,14 +1,15 @@
 """NAtS: learned token roles decide how long each cached token stays.
 
-Deng et al. 2025, "Neural Attention Search" (arXiv:2502.13251): every token takes one of three roles, learned
-end to end with the model through a learnable attention mask: a global token is kept to the end, a local token
-until the next global token arrives, a sliding-window token for a fixed number of following tokens; the roles
-the paper learns drop most of the KV cache with little loss. Here the model stays frozen: per layer a linear
-gate reads the hidden state entering the attention and gives each KV head the token's role probabilities,
-trained by `kvpress train-gates` to keep each layer's attention output (through its output projection) while
-holding few tokens, with the roles' own hard mask (straight-through) on text no task here uses, and shipped per
-model with its architecture hash. The paper keeps what the roles say; this press ranks by the probability that
-a token's role still holds it, so it keeps the budget it is given (a ratio or a token count) like every press.
+Deng et al. 2025, "Neural Attention Search" (arXiv:2502.13251): every token takes one of three roles, learned end to
+end with the model through a learnable attention mask: a global token is kept to the end, a local token until the
+next global token arrives, a sliding-window token for a fixed number of following tokens; learned from scratch or by
+fine-tuning, the roles shrink the KV cache and the inference cost with the model's performance kept (the paper's
+abstract). Here the model stays frozen: per layer a linear gate reads the hidden state entering the attention and
+gives each KV head the token's role probabilities, trained by `kvpress train-gates` to keep each layer's attention
+output (through its output projection) while holding few tokens, with the roles' own hard mask (straight-through) on
+text no task here uses, and shipped per model with its architecture hash. The paper keeps what the roles say; this
+press ranks by the probability that a token's role still holds it, so it keeps the budget it is given (a ratio or a
+token count) like every press.
 """
 
 from __future__ import annotations
