@@ -143,13 +143,14 @@ def _train_layer(layer: RecordedLayer, train: range, window: int, sparsity: floa
             hard = role_mask(_hard(logits.detach(), generator), window)
             soft = role_mask(probs, window)
             error = layer.error(t, hard + soft - soft.detach())
-            # the cache held charges a global token what it keeps and does not credit it with the local tokens it
-            # closes: in the relaxation that credit outweighs the charge and makes every token global
+            # the cache held charges a global token for what it keeps, without crediting it with the local tokens
+            # it closes (a choice, not measured against the alternative; the shipped gates were trained so)
             kept = role_mask(probs, window, closers=probs[..., 0].detach())
             optimizer.zero_grad()
             (error + sparsity * held_share(hard + kept - kept.detach())).backward()
             # a hard draw that hides the tokens a query attends to leaves it a tiny normaliser, and the gradient
-            # through it explodes (then Adam's second moment stalls every later step): clip
+            # through it explodes (then Adam's second moment stalls every later step and no token leaves the
+            # global role): clip
             nn.utils.clip_grad_norm_([weight, bias], 1.0)
             optimizer.step()
     with torch.no_grad():  # the standardisation folded into the gate: it reads raw hidden states
