@@ -13,28 +13,14 @@ from kvpress.patches import model_access
 from kvpress.recording import compress_recording, record_prefill
 from kvpress.scorers import Scorer, load_scorer, packaged, save_scorer
 from kvpress.train_scorer import train_scorer
-from tiny import prompt, tiny_model, tiny_scorer
-
-
-def _hidden_states(model, ids):
-    """The hidden states entering each attention module, `{layer: [B, n, d]}`, from plain forward hooks."""
-    seen, handles = {}, []
-    for idx, module in model_access.attention_modules(model).items():
-        hook = lambda m, args, kwargs, idx=idx: seen.__setitem__(idx, kwargs["hidden_states"])  # noqa: E731
-        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        model(ids)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
+from tiny import attention_inputs, prompt, tiny_model, tiny_scorer
 
 
 def test_keeps_the_top_predicted_scores_of_each_head():
     model = tiny_model("llama")
     ids = prompt(1, 40)
     scorer = tiny_scorer(model)
-    hidden = _hidden_states(model, ids)
+    hidden = attention_inputs(model, ids)
     cache = DynamicCache(config=model.config)
     with KVzapPress(compression_ratio=0.5, window_size=0, scorer=scorer)(model):
         model(ids, cache=cache)
@@ -88,7 +74,7 @@ def test_tokens_cached_while_frozen_get_their_predicted_scores(make):
     model = tiny_model("llama")
     scorer = tiny_scorer(model)
     context, question = prompt(1, 40), prompt(1, 10, seed=3)
-    hidden = _hidden_states(model, torch.cat([context, question], dim=-1))
+    hidden = attention_inputs(model, torch.cat([context, question], dim=-1))
     press = make(scorer)
     cache = DynamicCache(config=model.config)
     with press(model) as installed:

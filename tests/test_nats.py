@@ -14,21 +14,7 @@ from kvpress.gates import Gates, load_gates, packaged, save_gates
 from kvpress.patches import model_access
 from kvpress.presses.nats import NAtSPress
 from kvpress.train_gates import RecordedLayer, evaluate_layer, role_mask, train_gates, train_layer
-from tiny import prompt, tiny_gates, tiny_model
-
-
-def _hidden_states(model, ids):
-    """The hidden states entering each attention module, `{layer: [B, n, d]}`, from plain forward hooks."""
-    seen, handles = {}, []
-    for idx, module in model_access.attention_modules(model).items():
-        hook = lambda m, args, kwargs, idx=idx: seen.__setitem__(idx, kwargs["hidden_states"])  # noqa: E731
-        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        model(ids)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
+from tiny import attention_inputs, prompt, tiny_gates, tiny_model
 
 
 def _expected_scores(gates, idx, hidden):
@@ -49,7 +35,7 @@ def test_keeps_the_tokens_whose_roles_most_probably_hold_them(family):
     model = tiny_model(family)
     ids = prompt(1, 40)
     gates = tiny_gates(model, window=6)
-    hidden = _hidden_states(model, ids)
+    hidden = attention_inputs(model, ids)
     cache = DynamicCache(config=model.config)
     with NAtSPress(max_tokens=20, window_size=0, gates=gates)(model):
         model(ids, cache=cache)
@@ -71,7 +57,7 @@ def test_roles_accumulate_across_chunks_and_decoding_steps_as_in_one_forward():
         model(ids[:, 15:35], cache=parts)
         for t in range(35, 40):
             model(ids[:, t : t + 1], cache=parts)
-    hidden = _hidden_states(model, ids)
+    hidden = attention_inputs(model, ids)
     for idx, (a, b) in enumerate(zip(whole.layers, parts.layers, strict=True)):
         for name in ("nats_local", "nats_window", "nats_survive"):
             torch.testing.assert_close(a.slot(name), b.slot(name), atol=1e-5, rtol=1e-4)

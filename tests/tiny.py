@@ -92,6 +92,22 @@ def live_presses(**settings) -> dict:
     return out
 
 
+def attention_inputs(model: torch.nn.Module, ids: torch.Tensor) -> dict:
+    """The hidden states entering each attention module, `{layer: [B, n, d]}`, from plain forward hooks."""
+    from kvpress.patches import model_access
+
+    seen, handles = {}, []
+    for idx, module in model_access.attention_modules(model).items():
+        hook = lambda m, args, kwargs, idx=idx: seen.__setitem__(idx, kwargs["hidden_states"])  # noqa: E731
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
 def tiny_gates(model: torch.nn.Module, seed: int = 0, window: int = 4):
     """Random NAtS gates trained on nothing, for `model`'s architecture."""
     from kvpress.gates import Gates
