@@ -14,6 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 
+from kvpress.patches import model_access
 from kvpress.patterns import config_hash
 
 
@@ -56,11 +57,18 @@ def find(model: nn.Module, folder: Path, load, what: str, how: str):
                      f"{how} and pass {what}='{what}.safetensors'")  # fmt: skip
 
 
-def check_fits(model: nn.Module, what: str, trained_for: str, trained_hash: str, shape: tuple, wanted: tuple,
-               how: str) -> None:  # fmt: skip
-    """Raise ValueError unless a file trained for `trained_for` (its config hash and tensor `shape`) fits `model`
-    (whose architecture needs `wanted`)."""
-    if trained_hash != config_hash(model) or tuple(shape) != tuple(wanted):
+def architecture(model: nn.Module) -> tuple[int, int, int]:
+    """`(layers, hidden size, KV heads)` of `model`: the leading dimensions of a learned per-model weight."""
+    config = model_access.text_config(model)
+    return config.num_hidden_layers, config.hidden_size, config.num_key_value_heads
+
+
+def check_fits(model: nn.Module, what: str, trained_for: str, trained_hash: str, shape: tuple, how: str,
+               per_head: tuple[int, ...] = ()) -> None:  # fmt: skip
+    """Raise ValueError unless a file trained for `trained_for` (its config hash and weight `shape`) fits `model`,
+    whose weight is `architecture(model)` followed by `per_head`."""
+    wanted = (*architecture(model), *per_head)
+    if trained_hash != config_hash(model) or tuple(shape) != wanted:
         raise ValueError(f"this {what} was trained for {trained_for!r} (config hash {trained_hash}, shape "
                          f"{tuple(shape)}), not for this {type(model).__name__} (config hash {config_hash(model)}, "
                          f"{tuple(wanted)}); {how}")  # fmt: skip

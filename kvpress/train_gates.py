@@ -23,6 +23,7 @@ import math
 import torch
 from torch import nn
 
+from kvpress import shipped
 from kvpress.gates import ROLES, Gates
 from kvpress.patches import model_access
 from kvpress.patterns import config_hash
@@ -203,8 +204,7 @@ def train_gates(
     for i, text in enumerate(windows):
         recorded.append(recorded_layers(model, tokenizer, text))
         log(f"  recorded text {i + 1}/{len(windows)}")
-    config = model.config.get_text_config(decoder=True)
-    layers, hidden, heads = config.num_hidden_layers, config.hidden_size, config.num_key_value_heads
+    layers, hidden, heads = shipped.architecture(model)
     weight = torch.zeros(layers, hidden, heads, len(ROLES))
     bias = torch.zeros(layers, heads, len(ROLES))
     bias[..., 0] = 1.0  # a layer that is never compressed: every token global

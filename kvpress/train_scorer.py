@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kvpress import shipped
 from kvpress.patterns import config_hash
 from kvpress.pipeline import split_prompt
 from kvpress.presses.kvzip import REPEAT_PROMPT, reconstruction_scores
@@ -185,8 +186,7 @@ def train_scorer(
             errors[penalty] = sum(float(((_with_bias(d[idx][0]) @ w - d[idx][1]) ** 2).mean()) for d in val_data)
         chosen[idx] = min(errors, key=errors.get)
         weights[idx] = _solve(gram[idx], cross[idx], chosen[idx])
-    config = model.config.get_text_config(decoder=True)
-    layers, hidden, heads = config.num_hidden_layers, config.hidden_size, config.num_key_value_heads
+    layers, hidden, heads = shipped.architecture(model)
     weight = torch.zeros(layers, hidden, heads)
     bias = torch.full((layers, heads), 0.0)
     for idx, w in weights.items():

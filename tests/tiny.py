@@ -112,10 +112,10 @@ def tiny_gates(model: torch.nn.Module, seed: int = 0, window: int = 4):
     """Random NAtS gates trained on nothing, for `model`'s architecture."""
     from kvpress.gates import Gates
     from kvpress.patterns import config_hash
+    from kvpress.shipped import architecture
 
-    config = model.config.get_text_config(decoder=True)
     g = torch.Generator().manual_seed(seed)
-    shape = (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads, 3)
+    shape = (*architecture(model), 3)
     weight, bias = torch.randn(shape, generator=g), torch.zeros(shape[0], shape[2], 3)
     return Gates("tiny", config_hash(model), weight, bias, window)
 
@@ -124,10 +124,10 @@ def tiny_scorer(model: torch.nn.Module, seed: int = 0):
     """A random linear KVzap scorer fitted to nothing, for `model`'s architecture."""
     from kvpress.patterns import config_hash
     from kvpress.scorers import Scorer
+    from kvpress.shipped import architecture
 
-    config = model.config.get_text_config(decoder=True)
     g = torch.Generator().manual_seed(seed)
-    shape = (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads)
+    shape = architecture(model)
     weight, bias = torch.randn(shape, generator=g) * 0.3, torch.zeros(shape[0], shape[2])
     profile = torch.ones(2, shape[0])  # every layer the same share: layer budgets stay even
     return Scorer("tiny", config_hash(model), weight, bias, {}, profile, torch.tensor([0.5, 0.75]))

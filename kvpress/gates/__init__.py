@@ -55,9 +55,7 @@ class Gates:
 
     def check(self, model: nn.Module) -> None:
         """Raise ValueError unless these gates were trained for `model`'s architecture."""
-        config = model.config.get_text_config(decoder=True)
-        shape = (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads, len(ROLES))
-        shipped.check_fits(model, "gates", self.model, self.config_hash, self.weight.shape, shape, _HOW)
+        shipped.check_fits(model, "gates", self.model, self.config_hash, self.weight.shape, _HOW, (len(ROLES),))
 
 
 def packaged() -> list[str]:
