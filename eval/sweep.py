@@ -442,6 +442,7 @@ def write_summary(out: Path) -> list[dict]:
             "ppl": round(1 / score, 4) if "nll_sum" in members[0] else None,
             "kl": round(sum(m["kl"] for m in members) / len(members), 5) if "kl" in members[0] else None,
             "retention": round(score / full_score, 4) if full_score else None,
+            "empty": sum(not m["answer"].strip() for m in members) if "answer" in members[0] else None,
             "kept_bytes_ratio": round(sum(m["kept_bytes"] / m["full_bytes"] for m in members) / len(members), 4),
             "peak_rss_bytes": max((m.get("peak_rss_bytes", 0) for m in members), default=0),
         })  # fmt: skip
@@ -476,7 +477,8 @@ def _table(summary: list[dict]) -> str:
             value = None if s is None else f"{s['ppl']:.2f}" if is_ppl[t] else f"{s['score']:.3f}"
             if s is not None and s.get("low") is not None:  # 95% interval (of the perplexity, for its tasks)
                 value += f" [{s['low']:.2f}, {s['high']:.2f}]"
-            cells.append("" if s is None else f"{value} n={s['examples']} ({s['kept_bytes_ratio']:.3f})")
+            empty = f" empty={s['empty']}" if s is not None and s.get("empty") else ""  # the model answered nothing
+            cells.append("" if s is None else f"{value} n={s['examples']}{empty} ({s['kept_bytes_ratio']:.3f})")
         lines.append(f"| {'full cache' if press == 'none' else press} | {ratio} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

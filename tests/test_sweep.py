@@ -430,3 +430,20 @@ def test_a_chunked_sweep_prefills_live_presses_in_chunks_and_says_so(tokenized, 
         run_sweep(model, tokenizer, ["snapkv:window_size=8"], [0.5], prefill_chunk_size=16, **kwargs)
     with pytest.raises(ValueError, match="already"):
         run_sweep(model, tokenizer, ["snapkv"], [0.5], ["perplexity_pydoc"], tmp_path / "p", prefill_chunk_size=16)
+
+
+def test_the_summary_counts_empty_answers_per_cell(tmp_path):
+    from kvpress.eval.sweep import write_summary
+
+    def row(example, press, ratio, answer):
+        return {"task": "needle_noise", "example": example, "examples": 2, "press": press, "ratio": ratio,
+                "score": float(bool(answer.strip())), "kept_bytes": 1, "full_bytes": 2, "answer": answer,
+                "answer_tokens": 8, "cut": False}  # fmt: skip
+
+    rows = [row(0, "none", 0.0, "42"), row(1, "none", 0.0, "17"), row(0, "snapkv", 0.5, " \n"),
+            row(1, "snapkv", 0.5, ""), row(0, "knorm", 0.5, "42"), row(1, "knorm", 0.5, "")]  # fmt: skip
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    by = {s["press"]: s for s in write_summary(tmp_path)}
+    assert (by["none"]["empty"], by["snapkv"]["empty"], by["knorm"]["empty"]) == (0, 2, 1)
+    table = (tmp_path / "table.md").read_text()
+    assert "n=2 empty=2 (" in table and "n=2 empty=1 (" in table and "] n=2 (" in table  # none for the full cache
