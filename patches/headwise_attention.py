@@ -4,9 +4,8 @@ A chunk (several new tokens) runs once per (row, KV head) over that head's slots
 share it (GQA without repeating keys), as torch's `scaled_dot_product_attention` in blocks of queries: no padding,
 no mask over evicted slots. The `q` newest slots of every head are this forward's tokens: causal among themselves.
 On a sliding-window layer a query also sees only the slots less than `window` positions behind it. A decoding
-step (one token) runs two matrix products per (row, KV head) over the head's segment of the packed storage,
-on one CPU thread (products this small run slower split across threads; `make bench`'s `varlen_vs_dense_decode`
-measures the step against a dense layer's). Returns transformers' layout `[B, q, Hq, D]`.
+step (one token) runs two matrix products per (row, KV head) over the head's segment of the packed storage.
+Returns transformers' layout `[B, q, Hq, D]`.
 
 On a GPU, flash-attn's variable-length kernel could run a chunk's heads in one call; that path is not built yet,
 so CUDA runs the same calls.
@@ -14,9 +13,7 @@ so CUDA runs the same calls.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -74,14 +71,6 @@ def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float) -> torch
     scaled = (query[:, :, 0] * scale).view(b, h, hq // h, d)  # each KV head's g queries
     out = query.new_empty(b, h, hq // h, layer.value_dim or d)
     keys, values = layer.store["keys"], layer.store["values"]
-    with _one_thread(query.device):
-        _per_head(scaled, out, layer, keys, values)
-    return out.view(b, 1, hq, -1)
-
-
-def _per_head(scaled: torch.Tensor, out: torch.Tensor, layer: HeadwiseLayer, keys, values) -> None:
-    """Write each (row, KV head)'s attention `[g, Dv]` into `out` `[B, H, g, Dv]`; `scaled` `[B, H, g, D]`."""
-    b, h = scaled.shape[:2]
     for row in range(b):
         for head in range(h):
             i = row * h + head
@@ -91,20 +80,7 @@ def _per_head(scaled: torch.Tensor, out: torch.Tensor, layer: HeadwiseLayer, key
             else:
                 k, v = layer.pair(row, head)
             torch.mm(torch.softmax(torch.mm(scaled[row, head], k.T), dim=-1), v, out=out[row, head])
-
-
-@contextlib.contextmanager
-def _one_thread(device: torch.device) -> Iterator[None]:
-    """torch's CPU ops on one thread inside the block (the setting restored after, even on an error)."""
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    return out.view(b, 1, hq, -1)
 
 
 def _rows(mask: torch.Tensor, held: int, rows: tuple[int, int]) -> torch.Tensor:

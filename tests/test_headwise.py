@@ -100,34 +100,6 @@ def test_varlen_attention_equals_masked_dense(q_len, softcap):
     assert (out - ref.transpose(1, 2)).abs().max() <= 1e-5
 
 
-
-def test_a_decoding_step_runs_its_products_on_one_thread_and_restores_the_count(monkeypatch):
-    dense = PressedLayer()
-    dense.update(torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8))
-    layer = HeadwiseLayer.from_dense(dense, torch.rand(1, 2, 12) < 0.5)
-    layer.driven = True
-    layer.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
-    layer.commit()
-    module = torch.nn.Module()
-    module.scaling = 8**-0.5
-    before = torch.get_num_threads()
-    seen, mm = [], torch.mm
-
-    def recording_mm(*args, **kwargs):
-        seen.append(torch.get_num_threads())
-        return mm(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "mm", recording_mm)
-    torch.set_num_threads(2)
-    try:
-        headwise_attention(module, torch.randn(1, 4, 1, 8), layer)
-        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
-        with pytest.raises(RuntimeError):  # a query of the wrong size: restored all the same
-            headwise_attention(module, torch.randn(1, 4, 1, 5), layer)
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
-
 def test_packed_storage_appends_and_evicts_in_place_then_packs_tight():
     torch.manual_seed(0)
     b, hkv, g, n, d = 2, 3, 2, 200, 8
