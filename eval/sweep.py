@@ -300,24 +300,29 @@ def _measure(model, tokenizer, out: Path, counts: dict, todo, drawn: tuple, mode
     from tqdm.auto import tqdm
 
     results_path = out / ("results.jsonl" if world == 1 else f"results.rank{rank}.jsonl")
-    with results_path.open("a") as sink:
-        for task, count in counts.items():
-            items = task_examples(task, tokenizer, count, *drawn)
-            mine = [(i, example) for i, example in enumerate(items) if i % world == rank]
-            for i, example in tqdm(mine, desc=f"{task} [{rank}/{world}]", disable=not progress):
-                configs = todo(task, i)
-                if not configs:
-                    continue
-                if isinstance(example, Document):
-                    rows = _perplexity_rows(model, tokenizer, example, configs, progress)
-                elif isinstance(example, Continuation):
-                    rows = continuation_rows(model, tokenizer, example, configs, progress, chunk)
-                else:
-                    rows = answer_rows(model, tokenizer, example, configs, ANSWER_TOKENS[task], query_aware,
-                                       progress, chunk)  # fmt: skip
-                for row in rows:
-                    sink.write(json.dumps({"task": task, "example": i, "examples": count, **row}) + "\n")
-                    sink.flush()
+    for task, count in counts.items():
+        items = task_examples(task, tokenizer, count, *drawn)
+        mine = [(i, example) for i, example in enumerate(items) if i % world == rank]
+        for i, example in tqdm(mine, desc=f"{task} [{rank}/{world}]", disable=not progress):
+            configs = todo(task, i)
+            if not configs:
+                continue
+            if isinstance(example, Document):
+                rows = _perplexity_rows(model, tokenizer, example, configs, progress)
+            elif isinstance(example, Continuation):
+                rows = continuation_rows(model, tokenizer, example, configs, progress, chunk)
+            else:
+                rows = answer_rows(model, tokenizer, example, configs, ANSWER_TOKENS[task], query_aware,
+                                   progress, chunk)  # fmt: skip
+            for row in rows:
+                _append(results_path, {"task": task, "example": i, "examples": count, **row})
+
+
+def _append(path: Path, row: dict) -> None:
+    """Append one row to `path`, opened for it: a file replaced while the sweep runs (a checkout, a stash) takes
+    the row, where a file held open would pass it to the replaced copy, which nobody reads."""
+    with path.open("a") as sink:
+        sink.write(json.dumps(row) + "\n")
 
 
 def answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_aware: bool, progress: bool,

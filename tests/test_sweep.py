@@ -447,3 +447,26 @@ def test_the_summary_counts_empty_answers_per_cell(tmp_path):
     assert (by["none"]["empty"], by["snapkv"]["empty"], by["knorm"]["empty"]) == (0, 2, 1)
     table = (tmp_path / "table.md").read_text()
     assert "n=2 empty=2 (" in table and "n=2 empty=1 (" in table and "] n=2 (" in table  # none for the full cache
+
+
+def test_rows_reach_a_results_file_replaced_while_the_sweep_runs(default_model, tmp_path, monkeypatch):
+    import kvpress.eval.sweep as sweep
+
+    model, tokenizer = default_model
+    path = tmp_path / "results.jsonl"
+
+    def rows(model, tokenizer, example, todo, *args):
+        for name, ratio in todo:
+            if path.exists():  # a checkout between two rows: the same text in a new file
+                text = path.read_text()
+                path.unlink()
+                path.write_text(text)
+            yield {"press": name, "ratio": ratio, "score": 1.0, "kept_bytes": 1, "full_bytes": 1, "answer": "x",
+                   "answer_tokens": 1, "cut": False}  # fmt: skip
+
+    monkeypatch.setattr(sweep, "answer_rows", rows)
+    run_sweep(model, tokenizer, ["snapkv", "knorm"], [0.5], ["needle_noise"], tmp_path, examples=2, length=160,
+              progress=False)  # fmt: skip
+    got = [json.loads(line) for line in path.read_text().splitlines()]
+    presses = ("knorm", "none", "snapkv")
+    assert sorted((r["example"], r["press"]) for r in got) == [(i, p) for i in (0, 1) for p in presses]
