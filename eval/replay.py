@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import kvpress
-from kvpress.eval.sweep import answer_rows, current_rows
+from kvpress.eval.sweep import answer_rows, append_row, current_rows
 from kvpress.eval.tasks import ANSWER_TOKENS, Document, task_examples
 
 FIELDS = ("answer", "kept_bytes", "score")
@@ -53,27 +53,25 @@ def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, prog
     done = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     seen = {(r["task"], r["example"], r["press"], r["ratio"]) for r in done}
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a") as sink:
-        for row in sample_rows(rows, n, seed):
-            key = (row["task"], row["example"], row["press"], row["ratio"])
-            if key in seen:
-                continue
-            count = max(row.get("examples", 0), settings["examples"], row["example"] + 1)
-            example = task_examples(row["task"], tokenizer, count, settings["length"], settings["seed"])[row["example"]]
-            if isinstance(example, Document):
-                continue
-            budget = row.get("answer_tokens", ANSWER_TOKENS[row["task"]])
-            new = next(answer_rows(model, tokenizer, example, [(row["press"], row["ratio"])], budget,
-                                    settings["query_aware"], False))  # fmt: skip
-            result = {"task": row["task"], "example": row["example"], "press": row["press"], "ratio": row["ratio"],
-                      **{f"was_{f}": row[f] for f in FIELDS}, **{f"now_{f}": new[f] for f in FIELDS},
-                      "same": all(row[f] == new[f] for f in FIELDS)}  # fmt: skip
-            sink.write(json.dumps(result) + "\n")
-            sink.flush()
-            done.append(result)
-            if progress:
-                mark = "same" if result["same"] else "DIFFERENT"
-                print(f"{mark:9s} {row['press']}@{row['ratio']} {row['task']} #{row['example']}: {new['answer']!r}")
+    for row in sample_rows(rows, n, seed):
+        key = (row["task"], row["example"], row["press"], row["ratio"])
+        if key in seen:
+            continue
+        count = max(row.get("examples", 0), settings["examples"], row["example"] + 1)
+        example = task_examples(row["task"], tokenizer, count, settings["length"], settings["seed"])[row["example"]]
+        if isinstance(example, Document):
+            continue
+        budget = row.get("answer_tokens", ANSWER_TOKENS[row["task"]])
+        new = next(answer_rows(model, tokenizer, example, [(row["press"], row["ratio"])], budget,
+                                settings["query_aware"], False))  # fmt: skip
+        result = {"task": row["task"], "example": row["example"], "press": row["press"], "ratio": row["ratio"],
+                  **{f"was_{f}": row[f] for f in FIELDS}, **{f"now_{f}": new[f] for f in FIELDS},
+                  "same": all(row[f] == new[f] for f in FIELDS)}  # fmt: skip
+        append_row(out, result)
+        done.append(result)
+        if progress:
+            mark = "same" if result["same"] else "DIFFERENT"
+            print(f"{mark:9s} {row['press']}@{row['ratio']} {row['task']} #{row['example']}: {new['answer']!r}")
     return done
 
 

@@ -9,7 +9,7 @@ refused; KVzip's reconstruction pass runs once per example and serves every rati
 
 Writes, under `--out`: `results.jsonl` (one line per example and configuration, appended as it goes:
 an interrupted sweep resumes where it stopped), `summary.json` / `summary.csv` (mean score, its
-retention against the full cache, and kept KV bytes per task, press, ratio), `table.md`, `plot.png`
+retention against the full cache, kept KV bytes and empty answers per task, press, ratio), `table.md`, `plot.png`
 (score vs kept KV memory per press) and, with several tasks, `heatmap.png` (retention per press and task,
 one panel per ratio); `--replot` redraws both from a finished sweep's rows (`plots.py`).
 A score is the task's: mostly the fraction of expected strings in the answer (see `eval/tasks/`). An
@@ -315,10 +315,10 @@ def _measure(model, tokenizer, out: Path, counts: dict, todo, drawn: tuple, mode
                 rows = answer_rows(model, tokenizer, example, configs, ANSWER_TOKENS[task], query_aware,
                                    progress, chunk)  # fmt: skip
             for row in rows:
-                _append(results_path, {"task": task, "example": i, "examples": count, **row})
+                append_row(results_path, {"task": task, "example": i, "examples": count, **row})
 
 
-def _append(path: Path, row: dict) -> None:
+def append_row(path: Path, row: dict) -> None:
     """Append one row to `path`, opened for it: a file replaced while the sweep runs (a checkout, a stash) takes
     the row, where a file held open would pass it to the replaced copy, which nobody reads."""
     with path.open("a") as sink:

@@ -470,3 +470,17 @@ def test_rows_reach_a_results_file_replaced_while_the_sweep_runs(default_model, 
     got = [json.loads(line) for line in path.read_text().splitlines()]
     presses = ("knorm", "none", "snapkv")
     assert sorted((r["example"], r["press"]) for r in got) == [(i, p) for i in (0, 1) for p in presses]
+
+
+def test_replay_measures_sampled_rows_again_and_appends_each(default_model, tmp_path):
+    from kvpress.eval.replay import replay
+
+    model, tokenizer = default_model
+    run_sweep(model, tokenizer, ["snapkv"], [0.5], ["needle_noise"], tmp_path / "sweep", examples=1, length=160,
+              progress=False)  # fmt: skip
+    out = tmp_path / "replay.jsonl"
+    done = replay(model, tokenizer, tmp_path / "sweep", 2, out)
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert written == done and {(r["press"], r["ratio"]) for r in done} == {("none", 0.0), ("snapkv", 0.5)}
+    assert all(r["same"] for r in done)  # greedy answers, the same code: the same rows
+    assert replay(model, tokenizer, tmp_path / "sweep", 2, out) == done  # nothing measured twice
