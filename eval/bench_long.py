@@ -42,6 +42,7 @@ import kvpress
 from kvpress.engine import maybe_installed
 from kvpress.eval.bench_core import long_ids
 from kvpress.eval.memory import page_in
+from kvpress.eval.sweep import append_row
 from kvpress.presses.defaults import default_for
 
 PLAN = {"qwen2.5-0.5b": (4096, 8192, 16384), "smollm2-135m": (4096, 8192)}  # model -> context lengths
@@ -244,8 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         row = json.loads(proc.stdout.strip().splitlines()[-1])
         rows.append(row)
-        with jsonl.open("a") as sink:
-            sink.write(json.dumps(row) + "\n")
+        append_row(jsonl, row)
         print(f"{row['model']} {row['length']:>6} {row['press']:>40s} r={row['ratio']:<5} "
               f"peak +{row['peak_above_model_bytes'] / 2**20:8.1f} MB  cache {row['cache_bytes'] / 2**20:7.1f} MB  "
               f"prefill {row['prefill_seconds']:7.1f} s  step {row['decode_step_seconds'] * 1000:7.1f} ms")  # fmt: skip
