@@ -226,9 +226,14 @@ def _trainer(sub, command: str, fn, help: str, **helps: str) -> argparse.Argumen
     parser.add_argument("--model", default=None, help="packaged model name or local directory (default SmolLM2-135M)")
     parser.add_argument("--out", required=True, help="the safetensors file to write")
     for param in inspect.signature(fn).parameters.values():
-        if param.name not in _NOT_FLAGS:
-            parser.add_argument(f"--{param.name.replace('_', '-')}", type=type(param.default), default=param.default,
+        if param.name in _NOT_FLAGS:
+            continue
+        flag = f"--{param.name.replace('_', '-')}"
+        if isinstance(param.default, bool):  # --flag / --no-flag (argparse's type=bool would read "False" as true)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=param.default,
                                 help=helps.get(param.name))  # fmt: skip
+        else:
+            parser.add_argument(flag, type=type(param.default), default=param.default, help=helps.get(param.name))
     return parser
 
 
@@ -325,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvpress.train_scorer import train_scorer
 
     train = _trainer(sub, "train-scorer", train_scorer, "fit KVzapPress's per-layer scorers to KVzip's scores on "
-                     "offline text", held_out="validation texts, and as many test texts")  # fmt: skip
+                     "offline text", held_out="validation texts, and as many test texts",
+                     attention_mass="also read the attention each token received, and how many queries saw it "
+                                    "(Scorer.mass_weight)")  # fmt: skip
     train.add_argument("--update-profile", action="store_true",
                        help="only measure again the layer profile of the scorer in --out, on its own training texts")
     train.set_defaults(fn=cmd_train_scorer)

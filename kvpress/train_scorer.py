@@ -3,8 +3,9 @@
 Method (KVzap, arXiv:2601.07891, with this project's KVzip): each training text is prefilled as a chat
 context (the form `kvpress.generate` caches), the hidden state entering every layer's attention is recorded,
 and KVzip's reconstruction pass scores every cached token per layer and KV head. A ridge regression per
-layer maps the hidden state to the log of the score; its penalty is chosen per layer on validation texts,
-and the fit is reported on test texts nobody chose anything on: R^2 of the log score, Spearman's rank
+layer and KV head maps the hidden state (with `--attention-mass`, also the log of the attention the token received
+in the prefill and of how many queries saw it) to the log of the score; its penalty is chosen per layer on
+validation texts, and the fit is reported on test texts nobody chose anything on: R^2 of the log score, Spearman's rank
 correlation per (text, layer, KV head), and the share of KVzip's kept tokens the prediction keeps too. On the
 first training texts it also measures the layer profile (`layer_profile`): how KVzip's ranking of all layers'
 scores together spreads a budget across layers, per compression ratio, which a live prefill cannot rank
@@ -27,6 +28,8 @@ from torch import nn
 from kvpress import shipped
 from kvpress.patterns import config_hash
 from kvpress.pipeline import split_prompt
+from kvpress.presses.base import Observation
+from kvpress.presses.kvzap import MASS_BLOCK, MASS_FLOOR
 from kvpress.presses.kvzip import REPEAT_PROMPT, reconstruction_scores
 from kvpress.recording import record_prefill
 from kvpress.scorers import Scorer
@@ -66,28 +69,47 @@ def training_texts(tokenizer, count: int, tokens: int, seed: int) -> list[str]:
 
 
 @torch.no_grad()
-def scored_text(model: nn.Module, tokenizer, text: str, chunk: int = 2048):
-    """Per compressible layer, the hidden states `[n, d]` entering its attention and the log KVzip scores
-    `[n, H]` of the tokens of `text` cached as a chat context."""
+def scored_text(model: nn.Module, tokenizer, text: str, chunk: int = 2048, attention_mass: bool = False):
+    """Per compressible layer, the hidden states `[n, d]` entering its attention, the log KVzip scores `[n, H]` of
+    the tokens of `text` cached as a chat context, and their mass features `[n, H, k]`: with `attention_mass` (k = 2)
+    the log of the attention each token received in the prefill (summed over queries and query heads, as
+    `KVzapPress` accumulates it) and the log of how many queries saw it; none (k = 0) without."""
     ids, _ = split_prompt(tokenizer, text, "Question.")
     ids = ids.to(model.device)
     recording = record_prefill(model, ids, keep_hidden=True)
+    mass = _prefill_mass(recording) if attention_mass else {}
     prompt = tokenizer(REPEAT_PROMPT, add_special_tokens=False, return_tensors="pt").input_ids.to(ids.device)
     scores = reconstruction_scores(model, recording.cache, ids, prompt, chunk)
-    return {
-        idx: (recording.hidden[idx][0].float().cpu(), scores[idx][0].T.float().clamp_min(_FLOOR).log().cpu())
-        for idx in scores
-    }
+    data = {}
+    for idx in scores:
+        x, y = recording.hidden[idx][0].float().cpu(), scores[idx][0].T.float().clamp_min(_FLOOR).log().cpu()
+        data[idx] = (x, y, mass[idx] if attention_mass else torch.zeros(*y.shape, 0))
+    return data
+
+
+def _prefill_mass(recording) -> dict[int, torch.Tensor]:
+    """Per layer of a recorded prefill of n tokens, `[n, H, 2]`: log attention mass received, log queries seen."""
+    n = recording.tokens
+    seen = torch.arange(n, 0, -1, dtype=torch.float32).log()[:, None].expand(n, -1)
+    out = {}
+    for idx, (module, query) in recording.queries.items():
+        layer = recording.cache.layers[idx]
+        if layer.window is not None:
+            raise ValueError(f"layer {idx} attends over a sliding window: training with the attention mass needs "
+                             "full-attention layers")  # fmt: skip
+        mass = Observation(module, query, *layer.held_kv(), layer).attention_mass(MASS_BLOCK)[0].T.cpu()  # [n, H]
+        out[idx] = torch.stack([mass.clamp_min(MASS_FLOOR).log(), seen.expand_as(mass)], dim=-1)
+    return out
 
 
 def layer_counts(data: dict, ratio: float) -> dict[int, float]:
     """Per layer of one text's `scored_text`, how many of its scores KVzip's global ranking keeps at `ratio` (the
     top-k of every layer's and head's scores together, k = the budget of every layer and head)."""
     n, heads = next(iter(data.values()))[1].shape
-    flat = torch.cat([y.flatten() for _, y in data.values()])
+    flat = torch.cat([y.flatten() for _, y, _ in data.values()])
     k = min(flat.numel(), (n - int(n * ratio)) * heads * len(data))
     threshold = flat.topk(k).values[-1]
-    return {idx: float((y >= threshold).sum()) for idx, (_, y) in data.items()}
+    return {idx: float((y >= threshold).sum()) for idx, (_, y, _) in data.items()}
 
 
 def layer_profile(texts_data: list[dict], layers: int) -> torch.Tensor:
@@ -157,50 +179,75 @@ def train_scorer(
     held_out: int = 4,
     tokens: int = 1024,
     seed: int = 0,
+    attention_mass: bool = False,
     log=print,
 ) -> Scorer:
     """Fit a `Scorer` for `model` on `texts` training windows, choose each layer's penalty on `held_out`
-    validation windows and report on `held_out` test windows (`training` holds the settings and the fit)."""
+    validation windows and report on `held_out` test windows (`training` holds the settings and the fit). With
+    `attention_mass` each KV head's model also reads the attention its token received in the prefill and how many
+    queries saw it (`Scorer.mass_weight`)."""
     if texts < 1 or held_out < 1 or tokens < 64:
         raise ValueError(f"need texts >= 1, held_out >= 1 and tokens >= 64, got {texts}, {held_out}, {tokens}")
     windows = training_texts(tokenizer, texts + 2 * held_out, tokens, seed)
     train, val, test = windows[:texts], windows[texts : texts + held_out], windows[texts + held_out :]
-    gram: dict[int, torch.Tensor] = {}
-    cross: dict[int, torch.Tensor] = {}
+    gram: dict[int, list] = {}
+    cross: dict[int, list] = {}
     profiled = []
     for i, text in enumerate(train):
-        data = scored_text(model, tokenizer, text)
+        data = scored_text(model, tokenizer, text, attention_mass=attention_mass)
         if i < PROFILE_TEXTS:
             profiled.append(data)
-        for idx, (x, y) in data.items():
-            xb = _with_bias(x)
-            gram[idx] = gram.get(idx, 0) + xb.T @ xb
-            cross[idx] = cross.get(idx, 0) + xb.T @ y.double()
+        for idx, (x, y, e) in data.items():
+            for h in range(y.shape[1]):
+                z = _inputs(x, e, h)
+                gram.setdefault(idx, [0] * y.shape[1])[h] += z.T @ z
+                cross.setdefault(idx, [0] * y.shape[1])[h] += z.T @ y[:, h : h + 1].double()
         log(f"  training text {i + 1}/{len(train)}")
-    val_data = [scored_text(model, tokenizer, text) for text in val]
+    val_data = [scored_text(model, tokenizer, text, attention_mass=attention_mass) for text in val]
     weights, chosen = {}, {}
     for idx in gram:
         errors = {}
         for penalty in PENALTIES:
-            w = _solve(gram[idx], cross[idx], penalty)
-            errors[penalty] = sum(float(((_with_bias(d[idx][0]) @ w - d[idx][1]) ** 2).mean()) for d in val_data)
+            w = _layer_solve(gram[idx], cross[idx], penalty)
+            errors[penalty] = sum(float(((_predict(d[idx], w) - d[idx][1]) ** 2).mean()) for d in val_data)
         chosen[idx] = min(errors, key=errors.get)
-        weights[idx] = _solve(gram[idx], cross[idx], chosen[idx])
+        weights[idx] = _layer_solve(gram[idx], cross[idx], chosen[idx])
     layers, hidden, heads = shipped.architecture(model)
     weight = torch.zeros(layers, hidden, heads)
     bias = torch.full((layers, heads), 0.0)
+    mass_weight = torch.zeros(layers, 2, heads) if attention_mass else None
     for idx, w in weights.items():
-        weight[idx], bias[idx] = w[:-1].float(), w[-1].float()
-    fit = _report([scored_text(model, tokenizer, text) for text in test], weights)
+        weight[idx], bias[idx] = w[:hidden].float(), w[-1].float()
+        if attention_mass:
+            mass_weight[idx] = w[hidden:-1].float()
+    fit = _report([scored_text(model, tokenizer, text, attention_mass=attention_mass) for text in test], weights)
+    method = "ridge regression of log KVzip scores on the hidden states entering each layer's attention"
+    flag = " --attention-mass" if attention_mass else ""
     training = {
-        "method": "ridge regression of log KVzip scores on the hidden states entering each layer's attention",
-        "texts": texts, "held_out": held_out, "tokens": tokens, "seed": seed,
+        "method": method + (", the log attention mass received and the log queries seen" if attention_mass else ""),
+        "texts": texts, "held_out": held_out, "tokens": tokens, "seed": seed, "attention_mass": attention_mass,
         "penalties": {str(k): v for k, v in chosen.items()}, "test": fit, "profile_texts": len(profiled),
         "command": f"kvpress train-scorer --model {name} --texts {texts} --held-out {held_out} --tokens {tokens} "
-                   f"--seed {seed}",
+                   f"--seed {seed}{flag}",
     }  # fmt: skip
     profile = layer_profile(profiled, layers)
-    return Scorer(name, config_hash(model), weight, bias, training, profile, torch.tensor(PROFILE_RATIOS))
+    return Scorer(name, config_hash(model), weight, bias, training, profile, torch.tensor(PROFILE_RATIOS), mass_weight)
+
+
+def _inputs(x: torch.Tensor, extra: torch.Tensor, head: int) -> torch.Tensor:
+    """`[n, d + k + 1]` what KV head `head`'s model reads: the hidden states, its mass features, 1 (the bias)."""
+    return _with_bias(torch.cat([x, extra[:, head]], dim=1))
+
+
+def _layer_solve(gram: list, cross: list, penalty: float) -> torch.Tensor:
+    """`[d + k + 1, H]` one layer's ridge weights, a column per KV head."""
+    return torch.cat([_solve(g, c, penalty) for g, c in zip(gram, cross, strict=True)], dim=1)
+
+
+def _predict(data: tuple, w: torch.Tensor) -> torch.Tensor:
+    """`[n, H]` predicted log scores of one layer's `(x, y, extra)`."""
+    x, y, e = data
+    return torch.stack([(_inputs(x, e, h) @ w[:, h]) for h in range(y.shape[1])], dim=1)
 
 
 def _report(test_data: list[dict], weights: dict[int, torch.Tensor]) -> dict:
@@ -208,8 +255,8 @@ def _report(test_data: list[dict], weights: dict[int, torch.Tensor]) -> dict:
     residual = total = 0.0
     spearman, agree = [], {r: [] for r in KEEP_RATIOS}
     for data in test_data:
-        for idx, (x, y) in data.items():
-            predicted = (_with_bias(x) @ weights[idx]).float()
+        for idx, (x, y, e) in data.items():
+            predicted = _predict((x, y, e), weights[idx]).float()
             residual += float(((predicted - y) ** 2).sum())
             total += float(((y - y.mean(0)) ** 2).sum())
             spearman.append(_spearman(predicted, y))

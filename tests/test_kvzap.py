@@ -199,3 +199,77 @@ def test_layer_budgets_need_a_ratio_and_leave_layer_scales_to_the_user():
     with pytest.raises(ValueError, match="has no layer profile"):
         KVzapPress(compression_ratio=0.5, scorer=bare, global_budget=0.5).check_model(model)
     KVzapPress(compression_ratio=0.5, scorer=bare).check_model(model)
+
+
+def _mass_scorer(model, seed: int = 0):
+    """`tiny_scorer` with random weights on the log attention mass and the log queries seen."""
+    scorer = tiny_scorer(model, seed)
+    layers, _, heads = scorer.weight.shape
+    scorer.mass_weight = torch.randn(layers, 2, heads, generator=torch.Generator().manual_seed(seed + 1))
+    scorer.__post_init__()
+    return scorer
+
+
+def test_a_mass_scorer_adds_the_attention_each_token_received_and_how_many_queries_saw_it():
+    model, eager = tiny_model("llama"), tiny_model("llama", attn="eager")
+    ids = prompt(1, 40)
+    scorer = _mass_scorer(model)
+    hidden = attention_inputs(model, ids)
+    attentions = eager(ids, output_attentions=True).attentions  # [B, Hq, n, n] per layer, from the eager kernel
+    seen = torch.arange(40, 0, -1).float().log()  # token t is seen by the 40 - t queries t..39
+    cache = DynamicCache(config=model.config)
+    press = KVzapPress(compression_ratio=0.5, window_size=0, scorer=scorer)
+    assert press.mass_block() is None  # not installed yet: the scorer is unknown
+    with press(model):
+        assert press.mass_block() is not None  # the attention runs in blocks that give its weights
+        model(ids, cache=cache)
+    for idx, layer in enumerate(cache.layers):
+        heads = scorer.weight.shape[2]
+        mass = attentions[idx][0].view(heads, -1, 40, 40).sum(dim=(1, 2))  # [H, n]: over query heads and queries
+        a, c = scorer.mass_weight[idx][:, :, None]
+        predicted = (hidden[idx][0] @ scorer.weight[idx] + scorer.bias[idx]).T + a * mass.log() + c * seen
+        expected = predicted.topk(20, dim=-1).indices.sort(dim=-1).values
+        assert torch.equal(layer.pos[0, :, : layer.n].long(), expected)
+
+
+def test_a_mass_scorer_keeps_the_same_tokens_recorded_and_live_and_while_decoding():
+    model = tiny_model("qwen2")
+    ids = prompt(1, 40, seed=2)
+    press = KVzapPress(max_tokens=16, window_size=2, scorer=_mass_scorer(model, seed=3))
+    live = DynamicCache(config=model.config)
+    with press(model):
+        model(ids, cache=live)
+    recorded = compress_recording(model, record_prefill(model, ids, keep_hidden=True), press)
+    for a, b in zip(live.layers, recorded.layers, strict=True):
+        assert torch.equal(a.pos, b.pos)
+    with press(model):  # decoding: the mass keeps accumulating, the budget holds
+        for step in range(6):
+            model(prompt(1, 1, seed=10 + step), cache=live)
+    assert all(layer.n == 16 for layer in live.layers)
+    assert all(bool((layer.slot("kvzap_mass") > 0).all()) for layer in live.layers)
+
+
+def test_training_with_the_attention_mass_fits_and_round_trips(tokenized, tmp_path):
+    model, tokenizer = tokenized
+    scorer = train_scorer(model, tokenizer, "tiny", texts=3, held_out=1, tokens=96, attention_mass=True,
+                          log=lambda _: None)  # fmt: skip
+    assert scorer.mass_weight.shape == (3, 2, 2) and bool(scorer.mass_weight.abs().sum() > 0)
+    assert scorer.training["attention_mass"] and scorer.training["command"].endswith(" --attention-mass")
+    assert scorer.training["test"]["spearman"] > 0.2
+    save_scorer(scorer, tmp_path / "mass.safetensors")
+    back = load_scorer(tmp_path / "mass.safetensors")
+    assert torch.equal(back.mass_weight, scorer.mass_weight)
+    with pytest.raises(ValueError, match=r"mass_weight must be finite, \[layers, 2, kv_heads\]"):
+        Scorer("x", "y", scorer.weight, scorer.bias, mass_weight=torch.zeros(3, 1, 2))
+
+
+def test_a_mass_scorer_under_adakv_scores_head_wise_layers_while_decoding():
+    model = tiny_model("llama")
+    press = AdaKVPress(KVzapPress(max_tokens=24, window_size=4, scorer=_mass_scorer(model)))
+    cache = DynamicCache(config=model.config)
+    with press(model):
+        model.generate(prompt(1, 30), cache=cache, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    for layer in cache.layers:
+        assert isinstance(layer, kvpress.HeadwiseLayer) and int(layer.held().sum()) <= 24 * layer.heads
+        mass = torch.cat([layer.slot("kvzap_mass", 0, h) for h in range(layer.heads)])
+        assert bool((mass > 0).all())  # every held token, generated ones too, has received attention

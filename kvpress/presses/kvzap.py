@@ -23,6 +23,9 @@ from kvpress.presses.base import BasePress, Observation
 from kvpress.scorers import Scorer, find_scorer, load_scorer
 
 _SCORE = "kvzap"
+_MASS = "kvzap_mass"
+MASS_FLOOR = 1e-8  # attention mass below it counts as it (in training too: `kvpress.train_scorer`)
+MASS_BLOCK = 64  # queries whose attention weights a scorer with mass features sums at once (as H2O's chunk)
 
 
 @dataclass
@@ -45,9 +48,15 @@ class KVzapPress(BasePress):
             live prefill evicts each layer before the next one has scores. Needs compression_ratio (the profile
             is per ratio), not max_tokens.
 
-    A token's score is fixed when it is cached (a prediction from its own hidden state), so the press needs
-    the hidden states the intercept hands it: live forwards and recorded prefills have them; RoundPolicy's
-    rounds, compressed at the end of their turn, do not (refused as its `inner`).
+    A scorer trained with the attention mass (`kvpress train-scorer --attention-mass`: `Scorer.mass_weight`) adds, per
+    KV head, the log of the attention the token has received so far (summed over the queries and query heads that saw
+    it, as H2O accumulates it; the attention then runs in blocks that give its weights, `mass_block`) and the log of
+    how many queries saw it: the part of KVzip's score a token's own hidden state cannot tell (how much the rest of
+    the context looks at it). Those two terms change as later tokens arrive; the hidden state's part does not.
+
+    The hidden state's part of a token's score is fixed when it is cached, so the press needs the hidden states the
+    intercept hands it: live forwards and recorded prefills have them; RoundPolicy's rounds, compressed at the end
+    of their turn, do not (refused as its `inner`).
     """
 
     needs_hidden: ClassVar[bool] = True
@@ -60,6 +69,7 @@ class KVzapPress(BasePress):
     global_budget: float = 0.0
     _weights: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _shares: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _uses_mass: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.scorer, (str, Scorer)) or (isinstance(self.scorer, str) and not self.scorer):
@@ -83,7 +93,9 @@ class KVzapPress(BasePress):
         scorer = find_scorer(model) if self.scorer == "auto" else load_scorer(self.scorer)
         scorer.check(model)
         for idx, module in model_access.attention_modules(model).items():  # one press may serve several models
-            self._weights[module] = (scorer.weight[idx], scorer.bias[idx])
+            mass = None if scorer.mass_weight is None else scorer.mass_weight[idx]
+            self._weights[module] = (scorer.weight[idx], scorer.bias[idx], mass)
+        self._uses_mass = scorer.mass_weight is not None
         if self.global_budget:  # layer budgets: of the model it was installed on last
             g = self.global_budget
             self._shares = (1 - g) + g * scorer.layer_shares(self.compression_ratio)
@@ -100,16 +112,28 @@ class KVzapPress(BasePress):
                              "this path does not give (RoundPolicy's rounds): use another press there")  # fmt: skip
         if obs.module not in self._weights:
             raise RuntimeError("KVzapPress was not installed on this model: enter `with press(model):` first")
-        weight, bias = self._weights[obs.module]
+        weight, bias, mass = self._weights[obs.module]
         hidden = obs.hidden.to(obs.keys.device, torch.float32)
         if weight.device != hidden.device:
             weight, bias = weight.to(hidden.device), bias.to(hidden.device)
-            self._weights[obs.module] = (weight, bias)
+            mass = None if mass is None else mass.to(hidden.device)
+            self._weights[obs.module] = (weight, bias, mass)
+        if mass is not None:
+            obs.layer.slot(_MASS).add_(obs.attention_mass(MASS_BLOCK))
         predicted = (hidden @ weight + bias).exp().transpose(1, 2)[:, obs.kv_heads]  # [B, H, q]
         q = predicted.shape[-1]
         slot = obs.layer.slot(_SCORE)
         slot[..., slot.shape[-1] - q :] = predicted
 
+    def mass_block(self) -> int | None:
+        return MASS_BLOCK if self._uses_mass else None
+
     def score(self, obs: Observation) -> torch.Tensor:
         scores = obs.layer.slot(_SCORE)
+        mass = self._weights[obs.module][2] if obs.module in self._weights else None
+        if mass is not None:  # [2, H]: the weights of log mass received and log queries that saw the token
+            a, c = (w[obs.kv_heads][None, :, None] for w in mass)
+            layer = obs.layer
+            seen = (layer.real_seen.to(layer.pos.device)[:, None, None] - layer.pos).clamp_min(1).float()
+            scores = scores * layer.slot(_MASS).clamp_min(MASS_FLOOR).pow(a) * seen.pow(c)
         return scores * obs.values.float().norm(dim=-1) if self.value_norm else scores

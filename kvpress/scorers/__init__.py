@@ -4,8 +4,11 @@ A scorer is a safetensors file made by `kvpress train-scorer` (see `kvpress.trai
 `[L, d, H]` and `bias` `[L, H]` (layer, hidden size, KV heads; the prediction is the log of KVzip's score),
 `layer_profile` `[R, L]` (how KVzip's ranking of all layers' scores together spreads the budget across layers
 at each of the compression ratios `profile_ratios` `[R]`: each layer's share of the global top-k over the
-average layer's, averaged over texts) and metadata `model`, `config_hash` (the architecture it was trained on,
-as head patterns have) and `training` (JSON: the command's settings and the held-out fit). `KVzapPress` reads
+average layer's, averaged over texts), optionally `mass_weight` `[L, 2, H]` (a scorer trained with the
+attention mass: the weights of the log of the attention a token has received, summed over the queries and query
+heads that saw it, and of the log of how many queries saw it, added to the hidden state's prediction) and metadata
+`model`, `config_hash` (the architecture it was trained on, as head patterns have) and `training` (JSON: the
+command's settings and the held-out fit). `KVzapPress` reads
 one; the packaged scorers live next to this file, `load_scorer("smollm2-135m")` reads one by model name.
 """
 
@@ -34,6 +37,7 @@ class Scorer:
     training: dict = field(default_factory=dict)
     layer_profile: torch.Tensor | None = None  # [R, L] layer shares of KVzip's global top-k at `profile_ratios`
     profile_ratios: torch.Tensor | None = None  # [R] increasing, in (0, 1)
+    mass_weight: torch.Tensor | None = None  # [L, 2, H] weights of log attention mass and log queries seen
 
     def __post_init__(self) -> None:
         w, b = self.weight, self.bias
@@ -50,6 +54,11 @@ class Scorer:
                               or not bool((p > 0).all()) or not bool(p.isfinite().all())):  # fmt: skip
             raise ValueError(f"scorer {self.model!r}: layer_profile must be [ratios, layers] of positive numbers at "
                              f"increasing profile_ratios in (0, 1); {_HOW}")  # fmt: skip
+
+        m = self.mass_weight
+        if m is not None and (m.shape != (w.shape[0], 2, w.shape[2]) or not bool(m.isfinite().all())):
+            raise ValueError(f"scorer {self.model!r}: mass_weight must be finite, [layers, 2, kv_heads] = "
+                             f"{[w.shape[0], 2, w.shape[2]]}, got {list(m.shape)}; {_HOW}")  # fmt: skip
 
     def layer_shares(self, ratio: float) -> torch.Tensor:
         """`[L]` each layer's budget share at compression ratio `ratio`: the profile interpolated linearly between
@@ -80,7 +89,7 @@ def load_scorer(scorer: str | Path | Scorer) -> Scorer:
         return scorer
     tensors, meta, training = shipped.read(scorer, _HERE, "scorer", _HOW, ("weight", "bias"))
     return Scorer(meta["model"], meta["config_hash"], tensors["weight"].float(), tensors["bias"].float(), training,
-                  tensors.get("layer_profile"), tensors.get("profile_ratios"))  # fmt: skip
+                  tensors.get("layer_profile"), tensors.get("profile_ratios"), tensors.get("mass_weight"))  # fmt: skip
 
 
 def find_scorer(model: nn.Module) -> Scorer:
@@ -92,4 +101,6 @@ def save_scorer(scorer: Scorer, path: str | Path) -> None:
     tensors = {"weight": scorer.weight, "bias": scorer.bias}
     if scorer.layer_profile is not None:
         tensors.update(layer_profile=scorer.layer_profile, profile_ratios=scorer.profile_ratios)
+    if scorer.mass_weight is not None:
+        tensors.update(mass_weight=scorer.mass_weight)
     shipped.write(path, tensors, scorer.model, scorer.config_hash, scorer.training)
