@@ -273,3 +273,14 @@ def test_a_mass_scorer_under_adakv_scores_head_wise_layers_while_decoding():
         assert isinstance(layer, kvpress.HeadwiseLayer) and int(layer.held().sum()) <= 24 * layer.heads
         mass = torch.cat([layer.slot("kvzap_mass", 0, h) for h in range(layer.heads)])
         assert bool((mass > 0).all())  # every held token, generated ones too, has received attention
+
+
+@pytest.mark.parametrize("flags, expected", [([], False), (["--attention-mass"], True),
+                                             (["--attention-mass", "--no-attention-mass"], False)])  # fmt: skip
+def test_train_scorer_takes_attention_mass_as_a_switch(monkeypatch, flags, expected):
+    from kvpress import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "cmd_train_scorer", lambda args: seen.update(cli._trainer_args(train_scorer, args)) or 0)
+    assert cli.main(["train-scorer", "--out", "scorer.safetensors", *flags]) == 0
+    assert seen["attention_mass"] is expected and seen["texts"] == 48
