@@ -30,6 +30,24 @@ def test_keeps_the_top_predicted_scores_of_each_head():
         assert torch.equal(layer.pos[0, :, : layer.n].long(), expected)
 
 
+def test_kernel_size_keeps_the_top_scores_averaged_over_neighbouring_positions():
+    model = tiny_model("llama")
+    ids = prompt(1, 40)
+    scorer = tiny_scorer(model)
+    hidden = attention_inputs(model, ids)
+    cache = DynamicCache(config=model.config)
+    with KVzapPress(compression_ratio=0.5, window_size=0, scorer=scorer, kernel_size=5)(model):
+        model(ids, cache=cache)
+    for idx, layer in enumerate(cache.layers):
+        predicted = (hidden[idx][0] @ scorer.weight[idx] + scorer.bias[idx]).T.exp()  # [H, n]
+        pooled = torch.nn.functional.avg_pool1d(predicted[:, None], 5, stride=1, padding=2)[:, 0]  # zeros past the ends
+        expected = pooled.topk(20, dim=-1).indices.sort(dim=-1).values
+        assert torch.equal(layer.pos[0, :, : layer.n].long(), expected)
+    for bad in (0, 2, True, 3.0):
+        with pytest.raises(ValueError, match="kernel_size must be a positive odd integer"):
+            KVzapPress(compression_ratio=0.5, kernel_size=bad)
+
+
 def test_a_recorded_prefill_keeps_what_a_live_one_keeps():
     model = tiny_model("qwen2")
     ids = prompt(1, 40, seed=2)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpress.presses.base import BasePress, Observation
-from kvpress.presses.snapkv import pool_by_position
+from kvpress.presses.snapkv import check_kernel_size, pool_by_position
 
 KINDS = ("kv_product", "kv_mean", "key", "value")
 
@@ -39,9 +39,7 @@ class CURPress(BasePress):
     def __post_init__(self) -> None:
         if self.leverage not in KINDS:
             raise ValueError(f"leverage must be one of {', '.join(KINDS)}, got {self.leverage!r}")
-        if isinstance(self.kernel_size, bool) or not isinstance(self.kernel_size, int) or self.kernel_size < 1 \
-                or self.kernel_size % 2 == 0:  # fmt: skip
-            raise ValueError(f"kernel_size must be a positive odd integer, got {self.kernel_size!r}")
+        check_kernel_size(self.kernel_size)
         super().__post_init__()
 
     def score(self, obs: Observation) -> torch.Tensor:

@@ -20,6 +20,7 @@ from torch import nn
 
 from kvpress.patches import model_access
 from kvpress.presses.base import BasePress, Observation
+from kvpress.presses.snapkv import check_kernel_size, pool_by_position
 from kvpress.scorers import Scorer, find_scorer, load_scorer
 
 _SCORE = "kvzap"
@@ -47,6 +48,8 @@ class KVzapPress(BasePress):
             scorer's layer profile (measured at training, per compression ratio, interpolated between), since a
             live prefill evicts each layer before the next one has scores. Needs compression_ratio (the profile
             is per ratio), not max_tokens.
+        kernel_size: width of the average of the scores over neighbouring positions (default 1: none; odd), as
+            SnapKV pools its attention, so a kept token's neighbours (the rest of a number, of a name) stay with it.
 
     A scorer trained with the attention mass (`kvpress train-scorer --attention-mass`: `Scorer.mass_weight`) adds, per
     KV head, the log of the attention the token has received so far (summed over the queries and query heads that saw
@@ -67,6 +70,7 @@ class KVzapPress(BasePress):
     window_size: int = 16
     value_norm: bool = False
     global_budget: float = 0.0
+    kernel_size: int = 1
     _weights: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _shares: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _uses_mass: bool = field(default=False, init=False, repr=False, compare=False)
@@ -80,6 +84,7 @@ class KVzapPress(BasePress):
         g = self.global_budget
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g <= 1:
             raise ValueError(f"global_budget must be a fraction in [0, 1], got {g!r}")
+        check_kernel_size(self.kernel_size)
         if g and self.max_tokens is not None:
             raise ValueError("KVzapPress's global_budget spreads a compression ratio's budget across layers by the "
                              "scorer's profile, measured per ratio: use compression_ratio, or global_budget=0 with "
@@ -136,4 +141,6 @@ class KVzapPress(BasePress):
             layer = obs.layer
             seen = (layer.real_seen.to(layer.pos.device)[:, None, None] - layer.pos).clamp_min(1).float()
             scores = scores * layer.slot(_MASS).clamp_min(MASS_FLOOR).pow(a) * seen.pow(c)
-        return scores * obs.values.float().norm(dim=-1) if self.value_norm else scores
+        if self.value_norm:
+            scores = scores * obs.values.float().norm(dim=-1)
+        return pool_by_position(scores, obs.layer, self.kernel_size)

@@ -37,14 +37,19 @@ class SnapKVPress(BasePress):
     def __post_init__(self) -> None:
         if not isinstance(self.window_size, int) or self.window_size < 1:
             raise ValueError(f"window_size must be a positive integer, got {self.window_size!r}")
-        if not isinstance(self.kernel_size, int) or self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be a positive odd integer, got {self.kernel_size!r}")
+        check_kernel_size(self.kernel_size)
         super().__post_init__()
 
     def score(self, obs: Observation) -> torch.Tensor:
         w = min(self.window_size, obs.q_len)
         scores = obs.attention_probs(obs.q_len - w, obs.q_len).mean(dim=(2, 3))  # [B, Hkv, n]
         return pool_by_position(scores, obs.layer, self.kernel_size)
+
+
+def check_kernel_size(kernel_size: object) -> None:
+    """Refuse a pooling width that is not a positive odd integer (pooling keeps each token centred)."""
+    if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"kernel_size must be a positive odd integer, got {kernel_size!r}")
 
 
 def pool_by_position(scores: torch.Tensor, layer: PressedLayer, kernel_size: int) -> torch.Tensor:
