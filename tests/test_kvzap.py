@@ -30,22 +30,30 @@ def test_keeps_the_top_predicted_scores_of_each_head():
         assert torch.equal(layer.pos[0, :, : layer.n].long(), expected)
 
 
-def test_kernel_size_keeps_the_top_scores_averaged_over_neighbouring_positions():
+@pytest.mark.parametrize("pool", ["mean", "max"])
+def test_kernel_size_keeps_the_top_scores_pooled_over_neighbouring_positions(pool):
     model = tiny_model("llama")
     ids = prompt(1, 40)
     scorer = tiny_scorer(model)
     hidden = attention_inputs(model, ids)
     cache = DynamicCache(config=model.config)
-    with KVzapPress(compression_ratio=0.5, window_size=0, scorer=scorer, kernel_size=5)(model):
+    with KVzapPress(compression_ratio=0.5, window_size=0, scorer=scorer, kernel_size=5, pool=pool)(model):
         model(ids, cache=cache)
+    by = torch.nn.functional.max_pool1d if pool == "max" else torch.nn.functional.avg_pool1d
     for idx, layer in enumerate(cache.layers):
         predicted = (hidden[idx][0] @ scorer.weight[idx] + scorer.bias[idx]).T.exp()  # [H, n]
-        pooled = torch.nn.functional.avg_pool1d(predicted[:, None], 5, stride=1, padding=2)[:, 0]  # zeros past the ends
+        pooled = by(predicted[:, None], 5, stride=1, padding=2)[:, 0]  # the mean counts zeros past the ends
         expected = pooled.topk(20, dim=-1).indices.sort(dim=-1).values
         assert torch.equal(layer.pos[0, :, : layer.n].long(), expected)
-    for bad in (0, 2, True, 3.0):
-        with pytest.raises(ValueError, match="kernel_size must be a positive odd integer"):
-            KVzapPress(compression_ratio=0.5, kernel_size=bad)
+
+
+@pytest.mark.parametrize("bad, message", [({"kernel_size": 0}, "kernel_size must be a positive odd integer"),
+                                          ({"kernel_size": 2}, "kernel_size must be a positive odd integer"),
+                                          ({"kernel_size": True}, "kernel_size must be a positive odd integer"),
+                                          ({"pool": "median"}, "pool must be one of mean, max, got 'median'")])
+def test_pooling_refuses_a_bad_width_or_kind_by_name(bad, message):
+    with pytest.raises(ValueError, match=message):
+        KVzapPress(compression_ratio=0.5, **bad)
 
 
 def test_a_recorded_prefill_keeps_what_a_live_one_keeps():

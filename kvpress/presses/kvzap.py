@@ -27,6 +27,7 @@ _SCORE = "kvzap"
 _MASS = "kvzap_mass"
 MASS_FLOOR = 1e-8  # attention mass below it counts as it (in training too: `kvpress.train_scorer`)
 MASS_BLOCK = 64  # queries whose attention weights a scorer with mass features sums at once (as H2O's chunk)
+POOLS = ("mean", "max")  # how `kernel_size` pools the scores over neighbouring positions
 
 
 @dataclass
@@ -48,8 +49,9 @@ class KVzapPress(BasePress):
             scorer's layer profile (measured at training, per compression ratio, interpolated between), since a
             live prefill evicts each layer before the next one has scores. Needs compression_ratio (the profile
             is per ratio), not max_tokens.
-        kernel_size: width of the average of the scores over neighbouring positions (default 1: none; odd), as
+        kernel_size: width of the pooling of the scores over neighbouring positions (default 1: none; odd), as
             SnapKV pools its attention, so a kept token's neighbours (the rest of a number, of a name) stay with it.
+        pool: "mean" (default: SnapKV's average) or "max" (a token scores as its best neighbour).
 
     A scorer trained with the attention mass (`kvpress train-scorer --attention-mass`: `Scorer.mass_weight`) adds, per
     KV head, the log of the attention the token has received so far (summed over the queries and query heads that saw
@@ -71,6 +73,7 @@ class KVzapPress(BasePress):
     value_norm: bool = False
     global_budget: float = 0.0
     kernel_size: int = 1
+    pool: str = "mean"
     _weights: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _shares: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _uses_mass: bool = field(default=False, init=False, repr=False, compare=False)
@@ -85,6 +88,8 @@ class KVzapPress(BasePress):
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g <= 1:
             raise ValueError(f"global_budget must be a fraction in [0, 1], got {g!r}")
         check_kernel_size(self.kernel_size)
+        if self.pool not in POOLS:
+            raise ValueError(f"pool must be one of {', '.join(POOLS)}, got {self.pool!r}")
         if g and self.max_tokens is not None:
             raise ValueError("KVzapPress's global_budget spreads a compression ratio's budget across layers by the "
                              "scorer's profile, measured per ratio: use compression_ratio, or global_budget=0 with "
@@ -143,4 +148,4 @@ class KVzapPress(BasePress):
             scores = scores * layer.slot(_MASS).clamp_min(MASS_FLOOR).pow(a) * seen.pow(c)
         if self.value_norm:
             scores = scores * obs.values.float().norm(dim=-1)
-        return pool_by_position(scores, obs.layer, self.kernel_size)
+        return pool_by_position(scores, obs.layer, self.kernel_size, self.pool)

@@ -52,9 +52,9 @@ def check_kernel_size(kernel_size: object) -> None:
         raise ValueError(f"kernel_size must be a positive odd integer, got {kernel_size!r}")
 
 
-def pool_by_position(scores: torch.Tensor, layer: PressedLayer, kernel_size: int) -> torch.Tensor:
-    """Average `scores` `[B, H, n]` over neighbouring tokens in position order (slots are not in order
-    once evicted slots were refilled; padding and holes go last and count as zeros)."""
+def pool_by_position(scores: torch.Tensor, layer: PressedLayer, kernel_size: int, mode: str = "mean") -> torch.Tensor:
+    """Average `scores` `[B, H, n]` (or take their maximum: `mode="max"`) over neighbouring tokens in position order
+    (slots are not in order once evicted slots were refilled; padding and holes go last and count as zeros)."""
     if kernel_size == 1:
         return scores
     order, valid = layer.position_order(), layer.valid
@@ -62,5 +62,6 @@ def pool_by_position(scores: torch.Tensor, layer: PressedLayer, kernel_size: int
     ordered = scores.gather(-1, order)
     if valid is not None:
         ordered = ordered.masked_fill(~valid.gather(-1, order), 0.0)
-    pooled = F.avg_pool1d(ordered.reshape(b * h, 1, n), kernel_size, stride=1, padding=kernel_size // 2)
+    pool = F.max_pool1d if mode == "max" else F.avg_pool1d
+    pooled = pool(ordered.reshape(b * h, 1, n), kernel_size, stride=1, padding=kernel_size // 2)
     return torch.empty_like(scores).scatter_(-1, order, pooled.view(b, h, n))
