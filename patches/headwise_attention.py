@@ -4,8 +4,7 @@ A chunk (several new tokens) runs once per (row, KV head) over that head's slots
 share it (GQA without repeating keys), as torch's `scaled_dot_product_attention` in blocks of queries: no padding,
 no mask over evicted slots. The `q` newest slots of every head are this forward's tokens: causal among themselves.
 On a sliding-window layer a query also sees only the slots less than `window` positions behind it. A decoding
-step (one token) runs two matrix products per (row, KV head) over the head's segment of the packed storage, on one
-CPU thread.
+step (one token) runs two matrix products per (row, KV head) over the head's segment of the packed storage.
 Returns transformers' layout `[B, q, Hq, D]`.
 
 On a GPU, flash-attn's variable-length kernel could run a chunk's heads in one call; that path is not built yet,
@@ -14,7 +13,6 @@ so CUDA runs the same calls.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -67,41 +65,22 @@ def headwise_attention(module: nn.Module, query: torch.Tensor, layer: HeadwiseLa
 def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float) -> torch.Tensor:
     """A decoding step: per (row, KV head), its `g` queries over the head's segment of the packed storage as two
     matrix products written into the output (a sdpa call per head, or one product over every head's slots, costs
-    more than this work); `[B, 1, Hq, Dv]`. Quantized layers read each head decoded (`pair`).
-
-    On the CPU the products run on one thread: they are too small to share, and handing each to the thread pool
-    cost more than the products (SmolLM2 at 4K, r = 0.75, 2 threads: a head-wise step 1.06-1.07x a dense one with
-    the pool, 1.00-1.01x without). The thread count is put back even when an exception escapes."""
+    more than this work); `[B, 1, Hq, Dv]`. Quantized layers read each head decoded (`pair`)."""
     b, hq, _, d = query.shape
     h = layer.heads
     scaled = (query[:, :, 0] * scale).view(b, h, hq // h, d)  # each KV head's g queries
     out = query.new_empty(b, h, hq // h, layer.value_dim or d)
     keys, values = layer.store["keys"], layer.store["values"]
-    with _one_thread(query.device):
-        for row in range(b):
-            for head in range(h):
-                i = row * h + head
-                if layer.kv_bits is None:
-                    start, end = layer.bounds[i], layer.bounds[i] + layer.lengths[i]
-                    k, v = keys[start:end], values[start:end]
-                else:
-                    k, v = layer.pair(row, head)
-                torch.mm(torch.softmax(torch.mm(scaled[row, head], k.T), dim=-1), v, out=out[row, head])
+    for row in range(b):
+        for head in range(h):
+            i = row * h + head
+            if layer.kv_bits is None:
+                start, end = layer.bounds[i], layer.bounds[i] + layer.lengths[i]
+                k, v = keys[start:end], values[start:end]
+            else:
+                k, v = layer.pair(row, head)
+            torch.mm(torch.softmax(torch.mm(scaled[row, head], k.T), dim=-1), v, out=out[row, head])
     return out.view(b, 1, hq, -1)
-
-
-@contextlib.contextmanager
-def _one_thread(device: torch.device):
-    """Run torch's CPU operators on one thread inside the block (other devices: unchanged)."""
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _rows(mask: torch.Tensor, held: int, rows: tuple[int, int]) -> torch.Tensor:

@@ -231,38 +231,6 @@ def test_padded_batch_rows_equal_rows_alone(make):
             assert layer.lengths[layer.heads :] == layer_b.lengths
 
 
-def test_a_decoding_step_runs_its_products_on_one_cpu_thread_and_gives_the_threads_back(monkeypatch):
-    torch.manual_seed(0)
-    dense = PressedLayer()
-    dense.update(torch.randn(1, 2, 30, 8), torch.randn(1, 2, 30, 8))
-    layer = HeadwiseLayer.from_dense(dense, torch.rand(1, 2, 30) < 0.5)
-    layer.driven = True
-    layer.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
-    layer.commit()
-    module = torch.nn.Module()
-    module.scaling = 8**-0.5
-    seen, mm = [], torch.mm
-
-    def spy(*args, **kwargs):
-        seen.append(torch.get_num_threads())
-        if kwargs.get("fail"):
-            raise RuntimeError("boom")
-        return mm(*args, **{k: v for k, v in kwargs.items() if k != "fail"})
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        monkeypatch.setattr(torch, "mm", spy)
-        headwise_attention(module, torch.randn(1, 4, 1, 8), layer)
-        assert seen == [1] * 4 and torch.get_num_threads() == 2  # 2 products per KV head, then the pool is back
-        monkeypatch.setattr(torch, "mm", lambda *a, **k: spy(*a, fail=True, **k))
-        with pytest.raises(RuntimeError, match="boom"):
-            headwise_attention(module, torch.randn(1, 4, 1, 8), layer)
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_adakv_keeps_its_budget_while_decoding():
     model = tiny_model("llama")
     cache = DynamicCache(config=model.config)
