@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-steps", type=int, default=24)
     parser.add_argument("--varlen-steps", type=int, default=120,
                         help="decode steps of each side of varlen_vs_dense_decode (its two sides differ by a few "
-                             "percent: 24 steps moved it by ~0.05 between runs)")
+                             "percent: more steps steady their medians)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "core.json"))
     args = parser.parse_args(argv)
