@@ -46,15 +46,22 @@ class SnapKVPress(BasePress):
         return pool_by_position(scores, obs.layer, self.kernel_size)
 
 
-def check_kernel_size(kernel_size: object) -> None:
-    """Refuse a pooling width that is not a positive odd integer (pooling keeps each token centred)."""
+POOLS = ("mean", "max")  # how `pool_by_position` pools
+
+
+def check_kernel_size(kernel_size: object, pool: object = "mean") -> None:
+    """Refuse a pooling width that is not a positive odd integer (pooling keeps each token centred), or a pool
+    that is not one of `POOLS`."""
     if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
         raise ValueError(f"kernel_size must be a positive odd integer, got {kernel_size!r}")
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
 
 
 def pool_by_position(scores: torch.Tensor, layer: PressedLayer, kernel_size: int, mode: str = "mean") -> torch.Tensor:
     """Average `scores` `[B, H, n]` (or take their maximum: `mode="max"`) over neighbouring tokens in position order
     (slots are not in order once evicted slots were refilled; padding and holes go last and count as zeros)."""
+    check_kernel_size(kernel_size, mode)
     if kernel_size == 1:
         return scores
     order, valid = layer.position_order(), layer.valid
