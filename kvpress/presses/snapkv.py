@@ -46,7 +46,7 @@ class SnapKVPress(BasePress):
         return pool_by_position(scores, obs.layer, self.kernel_size)
 
 
-POOLS = ("mean", "max")  # how `pool_by_position` pools
+POOLS = {"mean": F.avg_pool1d, "max": F.max_pool1d}  # how `pool_by_position` pools
 
 
 def check_kernel_size(kernel_size: object, pool: object = "mean") -> None:
@@ -54,14 +54,14 @@ def check_kernel_size(kernel_size: object, pool: object = "mean") -> None:
     that is not one of `POOLS`."""
     if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
         raise ValueError(f"kernel_size must be a positive odd integer, got {kernel_size!r}")
-    if pool not in POOLS:
+    if not isinstance(pool, str) or pool not in POOLS:
         raise ValueError(f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
 
 
-def pool_by_position(scores: torch.Tensor, layer: PressedLayer, kernel_size: int, mode: str = "mean") -> torch.Tensor:
-    """Average `scores` `[B, H, n]` (or take their maximum: `mode="max"`) over neighbouring tokens in position order
-    (slots are not in order once evicted slots were refilled; padding and holes go last and count as zeros)."""
-    check_kernel_size(kernel_size, mode)
+def pool_by_position(scores: torch.Tensor, layer: PressedLayer, kernel_size: int, pool: str = "mean") -> torch.Tensor:
+    """Average `scores` `[B, H, n]` (or take their maximum: `pool="max"`) over neighbouring tokens in position order
+    (slots are not in order once evicted slots were refilled; padding and holes go last and count as zeros). The
+    presses check `kernel_size` and `pool` when built (`check_kernel_size`), not here at every eviction."""
     if kernel_size == 1:
         return scores
     order, valid = layer.position_order(), layer.valid
@@ -69,6 +69,5 @@ def pool_by_position(scores: torch.Tensor, layer: PressedLayer, kernel_size: int
     ordered = scores.gather(-1, order)
     if valid is not None:
         ordered = ordered.masked_fill(~valid.gather(-1, order), 0.0)
-    pool = F.max_pool1d if mode == "max" else F.avg_pool1d
-    pooled = pool(ordered.reshape(b * h, 1, n), kernel_size, stride=1, padding=kernel_size // 2)
+    pooled = POOLS[pool](ordered.reshape(b * h, 1, n), kernel_size, stride=1, padding=kernel_size // 2)
     return torch.empty_like(scores).scatter_(-1, order, pooled.view(b, h, n))
