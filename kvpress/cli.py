@@ -174,6 +174,7 @@ def cmd_train_scorer(args: argparse.Namespace) -> int:
     import kvpress
     from kvpress.scorers import load_scorer, save_scorer
     from kvpress.train_scorer import PROFILE_RATIOS, PROFILE_TEXTS, profile_scorer, train_scorer
+    from kvpress.words import word_edges
 
     model, tokenizer = kvpress.load_model(args.model)
     name = args.model or kvpress.models.DEFAULT_MODEL
@@ -181,6 +182,16 @@ def cmd_train_scorer(args: argparse.Namespace) -> int:
         scorer = profile_scorer(model, tokenizer, load_scorer(args.out))
         save_scorer(scorer, args.out)
         print(f"wrote {args.out}: layer profile at ratios {list(PROFILE_RATIOS)} on {PROFILE_TEXTS} training texts")
+        return 0
+    if args.update_words:
+        scorer = load_scorer(args.out)
+        scorer.check(model)
+        scorer.word_edges = word_edges(tokenizer, model.get_input_embeddings().num_embeddings)
+        scorer.__post_init__()
+        save_scorer(scorer, args.out)
+        joined = int(scorer.word_edges.all(-1).sum())
+        print(f"wrote {args.out}: word table of {scorer.word_edges.shape[0]} token ids ({joined} can sit inside a "
+              "word)")
         return 0
     scorer = train_scorer(model, tokenizer, name, **_trainer_args(train_scorer, args))
     save_scorer(scorer, args.out)
@@ -335,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "(Scorer.mass_weight)")  # fmt: skip
     train.add_argument("--update-profile", action="store_true",
                        help="only measure again the layer profile of the scorer in --out, on its own training texts")
+    train.add_argument("--update-words", action="store_true",
+                       help="only add to the scorer in --out the model's word table (KVzapPress's whole_words)")
     train.set_defaults(fn=cmd_train_scorer)
     gates = _trainer(sub, "train-gates", train_gates, "fit NAtSPress's per-layer role gates (model frozen) on "
                      "offline text", held_out="test texts", window="tokens the sliding-window role keeps a token for",

@@ -44,6 +44,7 @@ class Observation:
     hidden: torch.Tensor | None = None  # [B, q, d] the attention module's input hidden states of the new tokens
     kv_heads: slice = field(default_factory=lambda: slice(None))  # the KV heads `keys` holds (one: a head-wise view)
     mass: torch.Tensor | None = None  # [B, Hkv, n] fp32 the attention computed with its output (`attention_mass`)
+    ids: torch.Tensor | None = None  # [B, q] the new tokens' ids (None where the forward was given embeddings)
 
     @property
     def q_len(self) -> int:
@@ -124,7 +125,8 @@ def within_window(obs: Observation) -> Observation:
     layer.trim_window()
     held = min(obs.q_len, layer.n)  # the newest slots stay last
     hidden = None if obs.hidden is None else obs.hidden[:, obs.q_len - held :]
-    return Observation(obs.module, obs.query[:, :, obs.q_len - held :], *layer.held_kv(), layer, hidden)
+    ids = None if obs.ids is None else obs.ids[:, obs.q_len - held :]
+    return Observation(obs.module, obs.query[:, :, obs.q_len - held :], *layer.held_kv(), layer, hidden, ids=ids)
 
 
 class QueryRecorder:
@@ -308,7 +310,8 @@ class PressInstallation:
         ids = new_tokens(args, kwargs)
         recording = Recording(cache, recorder.queries, ids[:, :-1], next_ids=ids[:, -1:], hidden=recorder.hidden)
         self.press.prepare(self.model, recording, self.tokenizer)
-        for layer in compress_layers(self.press, cache, recorder.queries, recorder.hidden):
+        token_ids = None if ids.is_floating_point() else ids[:, :-1]
+        for layer in compress_layers(self.press, cache, recorder.queries, recorder.hidden, token_ids):
             layer.driven = True  # a layer moved to per-head storage: the rest of the forward drives it too
         return forward(*tail[0], **tail[1])
 
@@ -320,12 +323,13 @@ class PressInstallation:
         return press.mass_block()
 
     def after_attention(
-        self, module: nn.Module, query, key, value, layer: PressedLayer, evict_now: bool = True, hidden=None, mass=None
-    ) -> HeadwiseLayer | None:
+        self, module: nn.Module, query, key, value, layer: PressedLayer, evict_now: bool = True, hidden=None, mass=None,
+        ids=None,
+    ) -> HeadwiseLayer | None:  # fmt: skip
         if torch.is_grad_enabled():  # what stays is decided, not learned: no autograd history in what is kept
             with torch.no_grad():  # (generate runs without grad already: this step costs it nothing)
-                return self.after_attention(module, query, key, value, layer, evict_now, hidden, mass)
-        obs = Observation(module, query, key, value, layer, hidden, mass=mass)
+                return self.after_attention(module, query, key, value, layer, evict_now, hidden, mass, ids)
+        obs = Observation(module, query, key, value, layer, hidden, mass=mass, ids=ids)
         for observer in (*self.observers, *(_OBSERVING.get() or {}).get(self, ())):  # see every slot attended to
             observer(obs)
         if self.press is None or self.press.needs_whole_context:
@@ -337,14 +341,15 @@ class PressInstallation:
         return evict(self.press, within_window(obs), self._rerank if self.press.rerotate else None)
 
     def after_headwise(
-        self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden=None, evict_now: bool = True
-    ) -> None:
+        self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden=None, evict_now: bool = True,
+        ids=None,
+    ) -> None:  # fmt: skip
         if torch.is_grad_enabled():
             with torch.no_grad():
-                return self.after_headwise(module, query, layer, hidden, evict_now)
+                return self.after_headwise(module, query, layer, hidden, evict_now, ids)
         if self.press.needs_whole_context or not (evict_now or self.press.observes_frozen):
             return  # a whole-context press evicted once, at the end of the prefill
-        self.press.observe_heads(module, query, layer, hidden)
+        self.press.observe_heads(module, query, layer, hidden, ids)
         if evict_now:
             self.press.evict_heads(module, query, layer)
 
@@ -394,16 +399,17 @@ def observe(model: nn.Module, *observers: Observer):
 
 
 def compress_layers(
-    press, cache: DynamicCache, queries: dict[int, tuple[nn.Module, torch.Tensor]], hidden: dict | None = None
-) -> list:
+    press, cache: DynamicCache, queries: dict[int, tuple[nn.Module, torch.Tensor]], hidden: dict | None = None,
+    ids: torch.Tensor | None = None,
+) -> list:  # fmt: skip
     """Apply `press` to every layer of a prefilled `cache`, given each layer's attention module and the queries of
-    its prefill (a recording), and its input hidden states where recorded: the eviction a live prefill under the
-    press would have made. Returns the layers that moved to per-head storage (they replace the dense ones in
-    `cache`)."""
+    its prefill (a recording), its input hidden states where recorded and the prefill's token ids `[B, n]`: the
+    eviction a live prefill under the press would have made. Returns the layers that moved to per-head storage
+    (they replace the dense ones in `cache`)."""
     moved = []
     for idx, (module, query) in queries.items():
         layer = cache.layers[idx]
-        obs = Observation(module, query, *layer.held_kv(), layer, (hidden or {}).get(idx))
+        obs = Observation(module, query, *layer.held_kv(), layer, (hidden or {}).get(idx), ids=ids)
         replacement = evict(press, within_window(obs))  # what the live intercept calls after this layer's attention
         if replacement is not None:
             cache.layers[idx] = replacement

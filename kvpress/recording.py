@@ -54,5 +54,6 @@ def compress_recording(
                          "record it with record_prefill(..., keep_hidden=True)")  # fmt: skip
     press.prepare(model, recording, tokenizer)
     cache = recording.cache if in_place else copy.deepcopy(recording.cache)
-    compress_layers(press, cache, recording.queries, recording.hidden)
+    ids = None if recording.ids.is_floating_point() else recording.ids
+    compress_layers(press, cache, recording.queries, recording.hidden, ids)
     return cache

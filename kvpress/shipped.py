@@ -76,6 +76,7 @@ def check_fits(model: nn.Module, what: str, trained_for: str, trained_hash: str,
 
 def write(path: str | Path, tensors: dict[str, torch.Tensor], model: str, trained_hash: str, training: dict,
           **meta: str) -> None:  # fmt: skip
-    """Write `tensors` (as fp32) with the metadata `read` expects, plus `meta`."""
+    """Write `tensors` (floating ones as fp32, others as they are) with the metadata `read` expects, plus `meta`."""
     meta = {"model": model, "config_hash": trained_hash, "training": json.dumps(training), **meta}
-    save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
+    tensors = {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+    save_file(tensors, str(path), metadata=meta)

@@ -33,6 +33,7 @@ from kvpress.presses.kvzap import MASS_BLOCK, MASS_FLOOR
 from kvpress.presses.kvzip import REPEAT_PROMPT, reconstruction_scores
 from kvpress.recording import record_prefill
 from kvpress.scorers import Scorer
+from kvpress.words import word_edges
 
 PENALTIES = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge penalties tried, relative to the mean variance of the inputs
 PROFILE_RATIOS = (0.25, 0.5, 0.75, 0.9)  # compression ratios at which the layer profile is measured
@@ -231,7 +232,9 @@ def train_scorer(
                    f"--seed {seed}{flag}",
     }  # fmt: skip
     profile = layer_profile(profiled, layers)
-    return Scorer(name, config_hash(model), weight, bias, training, profile, torch.tensor(PROFILE_RATIOS), mass_weight)
+    edges = word_edges(tokenizer, model.get_input_embeddings().num_embeddings)
+    return Scorer(name, config_hash(model), weight, bias, training, profile, torch.tensor(PROFILE_RATIOS), mass_weight,
+                  edges)  # fmt: skip
 
 
 def _inputs(x: torch.Tensor, extra: torch.Tensor, head: int) -> torch.Tensor:

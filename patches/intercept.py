@@ -27,15 +27,17 @@ object with:
 - `mass_block(layer, evict)`: before a dense full-attention layer's attention: None, or the queries a block when
   the press reads the attention mass (each slot's summed weights), which the attention then computes from its
   weights (`blocked_attention.attention_with_mass`) instead of sdpa's fused kernel;
-- `after_attention(module, query, key, value, layer, evict, hidden, mass)`: after a dense layer's attention (before
-  a sliding layer's `trim_window`; `evict` False while the caller is `frozen()`; `hidden` the attention module's
-  input hidden states of the new tokens, `[B, q, d]`; `mass` `[B, Hkv, n]` when `mass_block` asked for it);
-  returns a layer that replaces it (per-head storage), or None;
-- `after_headwise(module, query, layer, hidden, evict)`: after a head-wise layer's attention.
+- `after_attention(module, query, key, value, layer, evict, hidden, mass, ids)`: after a dense layer's attention
+  (before a sliding layer's `trim_window`; `evict` False while the caller is `frozen()`; `hidden` the attention
+  module's input hidden states of the new tokens, `[B, q, d]`; `mass` `[B, Hkv, n]` when `mass_block` asked for
+  it; `ids` the new tokens' ids, `[B, q]`, or None when the forward was given embeddings); returns a layer that
+  replaces it (per-head storage), or None;
+- `after_headwise(module, query, layer, hidden, evict, ids)`: after a head-wise layer's attention.
 
 The hidden states reach the attention function through a forward pre-hook on each attention module,
 registered with the intercept and removed with it; it keeps them in the caller's state only until that
-layer's attention ran.
+layer's attention ran. The token ids come the same way, from a pre-hook on the input embedding: they are those
+of the model forward running now (each part of a forward a handler runs in parts has its own).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class _Call:
         self.cache: DynamicCache | None = None
         self.compressing = True
         self.hidden: dict[int, torch.Tensor] = {}  # layer -> input hidden states of its attention, until it ran
+        self.ids: torch.Tensor | None = None  # [B, q] the token ids of the forward running now (None: embeddings)
 
 
 # the intercepts active in this context, each with its caller's state (a new dict on every change)
@@ -120,6 +123,7 @@ class Intercept:
             self._forward = self._wrap(self.model.forward)
             self.model.forward = self._forward
             self._hooks = [m.register_forward_pre_hook(self._keep_hidden, with_kwargs=True) for m in modules.values()]
+            self._hooks.append(self.model.get_input_embeddings().register_forward_pre_hook(self._keep_ids))
             self.model.set_attn_implementation(self.name)
         except BaseException:
             self.uninstall()
@@ -199,12 +203,12 @@ class Intercept:
             me = threading.get_ident()
             with self._flight:
                 self._forwards[me] = self._forwards.get(me, 0) + 1
-            call = outer = None
+            call = outer = outer_ids = None
             try:
                 call = self._call()
                 if call is None:
                     return forward(*args, **kwargs)
-                outer = call.cache  # a cache already: this forward runs inside another (a press's own pass)
+                outer, outer_ids = call.cache, call.ids  # a cache already: this forward runs inside another
                 self._prepare(call, args, kwargs)
                 return self.handler.run_forward(forward, call.cache, args, kwargs)
             except BaseException:
@@ -214,8 +218,8 @@ class Intercept:
                             layer.torn = True
                 raise
             finally:
-                if call is not None:
-                    call.cache = outer  # the outer forward goes on with its own cache (a draft runs on another)
+                if call is not None:  # the outer forward goes on with its own cache (a draft runs on another)
+                    call.cache, call.ids = outer, outer_ids
                 with self._flight:
                     self._forwards[me] = max(0, self._forwards.get(me, 0) - 1)
                     self._flight.notify_all()
@@ -224,7 +228,7 @@ class Intercept:
 
     def _prepare(self, call: _Call, args: tuple, kwargs: dict) -> None:
         """Before an active caller's forward: find or make its cache and let the press drive its layers."""
-        call.cache = None
+        call.cache = call.ids = None  # ids: set by the input embedding's hook (none when embeddings are given)
         cache = kwargs.get(self.cache_key, kwargs.get("past_key_values"))
         if cache is None:
             if kwargs.get("use_cache") is False:
@@ -256,11 +260,17 @@ class Intercept:
         if call is not None:
             call.hidden[module.layer_idx] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
+    def _keep_ids(self, module: nn.Module, args: tuple) -> None:
+        call = self._call()
+        if call is not None and args and isinstance(args[0], torch.Tensor):
+            call.ids = None if args[0].is_floating_point() else args[0]
+
     def _attention(self, module: nn.Module, query, key, value, attention_mask, **kwargs):
         info = attention_mask if isinstance(attention_mask, MaskInfo) else None
         inner = self._inner[module.layer_idx]
         call = self._call()
         hidden = call.hidden.pop(module.layer_idx, None) if call is not None else None
+        ids = call.ids if call is not None and call.ids is not None and call.ids.shape[-1] == query.shape[2] else None
         layer = call.cache.layers[module.layer_idx] if call is not None and call.cache is not None else None
         if not isinstance(layer, _DRIVEN):  # another caller's forward, or a layer the press leaves alone
             return inner(module, query, key, value, info.standard() if info else attention_mask, **kwargs)
@@ -278,7 +288,7 @@ class Intercept:
             layer.commit()
             out = headwise_attention(module, query, layer)
             layer.trim_window()
-            self.handler.after_headwise(module, query, layer, hidden, call.compressing)
+            self.handler.after_headwise(module, query, layer, hidden, call.compressing, ids)
             layer.compact()  # evictions free slots in place: a layer with too much spare room is packed tight
             layer.settle()
             return out, None
@@ -319,7 +329,8 @@ class Intercept:
                 mask = layer_mask(layer, q_len, n_rep, query.dtype, additive=fn == "eager")
         if out is None:
             out = inner(module, query, key, value, mask, **kwargs)
-        replacement = self.handler.after_attention(module, query, key, value, layer, call.compressing, hidden, mass)
+        replacement = self.handler.after_attention(module, query, key, value, layer, call.compressing, hidden, mass,
+                                                   ids)  # fmt: skip
         if replacement is not None:  # the layer moved to per-head storage
             replacement.driven = True
             call.cache.layers[module.layer_idx] = replacement

@@ -83,12 +83,14 @@ class HeadSharePress(WrapsPress, HeadwisePress):
         return self.allocate_heads(scores, per_head, obs.query, None if valid is None else valid[:, 0, -obs.q_len :])
 
     # ----- afterwards: every head grows; rows over budget are re-allocated ------------------------------
-    def observe_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden=None) -> None:
+    def observe_heads(
+        self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden=None, ids=None
+    ) -> None:
         if type(self.press).observe is BasePress.observe:
             return
         for row in range(layer.batch):
             for head in range(layer.heads):
-                obs, view = head_observation(module, query, layer, row, head, hidden)
+                obs, view = head_observation(module, query, layer, row, head, hidden, ids)
                 self.press.observe(obs)
                 layer.absorb(row, head, view)
 

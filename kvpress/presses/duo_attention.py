@@ -157,11 +157,13 @@ class DuoAttentionPress(HeadwisePress):
         if self.press is not None:
             self.press.observe(obs)
 
-    def observe_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden=None) -> None:
+    def observe_heads(
+        self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden=None, ids=None
+    ) -> None:
         if self.press is None or type(self.press).observe is BasePress.observe:
             return
         for row, head in (layer.head_budget < 0).nonzero().tolist():  # retrieval heads: the press's state
-            obs, view = head_observation(module, query, layer, row, head, hidden)
+            obs, view = head_observation(module, query, layer, row, head, hidden, ids)
             self.press.observe(obs)
             layer.absorb(row, head, view)
 

@@ -36,21 +36,24 @@ class HeadwisePress(BasePress):
         return None
 
     def observe_heads(
-        self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden: torch.Tensor | None = None
-    ) -> None:
+        self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden: torch.Tensor | None = None,
+        ids: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
         """Per-head `observe` for presses that accumulate state over a head-wise layer (default: none)."""
 
 
 def head_observation(
-    module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, row: int, head: int, hidden=None
+    module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, row: int, head: int, hidden=None, ids=None
 ):
     """An `Observation` of one (row, KV head) of a head-wise layer, and the one-head view it reads (`hidden`: the
-    layer's input hidden states of the new tokens, `[B, q, d]`, or None)."""
+    layer's input hidden states of the new tokens, `[B, q, d]`, or None; `ids`: their token ids, `[B, q]`, or
+    None)."""
     g = query.shape[1] // layer.heads
     view = layer.view(row, head)
     hidden = None if hidden is None else hidden[row : row + 1]
+    ids = None if ids is None else ids[row : row + 1]
     obs = Observation(module, query[row : row + 1, head * g : (head + 1) * g], view.keys, view.values, view,
-                      hidden, slice(head, head + 1))  # fmt: skip
+                      hidden, slice(head, head + 1), ids=ids)  # fmt: skip
     return obs, view
 
 

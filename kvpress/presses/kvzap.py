@@ -22,9 +22,12 @@ from kvpress.patches import model_access
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.snapkv import check_kernel_size, pool_by_position
 from kvpress.scorers import Scorer, find_scorer, load_scorer
+from kvpress.words import max_over_words, word_starts
 
 _SCORE = "kvzap"
 _MASS = "kvzap_mass"
+_WORD = "kvzap_word"  # per slot: the position its word starts at (whole_words)
+_WORD_END = "kvzap_word_end"  # per slot: 1 where its text ends with a letter or digit (the next token may join it)
 MASS_FLOOR = 1e-8  # attention mass below it counts as it (in training too: `kvpress.train_scorer`)
 MASS_BLOCK = 64  # queries whose attention weights a scorer with mass features sums at once (as H2O's chunk)
 
@@ -52,6 +55,10 @@ class KVzapPress(BasePress):
             SnapKV pools its attention, so a kept token's neighbours (the rest of a number, of a name) stay with it.
         pool: "mean" (default: SnapKV's average) or "max" (a token scores as its best neighbour). Neither kept more
             of SmolLM2's essay needles at r = 0.75 (max pooling fewer: eval/results/README.md, "KVzap pooled").
+        whole_words: each token scores as the best-scored token of its word (default False; `kvpress.words`: tokens
+            joined without a space or punctuation, such as the digits of a number), so a word is kept or evicted
+            whole: where KVzap kept "854" of the needle "85452". Needs the token ids (a forward given embeddings is
+            refused) and the scorer's word table (`kvpress train-scorer --update-words`; the packaged scorers have it).
 
     A scorer trained with the attention mass (`kvpress train-scorer --attention-mass`: `Scorer.mass_weight`) adds, per
     KV head, the log of the attention the token has received so far (summed over the queries and query heads that saw
@@ -74,7 +81,9 @@ class KVzapPress(BasePress):
     global_budget: float = 0.0
     kernel_size: int = 1
     pool: str = "mean"
+    whole_words: bool = False
     _weights: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _edges: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _shares: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _uses_mass: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -82,8 +91,9 @@ class KVzapPress(BasePress):
         if not isinstance(self.scorer, (str, Scorer)) or (isinstance(self.scorer, str) and not self.scorer):
             raise ValueError(f"scorer must be 'auto', a packaged scorer's name, a path or a Scorer, got "
                              f"{self.scorer!r}")  # fmt: skip
-        if not isinstance(self.value_norm, bool):
-            raise ValueError(f"value_norm must be true or false, got {self.value_norm!r}")
+        for name in ("value_norm", "whole_words"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         g = self.global_budget
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g <= 1:
             raise ValueError(f"global_budget must be a fraction in [0, 1], got {g!r}")
@@ -100,9 +110,15 @@ class KVzapPress(BasePress):
     def check_model(self, model: nn.Module) -> None:
         scorer = find_scorer(model) if self.scorer == "auto" else load_scorer(self.scorer)
         scorer.check(model)
+        if self.whole_words and scorer.word_edges is None:
+            raise ValueError(f"KVzapPress(whole_words=True) reads which tokens join into words from its scorer, and "
+                             f"scorer {scorer.model!r} has no word table: add it with `kvpress train-scorer --model "
+                             f"... --out SCORER --update-words`")  # fmt: skip
         for idx, module in model_access.attention_modules(model).items():  # one press may serve several models
             mass = None if scorer.mass_weight is None else scorer.mass_weight[idx]
             self._weights[module] = (scorer.weight[idx], scorer.bias[idx], mass)
+            if self.whole_words:
+                self._edges[module] = scorer.word_edges
         self._uses_mass = scorer.mass_weight is not None
         if self.global_budget:  # layer budgets: of the model it was installed on last
             g = self.global_budget
@@ -132,6 +148,23 @@ class KVzapPress(BasePress):
         q = predicted.shape[-1]
         slot = obs.layer.slot(_SCORE)
         slot[..., slot.shape[-1] - q :] = predicted
+        if self.whole_words:
+            self._observe_words(obs, q)
+
+    def _observe_words(self, obs: Observation, q: int) -> None:
+        """Store, for the `q` new slots, the position their word starts at and whether they end with a letter."""
+        if obs.ids is None:
+            raise ValueError("KVzapPress(whole_words=True) groups tokens into words by their ids, which this "
+                             "forward did not give (it was given inputs_embeds): pass input_ids, or whole_words=False")
+        layer, edges = obs.layer, self._edges[obs.module]
+        if edges.device != obs.keys.device:
+            edges = self._edges[obs.module] = edges.to(obs.keys.device)
+        starts, ends = layer.slot(_WORD), layer.slot(_WORD_END)
+        n = starts.shape[-1]
+        pos = layer.pos[..., :n]
+        starts[..., n - q :], ends[..., n - q :] = word_starts(edges, obs.ids[:, -q:], pos[..., n - q :],
+                                                               pos[..., : n - q], starts[..., : n - q],
+                                                               ends[..., : n - q])  # fmt: skip
 
     def mass_block(self) -> int | None:
         return MASS_BLOCK if self._uses_mass else None
@@ -146,4 +179,8 @@ class KVzapPress(BasePress):
             scores = scores * layer.slot(_MASS).clamp_min(MASS_FLOOR).pow(a) * seen.pow(c)
         if self.value_norm:
             scores = scores * obs.values.float().norm(dim=-1)
+        if self.whole_words:
+            valid = obs.layer.valid
+            valid = None if valid is None else valid[..., : scores.shape[-1]]
+            scores = max_over_words(scores, obs.layer.slot(_WORD), valid)
         return pool_by_position(scores, obs.layer, self.kernel_size, self.pool)

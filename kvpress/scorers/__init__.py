@@ -6,7 +6,9 @@ A scorer is a safetensors file made by `kvpress train-scorer` (see `kvpress.trai
 at each of the compression ratios `profile_ratios` `[R]`: each layer's share of the global top-k over the
 average layer's, averaged over texts), optionally `mass_weight` `[L, 2, H]` (a scorer trained with the
 attention mass: the weights of the log of the attention a token has received, summed over the queries and query
-heads that saw it, and of the log of how many queries saw it, added to the hidden state's prediction) and metadata
+heads that saw it, and of the log of how many queries saw it, added to the hidden state's prediction), optionally
+`word_edges` `[V, 2]` uint8 (per token id of the model's vocabulary, whether its text starts and ends with an ASCII
+letter or digit: `kvpress.words`, read by `KVzapPress(whole_words=True)`) and metadata
 `model`, `config_hash` (the architecture it was trained on, as head patterns have) and `training` (JSON: the
 command's settings and the held-out fit). `KVzapPress` reads
 one; the packaged scorers live next to this file, `load_scorer("smollm2-135m")` reads one by model name.
@@ -38,6 +40,7 @@ class Scorer:
     layer_profile: torch.Tensor | None = None  # [R, L] layer shares of KVzip's global top-k at `profile_ratios`
     profile_ratios: torch.Tensor | None = None  # [R] increasing, in (0, 1)
     mass_weight: torch.Tensor | None = None  # [L, 2, H] weights of log attention mass and log queries seen
+    word_edges: torch.Tensor | None = None  # [V, 2] uint8 per token id: starts / ends with a letter or digit
 
     def __post_init__(self) -> None:
         w, b = self.weight, self.bias
@@ -59,6 +62,11 @@ class Scorer:
         if m is not None and (m.shape != (w.shape[0], 2, w.shape[2]) or not bool(m.isfinite().all())):
             raise ValueError(f"scorer {self.model!r}: mass_weight must be finite, [layers, 2, kv_heads] = "
                              f"{[w.shape[0], 2, w.shape[2]]}, got {list(m.shape)}; {_HOW}")  # fmt: skip
+        e = self.word_edges
+        if e is not None and (e.dim() != 2 or e.shape[1] != 2 or e.shape[0] < 1 or e.dtype != torch.uint8
+                              or not bool((e <= 1).all())):  # fmt: skip
+            raise ValueError(f"scorer {self.model!r}: word_edges must be [vocab, 2] uint8 of 0 and 1, got "
+                             f"{list(e.shape)} {e.dtype}; {_HOW} --update-words")  # fmt: skip
 
     def layer_shares(self, ratio: float) -> torch.Tensor:
         """`[L]` each layer's budget share at compression ratio `ratio`: the profile interpolated linearly between
@@ -89,7 +97,8 @@ def load_scorer(scorer: str | Path | Scorer) -> Scorer:
         return scorer
     tensors, meta, training = shipped.read(scorer, _HERE, "scorer", _HOW, ("weight", "bias"))
     return Scorer(meta["model"], meta["config_hash"], tensors["weight"].float(), tensors["bias"].float(), training,
-                  tensors.get("layer_profile"), tensors.get("profile_ratios"), tensors.get("mass_weight"))  # fmt: skip
+                  tensors.get("layer_profile"), tensors.get("profile_ratios"), tensors.get("mass_weight"),
+                  tensors.get("word_edges"))  # fmt: skip
 
 
 def find_scorer(model: nn.Module) -> Scorer:
@@ -103,4 +112,6 @@ def save_scorer(scorer: Scorer, path: str | Path) -> None:
         tensors.update(layer_profile=scorer.layer_profile, profile_ratios=scorer.profile_ratios)
     if scorer.mass_weight is not None:
         tensors.update(mass_weight=scorer.mass_weight)
+    if scorer.word_edges is not None:
+        tensors.update(word_edges=scorer.word_edges)
     shipped.write(path, tensors, scorer.model, scorer.config_hash, scorer.training)
