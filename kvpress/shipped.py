@@ -46,9 +46,11 @@ def read(source: str | Path, folder: Path, what: str, how: str,
 
 
 def find(model: nn.Module, folder: Path, load, what: str, how: str):
-    """`load(name)` of the packaged file trained for `model`'s architecture (by config hash), or a clear error."""
+    """`load(name)` of the packaged file trained for `model`'s architecture (by config hash), or a clear error. A
+    file named after the model alone comes before its variants (`smollm2-135m` before `smollm2-135m-mass`, which
+    is read by its name)."""
     wanted = config_hash(model)
-    for name in packaged(folder):
+    for name in sorted(packaged(folder), key=lambda n: (len(n), n)):
         found = load(name)
         if found.config_hash == wanted:
             return found

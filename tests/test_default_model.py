@@ -162,14 +162,16 @@ def test_a_cache_from_generate_continues_outside_inference_mode(default_model):
 
 
 def test_default_press_inside_model_generate(default_model):
-    """The default press inside `with press(model, tokenizer=...): model.generate(...)` on the demo prompt: the
-    same tokens as `kvpress.generate(..., query_aware=True)`, and the fact is kept."""
+    """The default press (the model's own and any model's) inside `with press(model, tokenizer=...):
+    model.generate(...)` on the demo prompt: the same tokens as `kvpress.generate(..., query_aware=True)`, and the
+    fact is kept."""
     model, tokenizer = default_model
-    press = kvpress.press_from_name(kvpress.DEFAULT_PRESS, compression_ratio=0.5)
-    expected = kvpress.generate(model, tokenizer, demo_document(), DEMO_QUESTION, press, max_new_tokens=12,
-                                query_aware=True)  # fmt: skip
     ids = torch.cat(kvpress.pipeline.split_prompt(tokenizer, demo_document(), DEMO_QUESTION), dim=-1)
-    with press(model, tokenizer=tokenizer):
-        out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    assert tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip() == expected
-    assert DEMO_ANSWER in expected
+    for spec in dict.fromkeys((kvpress.default_press(model), kvpress.DEFAULT_PRESS)):
+        press = kvpress.press_from_name(spec, compression_ratio=0.5)
+        expected = kvpress.generate(model, tokenizer, demo_document(), DEMO_QUESTION, press, max_new_tokens=12,
+                                    query_aware=True)  # fmt: skip
+        with press(model, tokenizer=tokenizer):
+            out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        assert tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip() == expected, spec
+        assert DEMO_ANSWER in expected, spec

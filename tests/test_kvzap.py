@@ -11,7 +11,7 @@ import kvpress
 from kvpress import AdaKVPress, DuoAttentionPress, KVzapPress
 from kvpress.patches import model_access
 from kvpress.recording import compress_recording, record_prefill
-from kvpress.scorers import Scorer, load_scorer, packaged, save_scorer
+from kvpress.scorers import Scorer, find_scorer, load_scorer, packaged, save_scorer
 from kvpress.train_scorer import train_scorer
 from tiny import attention_inputs, prompt, tiny_model, tiny_scorer
 
@@ -163,9 +163,12 @@ def test_packaged_scorers_fit_their_models():
     for name in packaged():
         scorer = load_scorer(name)
         fit = scorer.training["test"]
-        assert scorer.model == name and fit["spearman"] > 0.5 and fit["kept_agreement_r0.5"] > 0.7
+        assert name.startswith(scorer.model) and fit["spearman"] > 0.5 and fit["kept_agreement_r0.5"] > 0.7
         assert scorer.layer_profile.shape == (4, scorer.weight.shape[0])
-        assert scorer.training["command"].startswith(f"kvpress train-scorer --model {name}")
+        assert scorer.training["command"].startswith(f"kvpress train-scorer --model {scorer.model}")
+        assert scorer.word_edges is not None and int(scorer.word_edges.all(-1).sum()) > 1000  # whole_words'
+        mass = scorer.training.get("attention_mass", False)
+        assert (scorer.mass_weight is not None) == name.endswith("-mass") == mass
 
 
 def test_the_default_model_finds_its_packaged_scorer_and_answers():
@@ -176,6 +179,7 @@ def test_the_default_model_finds_its_packaged_scorer_and_answers():
     answer = kvpress.generate(model, tokenizer, context, question, press=press, chat_template=False,
                               max_new_tokens=6)  # fmt: skip
     assert "71432" in answer
+    assert find_scorer(model).mass_weight is None  # "auto": the file named after the model, not its variant
 
 
 def test_training_fits_kvzip_scores_better_than_chance(tokenized):
