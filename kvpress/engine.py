@@ -315,8 +315,8 @@ class PressInstallation:
             layer.driven = True  # a layer moved to per-head storage: the rest of the forward drives it too
         return forward(*tail[0], **tail[1])
 
-    def mass_block(self, layer: PressedLayer, evict_now: bool = True) -> int | None:
-        """Queries a block when this forward's press reads the attention mass of a dense layer (see the intercept)."""
+    def mass_block(self, layer: PressedLayer | HeadwiseLayer, evict_now: bool = True) -> int | None:
+        """Queries a block when this forward's press reads the attention mass of a layer (see the intercept)."""
         press = self.press
         if press is None or press.needs_whole_context or not (evict_now or press.observes_frozen):
             return None
@@ -342,14 +342,14 @@ class PressInstallation:
 
     def after_headwise(
         self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden=None, evict_now: bool = True,
-        ids=None,
+        ids=None, mass=None,
     ) -> None:  # fmt: skip
         if torch.is_grad_enabled():
             with torch.no_grad():
-                return self.after_headwise(module, query, layer, hidden, evict_now, ids)
+                return self.after_headwise(module, query, layer, hidden, evict_now, ids, mass)
         if self.press.needs_whole_context or not (evict_now or self.press.observes_frozen):
             return  # a whole-context press evicted once, at the end of the prefill
-        self.press.observe_heads(module, query, layer, hidden, ids)
+        self.press.observe_heads(module, query, layer, hidden, ids, mass)
         if evict_now:
             self.press.evict_heads(module, query, layer)
 

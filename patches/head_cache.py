@@ -42,6 +42,7 @@ class HeadwiseLayer(DynamicLayer):
     kv_bits: int | None = None  # class defaults: a layer saved before quantization existed loads as dense
     key_stats: torch.Tensor | None = None
     _fresh: tuple[torch.Tensor, torch.Tensor] | None = None
+    _appended: torch.Tensor | None = None
 
     def __init__(self, batch: int, heads: int, like: torch.Tensor) -> None:
         super().__init__()
@@ -64,6 +65,7 @@ class HeadwiseLayer(DynamicLayer):
         self.kv_bits: int | None = None  # keys and values stored as codes of this width (`quantize`)
         self.key_stats: torch.Tensor | None = None
         self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None  # the last commit's tokens, exact
+        self._appended: torch.Tensor | None = None  # [B, H, q] where the last commit put its slots, until they move
 
     @property
     def is_sliding(self) -> bool:
@@ -132,7 +134,7 @@ class HeadwiseLayer(DynamicLayer):
                       if name in ("keys", "values", "pos")}  # fmt: skip
         self.bounds = [0] * (len(self.lengths) + 1)
         self.lengths = [0] * len(self.lengths)
-        self.seen, self.pending, self._new, self.torn, self._fresh = 0, 0, None, False, None
+        self.seen, self.pending, self._new, self.torn, self._fresh, self._appended = 0, 0, None, False, None, None
         self.key_stats = None  # a quantized layer fits the next prompt's ranges on its first commit
         self.real_seen = torch.zeros(self.batch, dtype=torch.long, device=self.device)
 
@@ -199,6 +201,23 @@ class HeadwiseLayer(DynamicLayer):
         i = row * self.heads + head
         return self.store[name][self.bounds[i] : self.bounds[i] + self.lengths[i]]
 
+    def state(self, name: str) -> torch.Tensor:
+        """`store[name]`, the per-slot state of a press over every (row, KV head) at once, created as fp32 zeros
+        on first use (`slot(name, row, head)` is one pair's part of it)."""
+        if name not in self.store:
+            self.store[name] = torch.zeros(self.bounds[-1], dtype=torch.float32, device=self.device)
+        return self.store[name]
+
+    def newest(self, q: int) -> torch.Tensor:
+        """`[B, H, q]` where the `q` newest held slots of each (row, KV head) are in the packed storage (every pair
+        holds at least `q`: the tokens a forward appended to all of them)."""
+        if self._appended is not None and self._appended.shape[-1] == q:
+            return self._appended
+        ends = torch.tensor([a + n for a, n in zip(self.bounds, self.lengths, strict=False)], device=self.device)
+        if min(self.lengths, default=q) < q:
+            raise ValueError(f"a (row, KV head) of this layer holds fewer than the {q} slots asked for")
+        return (ends[:, None] - q + torch.arange(q, device=self.device)).view(self.batch, self.heads, q)
+
     def held(self) -> torch.Tensor:
         """`[B, H]` tokens held per (row, KV head)."""
         return torch.tensor(self.lengths, dtype=torch.long, device=self.real_seen.device).view(self.batch, self.heads)
@@ -237,16 +256,17 @@ class HeadwiseLayer(DynamicLayer):
             else:
                 t.index_fill_(0, where, 0)
         self.lengths = [n + q for n in self.lengths]
+        self._appended = where.view(self.batch, self.heads, q)
 
     def settle(self) -> None:
-        """The forward is over: its tokens are read from their codes from now on."""
-        self._fresh = None
+        """The forward is over: its tokens are read from their codes from now on (and the next commit appends)."""
+        self._fresh = self._appended = None
 
     def keep(self, row: int, head: int, index: torch.Tensor) -> None:
         """Keep the slots `index` (sorted) of one (row, KV head), moved to the front of its segment (the slots
         freed stay spare room until `compact`)."""
         i = row * self.heads + head
-        self._fresh = None  # which of the held slots are this forward's is no longer known
+        self._fresh = self._appended = None  # which of the held slots are this forward's is no longer known
         start, k = self.bounds[i], int(index.numel())
         for name, t in self.store.items():
             t[start : start + k] = self.slot(name, row, head).index_select(0, index)
@@ -297,6 +317,7 @@ class HeadwiseLayer(DynamicLayer):
         held = torch.tensor(self.lengths, device=self.device)
         old = torch.tensor(self.bounds[:-1], device=self.device)
         bounds = _bounds(sizes)
+        self._appended = None  # the slots move
         new = torch.tensor(bounds[:-1], device=self.device)
         offset = torch.arange(int(held.sum()), device=self.device) - torch.repeat_interleave(
             torch.tensor(_bounds(self.lengths)[:-1], device=self.device), held)  # fmt: skip
@@ -306,6 +327,7 @@ class HeadwiseLayer(DynamicLayer):
         self.bounds = bounds
 
     def _select_rows(self, rows: list[int]) -> None:
+        self._appended = None
         pairs = [r * self.heads + h for r in rows for h in range(self.heads)]
         index = torch.cat([torch.arange(self.bounds[i], self.bounds[i] + self.lengths[i]) for i in pairs])
         index = index.to(self.device)
@@ -321,6 +343,7 @@ class HeadwiseLayer(DynamicLayer):
         self.values = self.keys
 
     def _map(self, fn) -> None:
+        self._appended = None
         self.store = {name: fn(t) for name, t in self.store.items()}
         if self.kv_bits is not None:
             self.key_stats = fn(self.key_stats)

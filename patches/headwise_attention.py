@@ -7,6 +7,10 @@ On a sliding-window layer a query also sees only the slots less than `window` po
 step (one token) runs two matrix products per (row, KV head) over the head's segment of the packed storage.
 Returns transformers' layout `[B, q, Hq, D]`.
 
+For a press that reads the attention each slot receives (H2O, KVzap with a mass scorer) the chunk or step also
+returns that mass, from the weights it computed the output with (`mass_block`), so the press does not compute
+each head's weights again.
+
 On a GPU, flash-attn's variable-length kernel could run a chunk's heads in one call; that path is not built yet,
 so CUDA runs the same calls.
 """
@@ -18,19 +22,24 @@ import functools
 import torch
 from torch import nn
 
-from kvpress.patches.blocked_attention import blocked_attention
+from kvpress.patches.blocked_attention import attention_with_mass, blocked_attention
 from kvpress.patches.head_cache import HeadwiseLayer
 
 
-def headwise_attention(module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> torch.Tensor:
+def headwise_attention(
+    module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, mass_block: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of `query` `[B, Hq, q, D]` (post-RoPE) over `layer`, whose newest `q` slots per head
-    are the query tokens; `[B, q, Hq, Dv]`."""
+    are the query tokens; `[B, q, Hq, Dv]`, and with `mass_block` (queries a block) the attention mass: `[slots]`
+    fp32 aligned with the layer's packed storage, the weight each held slot received from the queries of its KV
+    head, summed (0 in spare room), computed from the weights of the output (`attention_with_mass`); else None."""
     b, hq, q, d = query.shape
     g = hq // layer.heads
     scale = float(module.scaling)
     softcap = getattr(module, "attn_logit_softcapping", None)
+    mass = None if mass_block is None else torch.zeros(layer.bounds[-1], dtype=torch.float32, device=query.device)
     if q == 1 and not softcap:
-        return _one_query(query, layer, scale)
+        return _one_query(query, layer, scale, mass), mass
     out = query.new_empty(b, hq, q, layer.value_dim or d)
     causal = None
     for row in range(b):
@@ -46,7 +55,14 @@ def headwise_attention(module: nn.Module, query: torch.Tensor, layer: HeadwiseLa
                 if causal is None or causal.shape[-1] != n:
                     causal = _causal(q, n, query.device)
                 mask = causal
-            if softcap:
+            if mass is not None:  # the weights summed for the press, from the same computation as the output
+                rows_mask = None if mask is None or layer.window is None else functools.partial(_rows4, mask, n - q)
+                res, received = attention_with_mass(group[None], keys[None, None], values[None, None], rows_mask,
+                                                    mass_block, scale, softcap)  # fmt: skip
+                start = layer.bounds[row * layer.heads + head]
+                mass[start : start + n] = received[0, 0]
+                res = res[0].transpose(0, 1)
+            elif softcap:
                 logits = (group @ keys.T) * scale
                 logits = torch.tanh(logits / softcap) * softcap
                 if mask is not None:
@@ -59,13 +75,14 @@ def headwise_attention(module: nn.Module, query: torch.Tensor, layer: HeadwiseLa
                 res = blocked_attention(group[None], keys[None, None], values[None, None], rows_mask, scale)
                 res = res.transpose(1, 2)
             out[row, head * g : (head + 1) * g] = res.reshape(g, q, -1)
-    return out.transpose(1, 2).contiguous()
+    return out.transpose(1, 2).contiguous(), mass
 
 
-def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float) -> torch.Tensor:
+def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float, mass: torch.Tensor | None) -> torch.Tensor:
     """A decoding step: per (row, KV head), its `g` queries over the head's segment of the packed storage as two
     matrix products written into the output (a sdpa call per head, or one product over every head's slots, costs
-    more than this work); `[B, 1, Hq, Dv]`. Quantized layers read each head decoded (`pair`)."""
+    more than this work); `[B, 1, Hq, Dv]`. Quantized layers read each head decoded (`pair`). `mass`: the packed
+    attention mass to fill (see `headwise_attention`), or None."""
     b, hq, _, d = query.shape
     h = layer.heads
     scaled = (query[:, :, 0] * scale).view(b, h, hq // h, d)  # each KV head's g queries
@@ -79,13 +96,21 @@ def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float) -> torch
                 k, v = keys[start:end], values[start:end]
             else:
                 k, v = layer.pair(row, head)
-            torch.mm(torch.softmax(torch.mm(scaled[row, head], k.T), dim=-1), v, out=out[row, head])
+            weights = torch.softmax(torch.mm(scaled[row, head], k.T), dim=-1)
+            torch.mm(weights, v, out=out[row, head])
+            if mass is not None:
+                mass[layer.bounds[i] : layer.bounds[i] + layer.lengths[i]] = weights.float().sum(0)
     return out.view(b, 1, hq, -1)
 
 
 def _rows(mask: torch.Tensor, held: int, rows: tuple[int, int]) -> torch.Tensor:
     """Queries `rows` of a `[q, n]` mask over the `held` slots and the new ones up to the last of them."""
     return mask[rows[0] : rows[1], : held + rows[1]]
+
+
+def _rows4(mask: torch.Tensor, held: int, rows: tuple[int, int]) -> torch.Tensor:
+    """`_rows` shaped `[1, 1, rows, slots]`, as `attention_with_mass` takes a mask."""
+    return _rows(mask, held, rows)[None, None]
 
 
 def _causal(q: int, n: int, device) -> torch.Tensor:

@@ -24,15 +24,16 @@ object with:
 
 - `before_forward(cache, args, kwargs)`: before the forward runs (it may refuse it, or set `position_ids`);
 - `run_forward(forward, cache, args, kwargs)`: runs the forward (`forward(*args, **kwargs)`, or in parts);
-- `mass_block(layer, evict)`: before a dense full-attention layer's attention: None, or the queries a block when
-  the press reads the attention mass (each slot's summed weights), which the attention then computes from its
-  weights (`blocked_attention.attention_with_mass`) instead of sdpa's fused kernel;
+- `mass_block(layer, evict)`: before a full-attention layer's attention (dense or head-wise): None, or the queries
+  a block when the press reads the attention mass (each slot's summed weights), which the attention then computes
+  from its weights (`blocked_attention.attention_with_mass`) instead of sdpa's fused kernel;
 - `after_attention(module, query, key, value, layer, evict, hidden, mass, ids)`: after a dense layer's attention
   (before a sliding layer's `trim_window`; `evict` False while the caller is `frozen()`; `hidden` the attention
   module's input hidden states of the new tokens, `[B, q, d]`; `mass` `[B, Hkv, n]` when `mass_block` asked for
   it; `ids` the new tokens' ids, `[B, q]`, or None when the forward was given embeddings); returns a layer that
   replaces it (per-head storage), or None;
-- `after_headwise(module, query, layer, hidden, evict, ids)`: after a head-wise layer's attention.
+- `after_headwise(module, query, layer, hidden, evict, ids, mass)`: after a head-wise layer's attention (`mass`
+  `[slots]` aligned with the layer's packed storage when `mass_block` asked for it, else None).
 
 The hidden states reach the attention function through a forward pre-hook on each attention module,
 registered with the intercept and removed with it; it keeps them in the caller's state only until that
@@ -286,9 +287,11 @@ class Intercept:
             if kwargs.get("s_aux") is not None:
                 raise ValueError("attention sinks (s_aux) are not supported by head-wise compressed layers")
             layer.commit()
-            out = headwise_attention(module, query, layer)
+            grad = torch.is_grad_enabled() and query.requires_grad
+            block = self.handler.mass_block(layer, call.compressing) if layer.window is None and not grad else None
+            out, mass = headwise_attention(module, query, layer, block)
             layer.trim_window()
-            self.handler.after_headwise(module, query, layer, hidden, call.compressing, ids)
+            self.handler.after_headwise(module, query, layer, hidden, call.compressing, ids, mass)
             layer.compact()  # evictions free slots in place: a layer with too much spare room is packed tight
             layer.settle()
             return out, None

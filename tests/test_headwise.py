@@ -68,9 +68,10 @@ def test_adakv_frees_memory_per_head(family, ratio):
     assert any(len(set(layer.lengths)) > 1 for layer in cache.layers)  # heads really differ
 
 
+@pytest.mark.parametrize("mass_block", [None, 2])
 @pytest.mark.parametrize("q_len", [1, 5])
 @pytest.mark.parametrize("softcap", [None, 20.0])
-def test_varlen_attention_equals_masked_dense(q_len, softcap):
+def test_varlen_attention_equals_masked_dense(q_len, softcap, mass_block):
     torch.manual_seed(0)
     b, hkv, g, n, d = 2, 3, 2, 40, 16
     dense = PressedLayer()
@@ -85,7 +86,7 @@ def test_varlen_attention_equals_masked_dense(q_len, softcap):
     layer.commit()
     module = torch.nn.Module()
     module.scaling, module.attn_logit_softcapping = d**-0.5, softcap
-    out = headwise_attention(module, query, layer)
+    out, mass = headwise_attention(module, query, layer, mass_block)
 
     all_k = torch.cat([keys, new_k], 2).repeat_interleave(g, 1)
     all_v = torch.cat([values, new_v], 2).repeat_interleave(g, 1)
@@ -95,9 +96,22 @@ def test_varlen_attention_equals_masked_dense(q_len, softcap):
     logits = query @ all_k.transpose(-1, -2) * d**-0.5
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    ref = logits.masked_fill(~mask, float("-inf")).softmax(-1) @ all_v
+    probs = logits.masked_fill(~mask, float("-inf")).softmax(-1)
+    ref = probs @ all_v
     assert out.shape == (b, q_len, hkv * g, d)
     assert (out - ref.transpose(1, 2)).abs().max() <= 1e-5
+    if mass_block is None:
+        assert mass is None
+        return
+    # the mass: each held slot's weight from its KV head's g query heads and every query, packed as the storage
+    received = probs.view(b, hkv, g, q_len, n + q_len).sum(dim=(2, 3))
+    held = torch.cat([keep, torch.ones(b, hkv, q_len, dtype=torch.bool)], -1)
+    assert mass.shape == (layer.bounds[-1],)
+    for i in range(b * hkv):
+        row, head = divmod(i, hkv)
+        start = layer.bounds[i]
+        got = mass[start : start + layer.lengths[i]]
+        assert torch.allclose(got, received[row, head][held[row, head]], atol=1e-5)
 
 
 def test_packed_storage_appends_and_evicts_in_place_then_packs_tight():
@@ -124,7 +138,7 @@ def test_packed_storage_appends_and_evicts_in_place_then_packs_tight():
             ref[row, head] = (torch.cat([k, new_k[row, head]]), torch.cat([v, new_v[row, head]]),
                               torch.cat([pos, seen[row : row + 1].int()]))  # fmt: skip
         query = torch.randn(b, hkv * g, 1, d)
-        out = headwise_attention(module, query, layer)
+        out, _ = headwise_attention(module, query, layer)
         for row, head in pairs:
             k, v, pos = ref[row, head]
             group = query[row, head * g : (head + 1) * g, 0]

@@ -1,6 +1,7 @@
 """KVzapPress: scores predicted from the hidden states entering each layer's attention, at prefill and while
 decoding; the scorer files, their architecture check, and `kvpress train-scorer`."""
 
+import dataclasses
 import json
 
 import pytest
@@ -10,6 +11,7 @@ from transformers import DynamicCache
 import kvpress
 from kvpress import AdaKVPress, DuoAttentionPress, KVzapPress
 from kvpress.patches import model_access
+from kvpress.presses.base import BasePress
 from kvpress.recording import compress_recording, record_prefill
 from kvpress.scorers import Scorer, find_scorer, load_scorer, packaged, save_scorer
 from kvpress.train_scorer import train_scorer
@@ -277,6 +279,42 @@ def test_a_mass_scorer_keeps_the_same_tokens_recorded_and_live_and_while_decodin
             model(prompt(1, 1, seed=10 + step), cache=live)
     assert all(layer.n == 16 for layer in live.layers)
     assert all(bool((layer.slot("kvzap_mass") > 0).all()) for layer in live.layers)
+
+
+@pytest.mark.parametrize("arch, budget", [("llama", 12), ("mistral-window", 8)])
+def test_head_wise_layers_are_observed_whole_as_head_by_head(arch, budget):
+    """AdaKV over KVzap (a mass scorer, whole words): observing a head-wise layer at once (one prediction, the mass
+    the head-wise attention computed; on sliding-window layers computed per head) leaves the same state and keeps
+    the same tokens as observing each head's view with the mass computed again, over a chunk and while decoding."""
+    model = tiny_model(arch)
+    scorer = _mass_scorer(model, seed=4)
+    scorer.word_edges = torch.zeros(model.get_input_embeddings().num_embeddings, 2, dtype=torch.uint8)
+    scorer.word_edges[:64] = 1  # ids below 64 join into words
+
+    class HeadByHead(KVzapPress):
+        observe_headwise = BasePress.observe_headwise  # not defined: observed one view at a time
+
+        def observe(self, obs):
+            super().observe(dataclasses.replace(obs, mass=None))  # the mass computed again from the queries
+
+    ids = prompt(1, 40, seed=5)
+    caches = []
+    for kind in (KVzapPress, HeadByHead):
+        press = AdaKVPress(kind(max_tokens=budget, window_size=2, scorer=scorer, whole_words=True))
+        cache = DynamicCache(config=model.config)
+        with press(model):
+            model(ids[:, :18], cache=cache)  # over budget: the layers move to per-head storage
+            model(ids[:, 18:], cache=cache)  # a chunk over head-wise layers (longer than a sliding window: 16)
+            for token in [5, 6, 100, 7, 8, 9]:
+                model(torch.tensor([[token]]), cache=cache)
+        caches.append(cache)
+    for packed, single in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert isinstance(packed, kvpress.HeadwiseLayer) and packed.lengths == single.lengths
+        for row, head in [(0, h) for h in range(packed.heads)]:
+            for name in ("pos", "kvzap", "kvzap_mass", "kvzap_word", "kvzap_word_end"):
+                a, b = packed.slot(name, row, head), single.slot(name, row, head)
+                assert torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-6), (name, row, head)
+            assert bool((packed.slot("kvzap_mass", row, head) > 0).all())
 
 
 def test_training_with_the_attention_mass_fits_and_round_trips(tokenized, tmp_path):

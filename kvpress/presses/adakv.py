@@ -29,7 +29,7 @@ from torch import nn
 from kvpress.patches import model_access
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.presses.base import BasePress, Observation
-from kvpress.presses.head_budget import HeadwisePress, allocate, head_observation
+from kvpress.presses.head_budget import HeadwisePress, allocate, head_observation, observe_every_head
 from kvpress.presses.wrapping import WrapsPress
 
 
@@ -84,15 +84,9 @@ class HeadSharePress(WrapsPress, HeadwisePress):
 
     # ----- afterwards: every head grows; rows over budget are re-allocated ------------------------------
     def observe_heads(
-        self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden=None, ids=None
+        self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden=None, ids=None, mass=None
     ) -> None:
-        if type(self.press).observe is BasePress.observe:
-            return
-        for row in range(layer.batch):
-            for head in range(layer.heads):
-                obs, view = head_observation(module, query, layer, row, head, hidden, ids)
-                self.press.observe(obs)
-                layer.absorb(row, head, view)
+        observe_every_head(self.press, module, query, layer, hidden, ids, mass)
 
     def evict_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
         scale = self.layer_scale(model_access.layer_index(module), model_access.layer_count(module))

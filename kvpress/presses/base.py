@@ -24,6 +24,7 @@ from torch import nn
 from kvpress.engine import Installable, Observation
 from kvpress.patches import kv_quantization as quant
 from kvpress.patches.cache import PressedLayer
+from kvpress.patches.head_cache import HeadwiseLayer
 
 
 def _check_ratio(value: float | None) -> None:
@@ -161,6 +162,14 @@ class BasePress(Installable):
 
     def observe(self, obs: Observation) -> None:
         """Called after every attention call, before any eviction (accumulating presses override it)."""
+
+    def observe_headwise(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer,
+                         hidden: torch.Tensor | None, ids: torch.Tensor | None,
+                         mass: torch.Tensor | None) -> None:  # fmt: skip
+        """Optional: `observe` every (row, KV head) of a head-wise layer (`HeadwiseLayer`) in one call, its state in
+        `layer.state(name)`; `mass`: the packed attention mass (`headwise_attention`) or None. A press that does
+        not define it is observed one head's view at a time (`head_budget.observe_every_head`)."""
+        raise NotImplementedError
 
     def after_eviction(self, obs: Observation) -> None:
         """Called after each eviction step of a dense layer (`obs.layer` holds what stays; per-head presses

@@ -24,7 +24,7 @@ from kvpress.patches import model_access
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.patterns import check_pattern, find_pattern, load_pattern
 from kvpress.presses.base import BasePress, Observation, _check_ratio, check_field_types
-from kvpress.presses.head_budget import HeadwisePress, head_observation
+from kvpress.presses.head_budget import HeadwisePress, head_observation, observe_every_head
 from kvpress.presses.wrapping import inner_flag
 
 
@@ -158,14 +158,11 @@ class DuoAttentionPress(HeadwisePress):
             self.press.observe(obs)
 
     def observe_heads(
-        self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden=None, ids=None
+        self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden=None, ids=None, mass=None
     ) -> None:
-        if self.press is None or type(self.press).observe is BasePress.observe:
-            return
-        for row, head in (layer.head_budget < 0).nonzero().tolist():  # retrieval heads: the press's state
-            obs, view = head_observation(module, query, layer, row, head, hidden, ids)
-            self.press.observe(obs)
-            layer.absorb(row, head, view)
+        if self.press is not None:  # retrieval heads: the press's state
+            retrieval = [tuple(pair) for pair in (layer.head_budget < 0).nonzero().tolist()]
+            observe_every_head(self.press, module, query, layer, hidden, ids, mass, retrieval)
 
     def head_budgets(self, obs: Observation) -> torch.Tensor:
         """Streaming heads stay bounded from now on; -1: a retrieval head."""

@@ -37,23 +37,52 @@ class HeadwisePress(BasePress):
 
     def observe_heads(
         self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden: torch.Tensor | None = None,
-        ids: torch.Tensor | None = None,
+        ids: torch.Tensor | None = None, mass: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
-        """Per-head `observe` for presses that accumulate state over a head-wise layer (default: none)."""
+        """Per-head `observe` for presses that accumulate state over a head-wise layer (default: none); `mass`: the
+        attention mass the head-wise attention computed (`headwise_attention`), or None."""
+
+
+def observe_every_head(
+    press: BasePress, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, hidden=None, ids=None, mass=None,
+    pairs: list[tuple[int, int]] | None = None,
+) -> None:  # fmt: skip
+    """`press.observe` over the (row, KV head) `pairs` of a head-wise layer (None: all of them): in one call where the
+    press observes a head-wise layer whole (`observe_headwise`, which then covers every pair), else one view at a
+    time (`head_observation`). On a sliding-window layer only the new tokens still held are observed (the last
+    `window - 1`, as `engine.within_window` does for a dense layer)."""
+    if type(press).observe is BasePress.observe:
+        return
+    if layer.window is not None and query.shape[2] >= layer.window:  # a long chunk: its oldest tokens left the window
+        q = layer.window - 1
+        query, hidden, ids = query[:, :, -q:], *(None if t is None else t[:, -q:] for t in (hidden, ids))
+    if type(press).observe_headwise is not BasePress.observe_headwise:
+        press.observe_headwise(module, query, layer, hidden, ids, mass)
+        return
+    if pairs is None:
+        pairs = [(row, head) for row in range(layer.batch) for head in range(layer.heads)]
+    for row, head in pairs:
+        obs, view = head_observation(module, query, layer, row, head, hidden, ids, mass)
+        press.observe(obs)
+        layer.absorb(row, head, view)
 
 
 def head_observation(
-    module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, row: int, head: int, hidden=None, ids=None
-):
+    module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, row: int, head: int, hidden=None, ids=None,
+    mass=None,
+):  # fmt: skip
     """An `Observation` of one (row, KV head) of a head-wise layer, and the one-head view it reads (`hidden`: the
     layer's input hidden states of the new tokens, `[B, q, d]`, or None; `ids`: their token ids, `[B, q]`, or
-    None)."""
+    None; `mass`: the layer's packed attention mass, `[slots]`, or None)."""
     g = query.shape[1] // layer.heads
     view = layer.view(row, head)
     hidden = None if hidden is None else hidden[row : row + 1]
     ids = None if ids is None else ids[row : row + 1]
+    if mass is not None:
+        i = row * layer.heads + head
+        mass = mass[layer.bounds[i] : layer.bounds[i] + layer.lengths[i]][None, None]
     obs = Observation(module, query[row : row + 1, head * g : (head + 1) * g], view.keys, view.values, view,
-                      hidden, slice(head, head + 1), ids=ids)  # fmt: skip
+                      hidden, slice(head, head + 1), mass=mass, ids=ids)  # fmt: skip
     return obs, view
 
 

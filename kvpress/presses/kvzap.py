@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from kvpress.patches import model_access
+from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.presses.base import BasePress, Observation
+from kvpress.presses.head_budget import head_observation
 from kvpress.presses.snapkv import check_kernel_size, pool_by_position
 from kvpress.scorers import Scorer, find_scorer, load_scorer
 from kvpress.words import max_over_words, word_starts
@@ -131,40 +133,75 @@ class KVzapPress(BasePress):
 
     def observe(self, obs: Observation) -> None:
         """Predict the scores of the new tokens (the last `hidden.shape[1]` held slots) from their hidden states."""
-        if obs.hidden is None:
-            raise ValueError("KVzapPress scores tokens from the hidden states entering each layer's attention, which "
-                             "this path does not give (RoundPolicy's rounds): use another press there")  # fmt: skip
-        if obs.module not in self._weights:
-            raise RuntimeError("KVzapPress was not installed on this model: enter `with press(model):` first")
-        weight, bias, mass = self._weights[obs.module]
-        hidden = obs.hidden.to(obs.keys.device, torch.float32)
-        if weight.device != hidden.device:
-            weight, bias = weight.to(hidden.device), bias.to(hidden.device)
-            mass = None if mass is None else mass.to(hidden.device)
-            self._weights[obs.module] = (weight, bias, mass)
+        weight, bias, mass = self._layer_weights(obs.module, obs.hidden, obs.keys.device)
         if mass is not None:
             obs.layer.slot(_MASS).add_(obs.attention_mass(MASS_BLOCK))
-        predicted = (hidden @ weight + bias).exp().transpose(1, 2)[:, obs.kv_heads]  # [B, H, q]
+        predicted = self._predict(obs.hidden, weight, bias)[:, obs.kv_heads]  # [B, H, q]
         q = predicted.shape[-1]
         slot = obs.layer.slot(_SCORE)
         slot[..., slot.shape[-1] - q :] = predicted
         if self.whole_words:
-            self._observe_words(obs, q)
+            starts, ends = obs.layer.slot(_WORD), obs.layer.slot(_WORD_END)
+            n = starts.shape[-1]
+            pos = obs.layer.pos[..., :n]
+            starts[..., n - q :], ends[..., n - q :] = word_starts(
+                self._word_edges(obs.module, obs.ids, obs.keys.device), obs.ids[:, -q:], pos[..., n - q :],
+                pos[..., : n - q], starts[..., : n - q], ends[..., : n - q])  # fmt: skip
 
-    def _observe_words(self, obs: Observation, q: int) -> None:
-        """Store, for the `q` new slots, the position their word starts at and whether they end with a letter."""
-        if obs.ids is None:
+    def observe_headwise(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer,
+                         hidden: torch.Tensor | None, ids: torch.Tensor | None,
+                         mass: torch.Tensor | None) -> None:  # fmt: skip
+        """`observe` for every (row, KV head) of a head-wise layer at once: one prediction for the layer, the new
+        tokens' words joined per pair to the slot each holds just before them, the attention mass the head-wise
+        attention computed (per pair here only where it did not: a sliding-window layer)."""
+        weight, bias, mass_weight = self._layer_weights(module, hidden, layer.device)
+        q = query.shape[2]
+        new = layer.newest(q)  # [B, H, q]
+        layer.state(_SCORE)[new] = self._predict(hidden, weight, bias)
+        if mass_weight is not None:
+            if mass is None:
+                mass = torch.zeros_like(layer.state(_MASS))
+                for i in range(layer.batch * layer.heads):
+                    obs, _ = head_observation(module, query, layer, i // layer.heads, i % layer.heads)
+                    mass[layer.bounds[i] : layer.bounds[i] + layer.lengths[i]] = obs.attention_mass(MASS_BLOCK)[0, 0]
+            layer.state(_MASS).add_(mass)
+        if self.whole_words:
+            starts, ends, pos = layer.state(_WORD), layer.state(_WORD_END), layer.store["pos"]
+            before = (new[..., :1] - 1).clamp_min(0)  # the slot each pair holds just before its new ones
+            held_pos = pos[before]
+            if min(layer.lengths) <= q:  # a pair holding only the new tokens: its `before` is another pair's slot
+                held_pos = torch.where(layer.held()[..., None].to(new.device) > q, held_pos, -2)  # -2: none held
+            starts[new], ends[new] = word_starts(self._word_edges(module, ids, layer.device), ids, pos[new],
+                                                 held_pos, starts[before], ends[before])  # fmt: skip
+
+    def _layer_weights(self, module: nn.Module, hidden: torch.Tensor | None, device: torch.device) -> tuple:
+        """The scorer's (weight, bias, mass weights or None) of `module`'s layer, on `device`."""
+        if hidden is None:
+            raise ValueError("KVzapPress scores tokens from the hidden states entering each layer's attention, which "
+                             "this path does not give (RoundPolicy's rounds): use another press there")  # fmt: skip
+        if module not in self._weights:
+            raise RuntimeError("KVzapPress was not installed on this model: enter `with press(model):` first")
+        weight, bias, mass = self._weights[module]
+        if weight.device != device:
+            weight, bias = weight.to(device), bias.to(device)
+            mass = None if mass is None else mass.to(device)
+            self._weights[module] = (weight, bias, mass)
+        return weight, bias, mass
+
+    @staticmethod
+    def _predict(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """`[B, H, q]` the predicted scores of every KV head from the hidden states `[B, q, d]`."""
+        return (hidden.to(weight.device, torch.float32) @ weight + bias).exp().transpose(1, 2)
+
+    def _word_edges(self, module: nn.Module, ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """The scorer's word table on `device`; refuses a forward without token ids."""
+        if ids is None:
             raise ValueError("KVzapPress(whole_words=True) groups tokens into words by their ids, which this "
                              "forward did not give (it was given inputs_embeds): pass input_ids, or whole_words=False")
-        layer, edges = obs.layer, self._edges[obs.module]
-        if edges.device != obs.keys.device:
-            edges = self._edges[obs.module] = edges.to(obs.keys.device)
-        starts, ends = layer.slot(_WORD), layer.slot(_WORD_END)
-        n = starts.shape[-1]
-        pos = layer.pos[..., :n]
-        starts[..., n - q :], ends[..., n - q :] = word_starts(edges, obs.ids[:, -q:], pos[..., n - q :],
-                                                               pos[..., : n - q], starts[..., : n - q],
-                                                               ends[..., : n - q])  # fmt: skip
+        edges = self._edges[module]
+        if edges.device != device:
+            edges = self._edges[module] = edges.to(device)
+        return edges
 
     def mass_block(self) -> int | None:
         return MASS_BLOCK if self._uses_mass else None
