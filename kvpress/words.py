@@ -37,19 +37,21 @@ def word_starts(
     new token continues the word of the token just before it when that one is still held (among `held_pos`
     `[B, H, m]`, with the word starts and endings stored for them); otherwise it starts a word."""
     ids = ids.to(edges.device).clamp(0, edges.shape[0] - 1)
-    begins, ends = edges[ids, 0].bool(), edges[ids, 1].bool()  # [B, q]
+    flags = edges[ids].bool().to(new_pos.device)  # [B, q, 2]
+    begins, ends = flags[..., 0], flags[..., 1]
     b, h, q = new_pos.shape
-    joined = torch.zeros(b, h, q, dtype=torch.bool, device=new_pos.device)
-    joined[..., 1:] = (begins[:, 1:] & ends[:, :-1])[:, None].to(joined.device)
-    values = torch.where(joined, torch.full_like(new_pos, -1.0), new_pos.float())
-    if held_pos.shape[-1]:
-        before = held_pos == new_pos[..., :1] - 1  # [B, H, m] the token just before the first new one
-        found = before.any(-1)
-        slot = before.float().argmax(-1, keepdim=True)
-        prev_start, prev_end = held_starts.gather(-1, slot)[..., 0], held_ends.gather(-1, slot)[..., 0] > 0
-        first = found & prev_end & begins[:, :1].to(found.device)
-        values[..., 0] = torch.where(first, prev_start, values[..., 0])
-    return values.cummax(-1).values, ends[:, None].expand(b, h, q).float()
+    values = torch.empty(b, h, q, device=new_pos.device).copy_(new_pos)  # ours to write (new_pos may be a view)
+    if q > 1:  # a token joining the one before it: -1, so the running max below carries its word's start
+        values[..., 1:] = values[..., 1:].masked_fill((begins[:, 1:] & ends[:, :-1])[:, None], -1.0)
+    if held_pos.shape[-1]:  # the slot held just before the first new token (slot 0 of m = 1: no search)
+        slot = None if held_pos.shape[-1] == 1 else (held_pos == new_pos[..., :1] - 1).float().argmax(-1, True)
+        prev_pos, prev_start, prev_end = (t[..., 0] if slot is None else t.gather(-1, slot)[..., 0]
+                                          for t in (held_pos, held_starts, held_ends))  # fmt: skip
+        first = (prev_pos == new_pos[..., 0] - 1) & (prev_end > 0) & begins[:, :1]
+        values[..., 0] = torch.where(first, prev_start.float(), values[..., 0])
+    if q > 1:
+        values = values.cummax(-1).values
+    return values, ends[:, None].expand(b, h, q).float()
 
 
 def max_over_words(scores: torch.Tensor, starts: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:

@@ -98,8 +98,8 @@ def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float, mass: to
                 k, v = layer.pair(row, head)
             weights = torch.softmax(torch.mm(scaled[row, head], k.T), dim=-1)
             torch.mm(weights, v, out=out[row, head])
-            if mass is not None:
-                mass[layer.bounds[i] : layer.bounds[i] + layer.lengths[i]] = weights.float().sum(0)
+            if mass is not None:  # (one op where the weights are fp32, as on the CPU)
+                torch.sum(weights.float(), dim=0, out=mass[layer.bounds[i] : layer.bounds[i] + layer.lengths[i]])
     return out.view(b, 1, hq, -1)
 
 

@@ -157,7 +157,8 @@ class KVzapPress(BasePress):
         weight, bias, mass_weight = self._layer_weights(module, hidden, layer.device)
         q = query.shape[2]
         new = layer.newest(q)  # [B, H, q]
-        layer.state(_SCORE)[new] = self._predict(hidden, weight, bias)
+        flat = new.view(-1)  # (flat index ops: advanced indexing costs more, in every layer at every step)
+        layer.state(_SCORE).index_copy_(0, flat, self._predict(hidden, weight, bias).reshape(-1))
         if mass_weight is not None:
             if mass is None:
                 mass = torch.zeros_like(layer.state(_MASS))
@@ -167,12 +168,15 @@ class KVzapPress(BasePress):
             layer.state(_MASS).add_(mass)
         if self.whole_words:
             starts, ends, pos = layer.state(_WORD), layer.state(_WORD_END), layer.store["pos"]
-            before = (new[..., :1] - 1).clamp_min(0)  # the slot each pair holds just before its new ones
-            held_pos = pos[before]
+            before = (new[..., 0] - 1).clamp_min(0).view(-1)  # the slot each pair holds just before its new ones
+            held_pos, held_starts, held_ends = (t.index_select(0, before).view(*new.shape[:2], 1)
+                                                for t in (pos, starts, ends))  # fmt: skip
             if min(layer.lengths) <= q:  # a pair holding only the new tokens: its `before` is another pair's slot
                 held_pos = torch.where(layer.held()[..., None].to(new.device) > q, held_pos, -2)  # -2: none held
-            starts[new], ends[new] = word_starts(self._word_edges(module, ids, layer.device), ids, pos[new],
-                                                 held_pos, starts[before], ends[before])  # fmt: skip
+            word, end = word_starts(self._word_edges(module, ids, layer.device), ids,
+                                    pos.index_select(0, flat).view(new.shape), held_pos, held_starts, held_ends)
+            starts.index_copy_(0, flat, word.reshape(-1))
+            ends.index_copy_(0, flat, end.reshape(-1))
 
     def _layer_weights(self, module: nn.Module, hidden: torch.Tensor | None, device: torch.device) -> tuple:
         """The scorer's (weight, bias, mass weights or None) of `module`'s layer, on `device`."""
