@@ -65,7 +65,8 @@ class HeadwiseLayer(DynamicLayer):
         self.kv_bits: int | None = None  # keys and values stored as codes of this width (`quantize`)
         self.key_stats: torch.Tensor | None = None
         self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None  # the last commit's tokens, exact
-        self._appended: torch.Tensor | None = None  # [B, H, q] where the last commit put its slots, until they move
+        # [B, H, q] where this forward's commit put its slots: until `keep` moves slots or the forward ends (`settle`)
+        self._appended: torch.Tensor | None = None
 
     @property
     def is_sliding(self) -> bool:
@@ -134,7 +135,7 @@ class HeadwiseLayer(DynamicLayer):
                       if name in ("keys", "values", "pos")}  # fmt: skip
         self.bounds = [0] * (len(self.lengths) + 1)
         self.lengths = [0] * len(self.lengths)
-        self.seen, self.pending, self._new, self.torn, self._fresh, self._appended = 0, 0, None, False, None, None
+        self.seen, self.pending, self._new, self.torn, self._fresh = 0, 0, None, False, None
         self.key_stats = None  # a quantized layer fits the next prompt's ranges on its first commit
         self.real_seen = torch.zeros(self.batch, dtype=torch.long, device=self.device)
 
@@ -317,7 +318,6 @@ class HeadwiseLayer(DynamicLayer):
         held = torch.tensor(self.lengths, device=self.device)
         old = torch.tensor(self.bounds[:-1], device=self.device)
         bounds = _bounds(sizes)
-        self._appended = None  # the slots move
         new = torch.tensor(bounds[:-1], device=self.device)
         offset = torch.arange(int(held.sum()), device=self.device) - torch.repeat_interleave(
             torch.tensor(_bounds(self.lengths)[:-1], device=self.device), held)  # fmt: skip
@@ -327,7 +327,6 @@ class HeadwiseLayer(DynamicLayer):
         self.bounds = bounds
 
     def _select_rows(self, rows: list[int]) -> None:
-        self._appended = None
         pairs = [r * self.heads + h for r in rows for h in range(self.heads)]
         index = torch.cat([torch.arange(self.bounds[i], self.bounds[i] + self.lengths[i]) for i in pairs])
         index = index.to(self.device)
@@ -343,7 +342,6 @@ class HeadwiseLayer(DynamicLayer):
         self.values = self.keys
 
     def _map(self, fn) -> None:
-        self._appended = None
         self.store = {name: fn(t) for name, t in self.store.items()}
         if self.kv_bits is not None:
             self.key_stats = fn(self.key_stats)
