@@ -3,9 +3,10 @@
 
 For each model and context length, each (press, ratio) runs `model.generate` of `--decode-steps` tokens after
 a prompt of English text (CPython's documentation), inside `with press(model, tokenizer=tokenizer):`, with
-transformers' `prefill_chunk_size` when `--chunk` is given (presses that score the whole prompt refuse chunks:
-they run unchunked, and their row says so). Right before it, the same generation with no press runs in its own
-process too, so each ratio to no press comes from two neighbouring runs on this shared machine. A child process
+transformers' `prefill_chunk_size` when `--chunk` is given (presses that score the whole prompt and cannot score
+later chunks refuse chunks: they run unchunked, and their row says so; KVzip scores each chunk). Right before it,
+the same generation with no press runs in its own process too, so each ratio to no press comes from two
+neighbouring runs on this shared machine. A child process
 reports: the resident memory above the loaded model at its peak (the kernel's high-water mark, reset once
 every weight was read: `eval/memory.page_in`), the cache bytes after generating, the seconds to the first token
 (the prefill, a press's scoring pass included) and the median decode step.
@@ -101,7 +102,7 @@ def _key(row: dict) -> tuple:
 def configurations(plan: dict, presses: list[str], ratios: list[float], chunk, steps: int) -> list[dict]:
     """In run order: per model its one-chunk run (with `chunk`), then for each length and (press, ratio), the
     no-press run it pairs with, then it. `spec` is the press run (`default`: the model's own); a pair whose press
-    scores the whole prompt runs unchunked, its no-press run too."""
+    scores the whole prompt and refuses later chunks runs unchunked, its no-press run too."""
     runs = []
     for model, lengths in plan.items():
         if chunk:
@@ -109,7 +110,8 @@ def configurations(plan: dict, presses: list[str], ratios: list[float], chunk, s
                          "spec": "none", "ratio": 0.0, "pairs_with": "one-chunk"})  # fmt: skip
         for press in presses:
             spec = (default_for(model) or kvpress.DEFAULT_PRESS) if press == "default" else press
-            whole = kvpress.press_from_name(spec, compression_ratio=0.5).needs_whole_context
+            built = kvpress.press_from_name(spec, compression_ratio=0.5)
+            whole = built.needs_whole_context and not built.scores_later_chunks  # KVzip scores each chunk
             for length in lengths:
                 for ratio in ratios:
                     common = {"model": model, "length": length, "chunk": None if whole else chunk, "steps": steps}

@@ -62,7 +62,8 @@ class KVPressLM(HFLM):
         compression_ratio, max_tokens, and any press parameter (`window_size`, `n_sink`, ...): the press's.
         rolling_chunk: tokens fed per forward in loglikelihood_rolling (default 128).
         prefill_chunk_size: prefill each context this many tokens a forward, the press evicting after each
-            (default None: one forward; presses that score the whole context refuse it).
+            (default None: one forward; KVzip scores each chunk, the other presses that score the whole
+            context refuse it).
         query_aware: compress the whole prompt, question included (default False: only the text before
             the document's `question`; see the module docstring).
         question_key: the document field that holds the question (default "question"), for tasks whose

@@ -117,8 +117,9 @@ def run_sweep(
     configurations that a changed answer budget could change (`is_final`) are measured again.
 
     `prefill_chunk_size`: each press that evicts as tokens are cached prefills the context live, that many tokens
-    a forward, instead of being applied to one recorded prefill (presses that score the whole context, and no
-    press, still use the recording: their rows say `prefill_chunk_size` None)."""
+    a forward, instead of being applied to one recorded prefill, and so does KVzip, which scores each chunk (other
+    presses that score the whole context, and no press, still use the recording: their rows say
+    `prefill_chunk_size` None)."""
     configs = configurations(presses, ratios)
     check_tasks(tasks)
     check_sizes(examples, length, seed)
@@ -357,8 +358,8 @@ def answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_aware
 def _compressed(model, tokenizer, recording, press, chunk: int | None) -> tuple[DynamicCache, dict]:
     """The cache `press` leaves of the recorded prefill (None: the recording's own), and the row field
     `prefill_chunk_size` when the sweep chunks: with `chunk`, a press that evicts as tokens are cached prefills
-    the recording's tokens live, `chunk` tokens a forward, into a new cache."""
-    if chunk is None or press is None or press.needs_whole_context:
+    the recording's tokens live, `chunk` tokens a forward, into a new cache (KVzip too: it scores each chunk)."""
+    if chunk is None or press is None or (press.needs_whole_context and not press.scores_later_chunks):
         cache = recording.cache if press is None else compress_recording(model, recording, press, tokenizer)
         return cache, {} if chunk is None else {"prefill_chunk_size": None}
     cache = DynamicCache(config=model.config)

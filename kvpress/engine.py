@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -174,6 +175,9 @@ class Installable:
 
     per_head: ClassVar[bool] = False
     needs_whole_context: ClassVar[bool] = False  # scores the whole prompt once it is cached (`prepare`)
+    # such a press that also scores a later forward of several tokens over the cache it compressed (`prepare_chunk`:
+    # the next chunk of a chunked prefill, a new turn), given the ids fed since it scored last
+    scores_later_chunks: ClassVar[bool] = False
     needs_tokenizer: ClassVar[bool] = False  # writes a prompt of its own in `prepare` (KVzip's repeat request)
     needs_hidden: ClassVar[bool] = False  # scores from `Observation.hidden` (the layer's input hidden states)
     # scores each token once, as it is cached: it observes forwards inside `frozen()` too (nothing is evicted
@@ -198,9 +202,11 @@ class PressInstallation:
     the prompt at the end of the prefill: the first forward of a new cache runs on all the prompt's tokens but
     its last, the press scores them (its own pass over the cache) and evicts, then the last token runs over the
     compressed cache and gives the forward's output; generated tokens are kept. A later forward of several tokens
-    while the press evicts (a chunk of `prefill_chunk_size`, a new turn) is refused: nothing would score it, so
-    the budget would not hold (read it inside `frozen()` to keep it whole). This is what `kvpress.generate(...,
-    query_aware=True)` does for a context and its question."""
+    while the press evicts (a chunk of `prefill_chunk_size`, a new turn) runs the same way on a press that
+    `scores_later_chunks` (KVzip: `prepare_chunk` scores every token fed since it scored last, over the compressed
+    cache); any other is refused: nothing would score it, so the budget would not hold (read it inside `frozen()`
+    to keep it whole). This is what `kvpress.generate(..., query_aware=True)` does for a context and its
+    question."""
 
     def __init__(
         self, model: nn.Module, press: Installable | None, observers: tuple[Observer, ...] = (), tokenizer=None
@@ -219,6 +225,9 @@ class PressInstallation:
             _check_press(model, press)
             self._inv_freq = model_access.inv_freq(model) if press.rerotate else None
         self._activation = None
+        # the cache the press scored last (`scores_later_chunks`), and the ids fed to it since (None: embeddings)
+        self._scored: weakref.ref | None = None
+        self._unscored: list[torch.Tensor] | None = None
 
     # ----- entering -----------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -286,34 +295,60 @@ class PressInstallation:
 
     def run_forward(self, forward: Callable, cache: DynamicCache, args: tuple, kwargs: dict):
         """Run one forward of the caller; the first forward of a new cache in parts when the press scores the
-        whole prompt (see the class docstring)."""
+        whole prompt, and later ones of several tokens when it scores them too (see the class docstring)."""
         q = new_tokens(args, kwargs).shape[1]
         fresh = all(getattr(layer, "seen", 0) == 0 for layer in cache.layers)
         frozen = not self.intercept.compressing()
         if self.press is not None and self.press.recalls and frozen and q >= 2 and not fresh:
             return _in_two(forward, args, kwargs, q)
-        if self.press is None or not self.press.needs_whole_context or q < 2 or frozen:
+        if self.press is None or not self.press.needs_whole_context:
             return forward(*args, **kwargs)
-        if not fresh:
+        if q < 2 or frozen:
+            if self._scored is not None and self._scored() is cache and not (_OBSERVING.get() or {}).get(self):
+                self._note(new_tokens(args, kwargs))  # fed by the caller (not a press's own pass): kept unscored
+            return forward(*args, **kwargs)
+        if not fresh and not self.press.scores_later_chunks:
             seen = max(getattr(layer, "seen", 0) for layer in cache.layers)
             raise ValueError(
                 f"{type(self.press).__name__} compresses the first prompt of a cache, scored by a pass over all of it; "
                 f"this forward adds {q} tokens to a cache already holding {seen} seen (the next chunk of a chunked "
                 "prefill, or a new turn), which it cannot score, so the budget would not hold: feed the prompt in "
-                "one forward (no prefill_chunk_size), use KVzapPress (it scores tokens as they are cached), or read a "
-                "new turn inside `installed.frozen()` to keep it whole"
+                "one forward (no prefill_chunk_size), use KVzipPress or KVzapPress (they score later tokens too), or "
+                "read a new turn inside `installed.frozen()` to keep it whole"
             )
+        if not fresh and (self._scored is None or self._scored() is not cache or self._unscored is None):
+            raise ValueError(
+                f"{type(self.press).__name__} scores a later forward of several tokens by the ids fed since it "
+                f"compressed the cache; this forward adds {q} tokens to a cache it did not compress in this block, "
+                "or one fed embeddings since: feed token ids to the cache it compressed"
+            )
+        ids = new_tokens(args, kwargs)
+        if not fresh and ids.is_floating_point():
+            raise ValueError(f"{type(self.press).__name__} rebuilds a later chunk from its token ids: feed input_ids, "
+                             "not inputs_embeds")  # fmt: skip
         (head_args, head_kwargs), tail = split_inputs(args, kwargs, q - 1)
         recorder = QueryRecorder(keep_hidden=self.press.needs_hidden)
         with self.observing(recorder):
             forward(*head_args, **{**head_kwargs, "logits_to_keep": 1})
-        ids = new_tokens(args, kwargs)
-        recording = Recording(cache, recorder.queries, ids[:, :-1], next_ids=ids[:, -1:], hidden=recorder.hidden)
-        self.press.prepare(self.model, recording, self.tokenizer)
         token_ids = None if ids.is_floating_point() else ids[:, :-1]
+        if fresh:
+            recording = Recording(cache, recorder.queries, ids[:, :-1], next_ids=ids[:, -1:], hidden=recorder.hidden)
+            self.press.prepare(self.model, recording, self.tokenizer)
+        else:
+            self.press.prepare_chunk(self.model, cache, torch.cat([*self._unscored, token_ids], dim=-1), self.tokenizer)
         for layer in compress_layers(self.press, cache, recorder.queries, recorder.hidden, token_ids):
             layer.driven = True  # a layer moved to per-head storage: the rest of the forward drives it too
+        if self.press.scores_later_chunks:
+            self._scored, self._unscored = weakref.ref(cache), []
+            self._note(ids[:, -1:])
         return forward(*tail[0], **tail[1])
+
+    def _note(self, ids: torch.Tensor) -> None:
+        """Keep the ids of tokens fed unscored to the cache the press scored last (none can be kept of embeddings)."""
+        if self._unscored is None or ids.is_floating_point():
+            self._unscored = None
+        else:
+            self._unscored.append(ids)
 
     def mass_block(self, layer: PressedLayer | HeadwiseLayer, evict_now: bool = True) -> int | None:
         """Queries a block when this forward's press reads the attention mass of a layer (see the intercept)."""

@@ -107,29 +107,30 @@ def prefill_context(
 
     `prefill_chunk_size` feeds `ids` that many tokens a forward (as transformers' `prefill_chunk_size` inside
     `model.generate`): the press evicts after each, so the cache never holds more than its budget plus one chunk
-    and the activations are one chunk's. Presses that score the whole context cannot take chunks (refused)."""
+    and the activations are one chunk's. KVzip scores each chunk over the cache compressed so far (its
+    `scores_later_chunks`); other presses that score the whole context cannot take chunks (refused)."""
     chunk = check_chunk_size(prefill_chunk_size, press)
-    if press is not None and press.needs_whole_context:
+    if press is not None and press.needs_whole_context and chunk is None:
         recording = record_prefill(model, ids, cache, next_ids)
         compress_recording(model, recording, press, tokenizer, in_place=True)
     else:
         chunk = chunk or ids.shape[1]
-        with maybe_installed(press, model):
+        with maybe_installed(press, model, tokenizer):
             for start in range(0, ids.shape[1], chunk):  # the cache is what is wanted, not logits
                 model(ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
 
 
 def check_chunk_size(size, press: BasePress | None = None) -> int | None:
     """`size` as a prefill chunk size: None (one forward) or a positive integer; anything else is refused, and so
-    is any chunk for a `press` that scores the whole context once it is cached."""
+    is any chunk for a `press` that scores the whole context once it is cached and cannot score later chunks."""
     if size is None:
         return None
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"prefill_chunk_size must be a positive number of tokens (or None: one forward), got {size!r}")
-    if press is not None and press.needs_whole_context:
+    if press is not None and press.needs_whole_context and not press.scores_later_chunks:
         raise ValueError(f"{type(press).__name__} scores the whole context once it is cached, in one pass: it cannot "
                          "prefill in chunks (prefill_chunk_size=None, or a press that scores tokens as they are "
-                         "cached, such as KVzapPress)")  # fmt: skip
+                         "cached, such as KVzapPress, or KVzipPress, which scores each chunk)")  # fmt: skip
     return size
 
 

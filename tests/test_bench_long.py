@@ -7,13 +7,15 @@ from kvpress.eval.bench_long import configurations, main, markdown, measure, sum
 
 
 def test_each_press_follows_its_own_no_press_run_and_whole_context_pairs_run_unchunked():
-    runs = configurations({"qwen2.5-0.5b": (4096, 8192)}, ["snapkv", "kvzip"], [0.5], 1024, 8)
+    runs = configurations({"qwen2.5-0.5b": (4096, 8192)}, ["snapkv", "lookahead", "kvzip"], [0.5], 1024, 8)
     assert [(r["length"], r["press"], r["pairs_with"], r["chunk"]) for r in runs] == [
         (1024, "none", "one-chunk", 1024),
         (4096, "none", "snapkv@0.5", 1024), (4096, "snapkv", None, 1024),
-        (4096, "none", "kvzip@0.5", None), (4096, "kvzip", None, None),
+        (4096, "none", "lookahead@0.5", None), (4096, "lookahead", None, None),
+        (4096, "none", "kvzip@0.5", 1024), (4096, "kvzip", None, 1024),  # KVzip scores each chunk
         (8192, "none", "snapkv@0.5", 1024), (8192, "snapkv", None, 1024),
-        (8192, "none", "kvzip@0.5", None), (8192, "kvzip", None, None),
+        (8192, "none", "lookahead@0.5", None), (8192, "lookahead", None, None),
+        (8192, "none", "kvzip@0.5", 1024), (8192, "kvzip", None, 1024),
     ]  # fmt: skip
     default = configurations({"qwen2.5-0.5b": (4096,)}, ["default"], [0.5], None, 8)[1]
     assert default["press"] == "default" and default["spec"] == kvpress.presses.defaults.default_for("qwen2.5-0.5b")

@@ -167,8 +167,9 @@ def test_chunked_prefill_holds_the_budget_after_every_chunk(name):
 
 def test_prefill_context_in_chunks_holds_the_budget_after_every_chunk_and_refuses_whole_context_presses():
     """kvpress.generate's prefill with prefill_chunk_size: each chunk's forward evicts, as inside model.generate;
-    a chunk as long as the prompt is the one-forward prefill; presses scoring the whole context are refused."""
-    from kvpress import KVzipPress
+    a chunk as long as the prompt is the one-forward prefill; presses scoring the whole context are refused but
+    KVzip (tests/test_kvzip_chunks.py)."""
+    from kvpress import AdaKVPress, KVzipPress
     from kvpress.pipeline import prefill_context
 
     model = _model()
@@ -188,7 +189,8 @@ def test_prefill_context_in_chunks_holds_the_budget_after_every_chunk_and_refuse
     prefill_context(model, ids, press, whole)
     assert torch.equal(one.layers[0].keys, whole.layers[0].keys)
     with pytest.raises(ValueError, match="cannot prefill in chunks"):
-        prefill_context(model, ids, KVzipPress(0.5), DynamicCache(config=model.config), prefill_chunk_size=16)
+        prefill_context(model, ids, AdaKVPress(KVzipPress(0.5)), DynamicCache(config=model.config),
+                        prefill_chunk_size=16)  # fmt: skip
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="prefill_chunk_size must be a positive number"):
             prefill_context(model, ids, press, DynamicCache(config=model.config), prefill_chunk_size=bad)

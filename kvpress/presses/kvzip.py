@@ -60,13 +60,17 @@ class KVzipPress(BasePress):
     The whole context must be cached before it is scored, so this press is applied right after the
     prefill: `kvpress.generate` and `kvpress sweep` do so through `kvpress.recording`, and inside
     `with press(model, tokenizer=tokenizer): model.generate(...)` the end of the prompt's forward triggers it
-    (`PressInstallation`); a later forward of several tokens while it evicts (a chunked prefill, a new turn)
-    is refused, since nothing would score it.
+    (`PressInstallation`). A later forward of several tokens while it evicts (the next chunk of
+    `prefill_chunk_size`, a new turn) is scored the same way, over the cache compressed so far
+    (`prepare_chunk`): a pass rebuilds the tokens fed since the last scoring, the budget is taken of every token
+    seen, so a chunked prefill holds at most the budget plus one chunk (and one pass while scoring). Chunks see
+    only what came before them: a cache prefilled in chunks differs from one scored whole.
     Cost: one more forward of the prompt and the context over the cached context, which holds at most one
     pass more (the prompt and `reconstruction_chunk` tokens).
     """
 
     needs_whole_context: ClassVar[bool] = True
+    scores_later_chunks: ClassVar[bool] = True
     needs_tokenizer: ClassVar[bool] = True
 
     prompt: str = REPEAT_PROMPT
@@ -78,6 +82,7 @@ class KVzipPress(BasePress):
     normalize_layers: bool = False
     scores: dict[int, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
     _shares: dict[int, float] | None = field(default=None, init=False, repr=False, compare=False)
+    _lead: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)  # last ids scored
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str) or not self.prompt.strip():
@@ -108,8 +113,31 @@ class KVzipPress(BasePress):
             ids = recording.ids
             prompt = tokenizer(self.prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(ids.device)
             recording.memo[key] = reconstruction_scores(model, recording.cache, ids, prompt, self.reconstruction_chunk)
-        self.scores = recording.memo[key]
+        self.scores, self._lead = recording.memo[key], recording.ids[:, -LEAD_IN:]
         self._shares = self._layer_shares(self.scores, recording.tokens) if self.global_budget else None
+
+    def prepare_chunk(self, model: nn.Module, cache, ids: torch.Tensor, tokenizer=None) -> None:
+        """Score a later chunk: `ids` `[B, m]`, the last tokens `cache` has seen, fed after the ones this press
+        scored and compressed last (`prepare`, or the chunk before). One reconstruction pass rebuilds them over
+        the compressed cache; a token held from before keeps the larger of its old score and the attention it
+        gets now, a token no longer held scores 0; the layer budgets are spread again over every token seen."""
+        if tokenizer is None:
+            raise ValueError("KVzipPress writes its repeat request with the model's tokenizer: pass tokenizer=")
+        if self.scores is None or self._lead is None:
+            raise RuntimeError("KVzipPress scores a later chunk after scoring the first one (`prepare`)")
+        prompt = tokenizer(self.prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(ids.device)
+        peaks = reconstruction_scores(model, cache, ids, prompt, self.reconstruction_chunk, lead_in=self._lead)
+        scores = {}
+        for idx, peak in peaks.items():
+            before = self.scores[idx].to(peak.dtype)
+            if before.shape[-1] + ids.shape[1] != peak.shape[-1]:
+                raise RuntimeError(f"KVzipPress scored {before.shape[-1]} tokens of this cache, and {ids.shape[1]} "
+                                   f"follow them, but layer {idx} has seen {peak.shape[-1]}")  # fmt: skip
+            peak[..., : before.shape[-1]] = torch.maximum(peak[..., : before.shape[-1]], before)
+            held = torch.zeros_like(peak, dtype=torch.bool).scatter_(-1, cache.layers[idx].pos.long(), True)
+            scores[idx] = peak.masked_fill_(~held, 0)
+        self.scores, self._lead = scores, torch.cat([self._lead, ids], dim=-1)[:, -LEAD_IN:]
+        self._shares = self._layer_shares(scores, peak.shape[-1]) if self.global_budget else None
 
     def _layer_shares(self, scores: dict[int, torch.Tensor], n: int) -> dict[int, float]:
         """Each layer's budget relative to the average layer: (1 - g) plus g times its share of the global
@@ -132,7 +160,7 @@ class KVzipPress(BasePress):
 
     def score(self, obs: Observation) -> torch.Tensor:
         tokens = None if self.scores is None else self.scores[obs.layer_idx].shape[-1]
-        check_prepared(self, tokens, obs, "a reconstruction pass", "kvpress.generate(..., press=...)")
+        check_prepared(self, tokens, obs, "a reconstruction pass", "kvpress.generate(..., press=...)", chunks=True)
         scores = at_held_slots(self.scores[obs.layer_idx], obs)
         return scores * obs.values.float().norm(dim=-1) if self.value_norm else scores
 
@@ -148,27 +176,45 @@ def reconstruction_scores(
     prompt_ids: torch.Tensor,
     chunk_size: int = 2048,
     piece_size: int = 512,
+    lead_in: torch.Tensor | None = None,
 ) -> dict[int, torch.Tensor]:
     """KVzip's importance of each cached context token, per compressible layer `[B, Hkv, n]`: the peak
     attention paid to it while the model rebuilds the context after the request `prompt_ids`. As in the
     paper's scoring of long contexts, each pass rebuilds `chunk_size` context tokens (the request, the
     `LEAD_IN` tokens before the chunk, the chunk), fed `piece_size` tokens a forward over the cached
     context, and is dropped before the next: `cache` (holding exactly the context, nothing evicted) holds
-    at most the context plus one pass, no copy of it, and is left as it was."""
+    at most the context plus one pass, no copy of it, and is left as it was.
+
+    `lead_in`: `context_ids` are the last tokens the cache has seen, after tokens it has compressed already, of
+    which `lead_in` are the last ids (a later chunk of a chunked prefill); only `context_ids` are rebuilt, and
+    the scores are per position of every token seen `[B, Hkv, seen]`, 0 where a layer no longer holds it."""
     n = context_ids.shape[1]
-    for idx, layer in enumerate(cache.layers):
-        window = getattr(layer, "window", None)  # a sliding-window layer holds the last `window - 1` tokens
-        held = n if window is None else min(n, window - 1)
-        if getattr(layer, "n", held) != held or getattr(layer, "seen", n) != n or getattr(layer, "padded", False):
-            raise ValueError(
-                f"reconstruction scores need the whole context cached ({n} tokens, no padding, nothing evicted); "
-                f"layer {idx} holds {getattr(layer, 'n', '?')} of {getattr(layer, 'seen', '?')} tokens"
-            )
-    observer = PromptAttention(n_prompt=n)
+    seen = n
+    if lead_in is None:
+        for idx, layer in enumerate(cache.layers):
+            window = getattr(layer, "window", None)  # a sliding-window layer holds the last `window - 1` tokens
+            held = n if window is None else min(n, window - 1)
+            if getattr(layer, "n", held) != held or getattr(layer, "seen", n) != n or getattr(layer, "padded", False):
+                raise ValueError(
+                    f"reconstruction scores need the whole context cached ({n} tokens, no padding, nothing evicted); "
+                    f"layer {idx} holds {getattr(layer, 'n', '?')} of {getattr(layer, 'seen', '?')} tokens"
+                )
+    else:
+        seen = max(getattr(layer, "seen", 0) for layer in cache.layers)
+        for idx, layer in enumerate(cache.layers):
+            if getattr(layer, "seen", seen) != seen or getattr(layer, "padded", False) or seen < n:
+                raise ValueError(
+                    f"a later chunk's reconstruction scores need every layer to have seen the same tokens, the "
+                    f"chunk's {n} last, and no padding; layer {idx} has seen {getattr(layer, 'seen', '?')}"
+                )
+    observer = PromptAttention(n_prompt=seen, by_position=lead_in is not None)
     prompt = prompt_ids.expand(context_ids.shape[0], -1)
+    before = context_ids[:, :0] if lead_in is None else lead_in
     with observe(model, observer):
         for start in range(0, n, chunk_size):
-            ids = torch.cat([prompt, context_ids[:, max(0, start - LEAD_IN) : start + chunk_size]], dim=-1)
+            lead = torch.cat([before, context_ids[:, max(0, start - LEAD_IN) : start]], dim=-1)
+            lead = lead[:, max(0, lead.shape[1] - LEAD_IN) :]
+            ids = torch.cat([prompt, lead, context_ids[:, start : start + chunk_size]], dim=-1)
             with scratch(cache):
                 for piece in range(0, ids.shape[1], piece_size):
                     model(ids[:, piece : piece + piece_size], cache=cache, use_cache=True, logits_to_keep=1)

@@ -1,0 +1,146 @@
+"""KVzip chunk by chunk: each later forward of several tokens (a chunk of a chunked prefill, a new turn) is
+scored by a reconstruction pass over the cache compressed so far, and the budget of every token seen holds."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvpress
+from kvpress import AdaKVPress, KVzipPress
+from kvpress.pipeline import prefill_context
+from kvpress.presses.kvzip import LEAD_IN
+from tiny import prompt, tiny_model
+
+REPEAT = torch.tensor([[5, 6, 7]])
+
+
+class _Tokenizer:
+    """Stands in for a tokenizer: every repeat request is the tokens 5, 6, 7."""
+
+    def __call__(self, text, add_special_tokens=False, return_tensors="pt"):
+        return SimpleNamespace(input_ids=REPEAT.clone())
+
+
+def _peaks(model, context: torch.Tensor, fed: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Per layer `[1, Hkv, n]`: the largest attention any token of `fed` pays each of `context`'s n tokens (over
+    the query heads of a KV group), from the model's own attention over `context` then `fed`, no cache."""
+    n, hkv = context.shape[1], model.config.num_key_value_heads
+    attentions = model(torch.cat([context, fed], dim=-1), output_attentions=True).attentions
+    return {idx: a[:, :, n:, :n].amax(dim=2).view(1, hkv, -1, n).amax(dim=2) for idx, a in enumerate(attentions)}
+
+
+def test_a_later_chunk_is_rebuilt_after_its_lead_in_and_each_token_keeps_its_best_score():
+    """Nothing evicted (r = 0), so the scores can be read off the model's plain attention: the first chunk but its
+    last token is rebuilt over itself; the second forward rebuilds that last token and its own tokens but its last,
+    after the request and the LEAD_IN ids before them, over everything seen; a token keeps its larger score."""
+    model = tiny_model("llama", attn="eager")
+    ids = prompt(1, 32)
+    press = KVzipPress(0.0, window_size=0, global_budget=0.0, reconstruction_chunk=64)
+    cache = DynamicCache(config=model.config)
+    with press(model, tokenizer=_Tokenizer()):
+        model(ids[:, :16], cache=cache)
+        first = {idx: s.clone() for idx, s in press.scores.items()}
+        model(ids[:, 16:], cache=cache)
+    expected_first = _peaks(model, ids[:, :15], torch.cat([REPEAT, ids[:, :15]], dim=-1))
+    again = _peaks(model, ids[:, :31], torch.cat([REPEAT, ids[:, 15 - LEAD_IN : 15], ids[:, 15:31]], dim=-1))
+    for idx, scores in press.scores.items():
+        torch.testing.assert_close(first[idx], expected_first[idx], atol=1e-5, rtol=1e-4)
+        expected = again[idx].clone()
+        expected[..., :15] = torch.maximum(expected[..., :15], expected_first[idx])
+        torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-4)
+    assert all(layer.n == layer.seen == 32 for layer in cache.layers)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-window"])  # mistral-window: 16-token windows
+def test_every_chunk_is_compressed_to_the_budget_of_every_token_seen_keeping_the_top_scores(family):
+    """r = 0.5, no window, no sinks, even layers: after each forward of 16 tokens a full-attention layer holds the
+    budget of the tokens scored (all seen but the forward's last) plus that last token, and what it holds are the
+    best-scored of those tokens; a frozen turn is kept whole, then scored with the next turn."""
+    model = tiny_model(family)
+    ids = prompt(1, 64)
+    press = KVzipPress(0.5, window_size=0, global_budget=0.0, reconstruction_chunk=8)
+    cache = DynamicCache(config=model.config)
+    with press(model, tokenizer=_Tokenizer()) as installed:
+        for start in (0, 16, 32):
+            model(ids[:, start : start + 16], cache=cache)
+            seen = start + 16
+            for idx, scores in press.scores.items():
+                layer = cache.layers[idx]
+                assert layer.seen == seen and scores.shape[-1] == seen - 1
+                if layer.window is not None:
+                    continue  # keeps what its window holds, within the same budget
+                budget = press.budget_of(seen - 1)
+                assert layer.n == budget + 1 and int(layer.pos[0, 0, -1]) == seen - 1  # the forward's last token
+                held = layer.pos[0, :, :-1].long().sort(dim=-1).values
+                best = scores[0].topk(budget, dim=-1).indices.sort(dim=-1).values
+                assert torch.equal(held, best)
+        with installed.frozen():
+            model(ids[:, 48:56], cache=cache)
+        assert all(layer.seen == 56 for layer in cache.layers)
+        whole = [layer.n for layer in cache.layers]
+        model(ids[:, 56:], cache=cache)  # the frozen turn's tokens are scored with this one
+    for idx, scores in press.scores.items():
+        layer = cache.layers[idx]
+        assert scores.shape[-1] == 63 and layer.seen == 64
+        if layer.window is None:
+            assert layer.n == press.budget_of(63) + 1 < whole[idx] + 8
+
+
+def test_inside_generate_with_prefill_chunk_size_and_in_kvpress_generate(tokenized):
+    """transformers' `prefill_chunk_size` inside model.generate and `kvpress.generate(..., prefill_chunk_size=)`:
+    every chunk is scored, the cache ends near the budget of the whole prompt; a chunk as long as the prompt is
+    the one-forward compression."""
+    model, tokenizer = tokenized
+    ids = prompt(1, 64)
+    outputs, caches = {}, {}
+    press = KVzipPress(0.5, reconstruction_chunk=16, window_size=4, global_budget=0.0)
+    for chunk in (16, 64, None):
+        cache = DynamicCache(config=model.config)
+        with press(model, tokenizer=tokenizer):
+            out = model.generate(ids, cache=cache, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                                 pad_token_id=0, prefill_chunk_size=chunk)  # fmt: skip
+        outputs[chunk], caches[chunk] = out[0, 64:], cache
+    for layer in caches[16].layers:  # the budget of the prompt but its last token, that token, 3 generated
+        assert layer.seen == 64 + 3 and layer.n == press.budget_of(63) + 1 + 3
+    assert torch.equal(outputs[64], outputs[None])
+    for one, whole in zip(caches[64].layers, caches[None].layers, strict=True):
+        assert torch.equal(one.pos, whole.pos)
+    text = kvpress.generate(model, tokenizer, "a b c d e f g h " * 8, "what?", press=KVzipPress(0.5, window_size=4),
+                            chat_template=False, max_new_tokens=3, prefill_chunk_size=16)  # fmt: skip
+    assert isinstance(text, str)
+    cache = DynamicCache(config=model.config)
+    prefill_context(model, ids, press, cache, tokenizer, prefill_chunk_size=16)
+    assert all(layer.seen == 64 and layer.n == press.budget_of(63) + 1 for layer in cache.layers)
+
+
+def test_what_cannot_be_scored_later_is_refused(tokenized):
+    """AdaKV over KVzip (head-wise layers, which a reconstruction pass cannot observe) refuses a later chunk, as
+    before; KVzip refuses one after embeddings were fed, or on a cache it did not compress in this block."""
+    model, tokenizer = tokenized
+    ids = prompt(1, 48)
+    with pytest.raises(ValueError, match=r"AdaKVPress compresses the first prompt .* adds 16 tokens"):
+        with AdaKVPress(KVzipPress(0.5, window_size=4))(model, tokenizer=tokenizer):
+            model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0, prefill_chunk_size=16)
+    press = KVzipPress(0.5, window_size=4)
+    cache = DynamicCache(config=model.config)
+    with press(model, tokenizer=tokenizer):
+        model(ids[:, :16], cache=cache)
+        model(inputs_embeds=model.get_input_embeddings()(ids[:, 16:17]), cache=cache)
+        with pytest.raises(ValueError, match="a cache it did not compress in this block, or one fed embeddings"):
+            model(ids[:, 17:33], cache=cache)
+    with press(model, tokenizer=tokenizer):
+        with pytest.raises(ValueError, match="a cache it did not compress in this block"):
+            model(ids[:, 17:33], cache=cache)  # compressed in the block before
+        first, second = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        model(ids[:, :16], cache=first)
+        model(ids[:, :16], cache=second)  # the press scored another cache since
+        with pytest.raises(ValueError, match="a cache it did not compress in this block"):
+            model(ids[:, 16:32], cache=first)
+    with pytest.raises(ValueError, match="feed input_ids, not inputs_embeds"):
+        with press(model, tokenizer=tokenizer):
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :16], cache=cache)
+            model(inputs_embeds=model.get_input_embeddings()(ids[:, 16:32]), cache=cache)
+    assert model.config._attn_implementation == "sdpa"
