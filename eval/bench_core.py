@@ -8,7 +8,8 @@ is shared and noisy. Writes `eval/results/core.json`:
      "decode_step_ratio": {press: step time at
      4K context with r=0.75 / full-cache step time}, "kept_bytes_ratio": {press: kept / full bytes},
      "varlen_vs_dense_decode": AdaKV(SnapKV) step time / SnapKV step time (same tokens kept per layer:
-     per-head variable-length storage and attention vs one dense tensor), "kvzip_scoring_peak_ratio": the
+     per-head variable-length storage and attention vs one dense tensor; steps interleaved, each side first
+     every other step), "kvzip_scoring_peak_ratio": the
      most bytes the cache holds while KVzip scores the decode context (its reconstruction passes) / the
      context's full-cache bytes}
 
@@ -142,8 +143,8 @@ def run(args: argparse.Namespace) -> dict:
         caches = {name: prefill(model, ids, presses[name])[0] for name in ("snapkv", "adakv")}
         times: dict = {"snapkv": [], "adakv": []}
         for step in range(args.varlen_steps + 2):
-            for name, cache in caches.items():
-                t = timed_forward(model, token, cache, presses[name])
+            for name in sorted(caches, reverse=step % 2 == 1):  # each side first every other step
+                t = timed_forward(model, token, caches[name], presses[name])
                 if step >= 2:
                     times[name].append(t)
         ratio = statistics.median(times["adakv"]) / statistics.median(times["snapkv"])
