@@ -110,8 +110,7 @@ def configurations(plan: dict, presses: list[str], ratios: list[float], chunk, s
                          "spec": "none", "ratio": 0.0, "pairs_with": "one-chunk"})  # fmt: skip
         for press in presses:
             spec = (default_for(model) or kvpress.DEFAULT_PRESS) if press == "default" else press
-            built = kvpress.press_from_name(spec, compression_ratio=0.5)
-            whole = built.needs_whole_context and not built.scores_later_chunks  # KVzip scores each chunk
+            whole = kvpress.press_from_name(spec, compression_ratio=0.5).refuses_chunks  # KVzip scores each chunk
             for length in lengths:
                 for ratio in ratios:
                     common = {"model": model, "length": length, "chunk": None if whole else chunk, "steps": steps}

@@ -359,7 +359,7 @@ def _compressed(model, tokenizer, recording, press, chunk: int | None) -> tuple[
     """The cache `press` leaves of the recorded prefill (None: the recording's own), and the row field
     `prefill_chunk_size` when the sweep chunks: with `chunk`, a press that evicts as tokens are cached prefills
     the recording's tokens live, `chunk` tokens a forward, into a new cache (KVzip too: it scores each chunk)."""
-    if chunk is None or press is None or (press.needs_whole_context and not press.scores_later_chunks):
+    if chunk is None or press is None or press.refuses_chunks:
         cache = recording.cache if press is None else compress_recording(model, recording, press, tokenizer)
         return cache, {} if chunk is None else {"prefill_chunk_size": None}
     cache = DynamicCache(config=model.config)

@@ -187,6 +187,11 @@ class Installable:
     # parts, so that its last token, which gives the first answer token, attends to what the others recalled
     recalls: ClassVar[bool] = False
 
+    @property
+    def refuses_chunks(self) -> bool:
+        """Whether a prefill in chunks is refused: the press scores the whole prompt and cannot score later chunks."""
+        return self.needs_whole_context and not self.scores_later_chunks
+
     def __call__(self, model: nn.Module, tokenizer=None) -> PressInstallation:
         """`with press(model):` installs the press for the caller; the model is restored on exit, even on error.
         A press that scores the whole context with a prompt of its own (KVzip) needs the model's `tokenizer`."""
@@ -307,7 +312,7 @@ class PressInstallation:
             if self._scored is not None and self._scored() is cache and not (_OBSERVING.get() or {}).get(self):
                 self._note(new_tokens(args, kwargs))  # fed by the caller (not a press's own pass): kept unscored
             return forward(*args, **kwargs)
-        if not fresh and not self.press.scores_later_chunks:
+        if not fresh and self.press.refuses_chunks:
             seen = max(getattr(layer, "seen", 0) for layer in cache.layers)
             raise ValueError(
                 f"{type(self.press).__name__} compresses the first prompt of a cache, scored by a pass over all of it; "

@@ -106,12 +106,10 @@ class KVzipPress(BasePress):
 
     def prepare(self, model: nn.Module, recording, tokenizer=None) -> None:
         """Score the recorded context by reconstruction (once per recording, kept in `recording.memo`)."""
-        if tokenizer is None:
-            raise ValueError("KVzipPress writes its repeat request with the model's tokenizer: pass tokenizer=")
         key = ("kvzip", self.prompt, self.reconstruction_chunk)
         if key not in recording.memo:
             ids = recording.ids
-            prompt = tokenizer(self.prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(ids.device)
+            prompt = self._request(tokenizer, ids.device)
             recording.memo[key] = reconstruction_scores(model, recording.cache, ids, prompt, self.reconstruction_chunk)
         self.scores, self._lead = recording.memo[key], recording.ids[:, -LEAD_IN:]
         self._shares = self._layer_shares(self.scores, recording.tokens) if self.global_budget else None
@@ -121,11 +119,9 @@ class KVzipPress(BasePress):
         scored and compressed last (`prepare`, or the chunk before). One reconstruction pass rebuilds them over
         the compressed cache; a token held from before keeps the larger of its old score and the attention it
         gets now, a token no longer held scores 0; the layer budgets are spread again over every token seen."""
-        if tokenizer is None:
-            raise ValueError("KVzipPress writes its repeat request with the model's tokenizer: pass tokenizer=")
         if self.scores is None or self._lead is None:
             raise RuntimeError("KVzipPress scores a later chunk after scoring the first one (`prepare`)")
-        prompt = tokenizer(self.prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(ids.device)
+        prompt = self._request(tokenizer, ids.device)
         peaks = reconstruction_scores(model, cache, ids, prompt, self.reconstruction_chunk, lead_in=self._lead)
         scores = {}
         for idx, peak in peaks.items():
@@ -138,6 +134,12 @@ class KVzipPress(BasePress):
             scores[idx] = peak.masked_fill_(~held, 0)
         self.scores, self._lead = scores, torch.cat([self._lead, ids], dim=-1)[:, -LEAD_IN:]
         self._shares = self._layer_shares(scores, peak.shape[-1]) if self.global_budget else None
+
+    def _request(self, tokenizer, device: torch.device) -> torch.Tensor:
+        """The repeat request's ids `[1, p]`, written with the model's tokenizer."""
+        if tokenizer is None:
+            raise ValueError("KVzipPress writes its repeat request with the model's tokenizer: pass tokenizer=")
+        return tokenizer(self.prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
 
     def _layer_shares(self, scores: dict[int, torch.Tensor], n: int) -> dict[int, float]:
         """Each layer's budget relative to the average layer: (1 - g) plus g times its share of the global
