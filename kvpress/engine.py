@@ -135,15 +135,22 @@ class QueryRecorder:
     forwards it sees (the latest forward's per layer), and with `keep_hidden` their input hidden states (for
     presses that score from them, `needs_hidden`; a recorded 4K SmolLM2 prefill holds ~280 MB of them)."""
 
-    def __init__(self, keep_hidden: bool = False) -> None:
+    def __init__(self, keep_hidden: bool = False, keep_queries: bool = True) -> None:
         self.queries: dict[int, tuple[nn.Module, torch.Tensor]] = {}
         self.hidden: dict[int, torch.Tensor] = {}
-        self.keep_hidden = keep_hidden
+        self.keep_hidden, self.keep_queries = keep_hidden, keep_queries
 
     def __call__(self, obs: Observation) -> None:
-        self.queries[obs.layer_idx] = (obs.module, obs.query)
+        self.queries[obs.layer_idx] = (obs.module, obs.query if self.keep_queries else no_values(obs.query))
         if self.keep_hidden and obs.hidden is not None:
             self.hidden[obs.layer_idx] = obs.hidden
+
+
+def no_values(query: torch.Tensor) -> torch.Tensor:
+    """`query`'s shape without its values (NaN, no memory): what a press that does not read the queries
+    (`reads_queries` False) is given in their place, so that `Observation.q_len` still counts the new tokens."""
+    b, h, q, d = query.shape
+    return query.new_full((b, h, 1, d), float("nan")).expand(b, h, q, d)
 
 
 @dataclass
@@ -180,6 +187,9 @@ class Installable:
     scores_later_chunks: ClassVar[bool] = False
     needs_tokenizer: ClassVar[bool] = False  # writes a prompt of its own in `prepare` (KVzip's repeat request)
     needs_hidden: ClassVar[bool] = False  # scores from `Observation.hidden` (the layer's input hidden states)
+    # scores or allocates from `Observation.query`; False: a live prefill it compresses whole keeps no queries for it
+    # (a recorded 8K prompt's are ~700 MB on Qwen2.5-0.5B; KVzip scores from its own pass)
+    reads_queries: ClassVar[bool] = True
     # scores each token once, as it is cached: it observes forwards inside `frozen()` too (nothing is evicted
     # there), so tokens cached while frozen (a question read before decoding) have their scores when eviction resumes
     observes_frozen: ClassVar[bool] = False
@@ -332,7 +342,7 @@ class PressInstallation:
             raise ValueError(f"{type(self.press).__name__} rebuilds a later chunk from its token ids: feed input_ids, "
                              "not inputs_embeds")  # fmt: skip
         (head_args, head_kwargs), tail = split_inputs(args, kwargs, q - 1)
-        recorder = QueryRecorder(keep_hidden=self.press.needs_hidden)
+        recorder = QueryRecorder(keep_hidden=self.press.needs_hidden, keep_queries=self.press.reads_queries)
         with self.observing(recorder):
             forward(*head_args, **{**head_kwargs, "logits_to_keep": 1})
         token_ids = None if ids.is_floating_point() else ids[:, :-1]

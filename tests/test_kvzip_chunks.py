@@ -8,7 +8,8 @@ import torch
 from transformers import DynamicCache
 
 import kvpress
-from kvpress import AdaKVPress, KVzipPress
+from kvpress import AdaKVPress, KVzipPress, engine
+from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.pipeline import prefill_context
 from kvpress.presses.kvzip import LEAD_IN
 from tiny import prompt, tiny_model
@@ -113,6 +114,41 @@ def test_inside_generate_with_prefill_chunk_size_and_in_kvpress_generate(tokeniz
     cache = DynamicCache(config=model.config)
     prefill_context(model, ids, press, cache, tokenizer, prefill_chunk_size=16)
     assert all(layer.seen == 64 and layer.n == press.budget_of(63) + 1 for layer in cache.layers)
+
+
+@pytest.mark.parametrize("adakv", [False, True])
+def test_a_live_prefill_keeps_no_queries_for_a_press_that_scores_from_its_pass(tokenized, monkeypatch, adakv):
+    """KVzip (alone or under AdaKV) reads no queries: a live prefill keeps only their shape (no values, no memory),
+    in one forward and chunk by chunk (KVzip alone), and compresses to the very slots it keeps when the queries are
+    kept."""
+    model, tokenizer = tokenized
+    ids = prompt(1, 48)
+    kept = []
+
+    def make():
+        return AdaKVPress(KVzipPress(0.5, window_size=4)) if adakv else KVzipPress(0.5, window_size=4)
+
+    class Spy(engine.QueryRecorder):
+        def __call__(self, obs):
+            super().__call__(obs)
+            kept.append(self.queries[obs.layer_idx][1])
+
+    def run(chunk):
+        cache = DynamicCache(config=model.config)
+        with make()(model, tokenizer=tokenizer):
+            model.generate(ids, cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                           prefill_chunk_size=chunk)  # fmt: skip
+        return [[layer.slot("pos", 0, h).clone() for h in range(layer.heads)] if isinstance(layer, HeadwiseLayer)
+                else [layer.pos.clone()] for layer in cache.layers]  # fmt: skip
+
+    monkeypatch.setattr(engine, "QueryRecorder", Spy)
+    light = {chunk: run(chunk) for chunk in ((None,) if make().refuses_chunks else (16, None))}
+    assert kept and all(q.stride(2) == 0 and q.isnan().all() and q.shape[2] >= 15 for q in kept)
+    monkeypatch.setattr(KVzipPress, "reads_queries", True)
+    kept.clear()
+    for chunk, held in light.items():
+        assert all(torch.equal(a, b) for x, y in zip(run(chunk), held, strict=True) for a, b in zip(x, y, strict=True))
+    assert kept and all(q.stride(2) != 0 and not q.isnan().any() for q in kept)
 
 
 def test_what_cannot_be_scored_later_is_refused(tokenized):

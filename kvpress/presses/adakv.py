@@ -30,7 +30,7 @@ from kvpress.patches import model_access
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.head_budget import HeadwisePress, allocate, head_observation, observe_every_head
-from kvpress.presses.wrapping import WrapsPress
+from kvpress.presses.wrapping import WrapsPress, inner_flag
 
 
 @dataclass
@@ -127,6 +127,7 @@ class AdaKVPress(HeadSharePress):
     """
 
     normalize: bool = False
+    reads_queries = inner_flag("reads_queries")  # its allocation does not read them
 
     def __post_init__(self) -> None:
         if not isinstance(self.normalize, bool):

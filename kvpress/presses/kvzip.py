@@ -66,12 +66,14 @@ class KVzipPress(BasePress):
     seen, so a chunked prefill holds at most the budget plus one chunk (and one pass while scoring). Chunks see
     only what came before them: a cache prefilled in chunks differs from one scored whole.
     Cost: one more forward of the prompt and the context over the cached context, which holds at most one
-    pass more (the prompt and `reconstruction_chunk` tokens).
+    pass more (the prompt and `reconstruction_chunk` tokens). The prefill's own queries are not read
+    (`reads_queries`), so a live prefill keeps none of them for it.
     """
 
     needs_whole_context: ClassVar[bool] = True
     scores_later_chunks: ClassVar[bool] = True
     needs_tokenizer: ClassVar[bool] = True
+    reads_queries: ClassVar[bool] = False  # its scores come from its pass
 
     prompt: str = REPEAT_PROMPT
     reconstruction_chunk: int = 2048
