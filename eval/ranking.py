@@ -31,7 +31,8 @@ def ranking(rows: list[dict]) -> dict:
     "presses": one entry per ranked press (worst cell, mean, each cell's paired difference), best first}."""
     full = [row for row in rows if row["press"] == "none"]
     ratios = sorted({row["ratio"] for row in rows if row["press"] != "none"})
-    full_score = {task: _mean([r["score"] for r in full if r["task"] == task]) for task in {r["task"] for r in full}}
+    full_score = {task: _mean([r["score"] for r in full if r["task"] == task])
+                  for task in sorted({r["task"] for r in full})}  # fmt: skip
     left_out = {task: score for task, score in sorted(full_score.items()) if score < NEAR_CHANCE}
     kept = sorted(set(full_score) - set(left_out))
     cells = [(task, ratio) for task in kept for ratio in ratios]
@@ -82,12 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="a sweep directory (with its full cache, ratio 0)")
     parser.add_argument("--tasks", help="the tasks ranked on (default: those of the sweep's last run, its "
                                         "settings.json; rows of other tasks in the directory are left out)")
+    parser.add_argument("--examples", type=int, metavar="N",
+                        help="rank on the first N examples of each task only (a sweep's examples are drawn prefix-"
+                             "stable: a sweep widened for some presses, ranked at the width every press reached)")
     parser.add_argument("--json", help="also write the ranking to this file")
     args = parser.parse_args(argv)
+    if args.examples is not None and args.examples < 1:
+        parser.error(f"--examples must be at least 1 (the first N examples of each task), got {args.examples}")
     settings_path = Path(args.out) / "settings.json"
     settings = json.loads(settings_path.read_text()) if settings_path.exists() else {}
     tasks = args.tasks.split(",") if args.tasks else settings.get("tasks")
-    rows = [row for row in current_rows(Path(args.out)).values() if tasks is None or row["task"] in tasks]
+    rows = [row for row in current_rows(Path(args.out)).values() if (tasks is None or row["task"] in tasks)
+            and (args.examples is None or row["example"] < args.examples)]  # fmt: skip
     if not any(row["press"] == "none" for row in rows):
         print(f"kvpress ranking: {args.out} holds no full-cache rows (ratio 0) of tasks {tasks} to pair with",
               file=sys.stderr)  # fmt: skip

@@ -406,6 +406,26 @@ def test_ranking_puts_the_best_worst_cell_first_and_leaves_out_tasks_at_chance()
     assert steady_["mean"] == -0.125 and steady_["mean_low"] < -0.125 < steady_["mean_high"]
 
 
+def test_ranking_examples_ranks_on_the_first_examples_only(tmp_path, capsys):
+    """--examples N: a sweep widened for some presses ranked at the width every press reached; N < 1 refused."""
+    from kvpress.eval.ranking import main
+
+    def rows(press, ratio, scores):
+        return [{"task": "needle", "ratio": ratio, "example": i, "press": press, "score": s}
+                for i, s in enumerate(scores)]
+
+    widened = rows("none", 0.0, [1, 1, 0, 0]) + rows("wide", 0.5, [1, 0, 0, 0]) + rows("narrow", 0.5, [1, 1])
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in widened))
+    assert main(["--out", str(tmp_path), "--examples", "2", "--json", str(tmp_path / "r.json")]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["full"] == {"needle": 1.0}  # over all four, 0.5
+    assert {p["press"]: (p["worst"]["n"], p["mean"]) for p in result["presses"]} == {"narrow": (2, 0.0),
+                                                                                      "wide": (2, -0.5)}
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--examples", "0"])
+    assert "--examples must be at least 1" in capsys.readouterr().err
+
+
 def test_a_chunked_sweep_prefills_live_presses_in_chunks_and_says_so(tokenized, tmp_path):
     """With prefill_chunk_size a press that evicts as tokens are cached prefills the context live, chunk by chunk
     (its cache is that of `prefill_context` with chunks), and so does KVzip, which scores each chunk; other
