@@ -51,6 +51,16 @@ from kvpress.pipeline import check_chunk_size, prefill_context
 from kvpress.presses import BasePress, all_press_parameters, press_from_name, resolve_default
 
 
+def _tokens(name: str, value) -> int:
+    """`value` (an int, or its digits from --model_args) as a positive count of tokens; anything else refused by
+    `name` (lm-eval hands 12.9 or true over as a float or a bool, which are not counts)."""
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive number of tokens, got {value!r}")
+    return value
+
+
 @register_model("kvpress")
 class KVPressLM(HFLM):
     """`HFLM` whose KV cache a press compresses.
@@ -85,11 +95,11 @@ class KVPressLM(HFLM):
         prefill_chunk_size: int | str | None = None,
         **kwargs,
     ) -> None:
-        if isinstance(query_aware, str):  # from --model_args
-            if query_aware.lower() not in ("true", "false"):
-                raise ValueError(f"query_aware must be true or false, got {query_aware!r}")
+        if isinstance(query_aware, str) and query_aware.lower() in ("true", "false"):  # from --model_args
             query_aware = query_aware.lower() == "true"
-        self.query_aware = bool(query_aware)
+        if not isinstance(query_aware, bool):
+            raise ValueError(f"query_aware must be true or false, got {query_aware!r}")
+        self.query_aware = query_aware
         if question_key is not None and question_regex is not None:
             raise ValueError("give question_key= or question_regex=, not both")
         if self.query_aware and (question_key is not None or question_regex is not None):
@@ -104,15 +114,9 @@ class KVPressLM(HFLM):
         self.question_key = question_key or "question"
         self._question_tails: dict[tuple[int, ...], int] = {}  # prompt tokens -> tokens of its question
         self._question_starts: dict[str, int] = {}  # loglikelihood context -> where its question starts
-        rolling_chunk = int(rolling_chunk)
-        if rolling_chunk < 1:
-            raise ValueError(f"rolling_chunk must be a positive number of tokens, got {rolling_chunk}")
-        self.rolling_chunk = rolling_chunk
-        if isinstance(prefill_chunk_size, str):  # from --model_args
-            if not prefill_chunk_size.isdigit():
-                raise ValueError(f"prefill_chunk_size must be a positive number of tokens, got {prefill_chunk_size!r}")
-            prefill_chunk_size = int(prefill_chunk_size)
-        self.prefill_chunk_size = check_chunk_size(prefill_chunk_size)
+        self.rolling_chunk = _tokens("rolling_chunk", rolling_chunk)
+        self.prefill_chunk_size = check_chunk_size(None if prefill_chunk_size is None else
+                                                   _tokens("prefill_chunk_size", prefill_chunk_size))  # fmt: skip
         params = all_press_parameters()  # derived from the press classes: a new parameter reaches its press
         press_kwargs = {key: kwargs.pop(key) for key in list(kwargs) if key in params}
         if isinstance(press, BasePress):
@@ -132,6 +136,11 @@ class KVPressLM(HFLM):
         if self.press is None and self.prefill_chunk_size:
             raise ValueError("prefill_chunk_size chunks a press's prefill; with no press lm-eval's own model runs "
                              "(nothing to evict: chunks would change only the memory): drop it, or give a press")
+        unused = {"query_aware": query_aware, "rolling_chunk": rolling_chunk != CHUNK, "question_key": question_key,
+                  "question_regex": question_regex}  # fmt: skip
+        if self.press is None and any(unused.values()):
+            raise ValueError(f"{', '.join(k for k, v in unused.items() if v)} only shape how a press compresses; with "
+                             "no press lm-eval's own model runs: drop them, or give a press")  # fmt: skip
         if isinstance(pretrained, str):  # a local directory: HFLM loads it (and shards data under accelerate)
             pretrained = str(resolve_model_path(None if pretrained == "default" else pretrained))
             kwargs.setdefault("dtype", "float32")
@@ -368,8 +377,8 @@ def main(argv: list[str]) -> int:
     from lm_eval.__main__ import cli_evaluate
 
     argv = ["run", "--model", "kvpress", *argv]
-    if "--include_path" not in argv:
-        argv += ["--include_path", TASKS_DIR]
+    if not any(arg == "--include_path" or arg.startswith("--include_path=") for arg in argv):
+        argv += ["--include_path", TASKS_DIR]  # a path of the user's own replaces it (lm-eval reads one)
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]
     try:

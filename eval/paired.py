@@ -26,7 +26,12 @@ from kvpress.eval.sweep import current_rows
 
 def paired_rows(rows: list[dict], base: str, variant: str) -> list[dict]:
     """One row per (task, ratio) and per ratio over all tasks ("all"): n, mean A, mean B, mean B - A and its
-    95% interval, for the examples both `base` and `variant` answered."""
+    95% interval, for the examples both `base` and `variant` answered. The full cache ("none", measured at r = 0
+    only) pairs at every ratio of the other press."""
+    if "none" in (base, variant):
+        ratios = {row["ratio"] for row in rows if row["press"] in (base, variant) and row["press"] != "none"}
+        rows = [row for row in rows if row["press"] != "none"] + [
+            {**row, "ratio": ratio} for row in rows if row["press"] == "none" for ratio in sorted(ratios)]
     scores: dict[tuple, dict[str, float]] = {}
     for row in rows:
         if row["press"] in (base, variant):

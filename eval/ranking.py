@@ -28,6 +28,7 @@ from kvpress.presses.defaults import default_for
 
 def ranking(rows: list[dict]) -> dict:
     """{"cells": the informative (task, ratio) cells, "left_out": {task: full score} of the near-chance tasks,
+    "not_ranked": {press: the cells it was not measured in} of the presses left out of the ranking,
     "presses": one entry per ranked press (worst cell, mean, each cell's paired difference), best first}."""
     full = [row for row in rows if row["press"] == "none"]
     ratios = sorted({row["ratio"] for row in rows if row["press"] != "none"})
@@ -36,12 +37,13 @@ def ranking(rows: list[dict]) -> dict:
     left_out = {task: score for task, score in sorted(full_score.items()) if score < NEAR_CHANCE}
     kept = sorted(set(full_score) - set(left_out))
     cells = [(task, ratio) for task in kept for ratio in ratios]
-    as_base = [{**row, "ratio": ratio} for row in full for ratio in ratios]  # the full cache, paired at every ratio
-    presses = []
+    presses, not_ranked = [], {}
     for press in sorted({row["press"] for row in rows} - {"none"}):
-        found = {(s["task"], s["ratio"]): s for s in paired_rows(as_base + [r for r in rows if r["press"] == press],
+        found = {(s["task"], s["ratio"]): s for s in paired_rows(full + [r for r in rows if r["press"] == press],
                                                                   "none", press)}  # fmt: skip
-        if not cells or any(cell not in found for cell in cells):
+        missing = [cell for cell in cells if cell not in found]
+        if missing or not cells:
+            not_ranked[press] = missing
             continue
         stats = [found[cell] for cell in cells]
         worst = min(stats, key=lambda s: s["difference"])
@@ -50,7 +52,7 @@ def ranking(rows: list[dict]) -> dict:
         presses.append({"press": press, "worst": worst, "mean": mean, "mean_low": mean - half,
                         "mean_high": mean + half, "cells": stats})  # fmt: skip
     presses.sort(key=lambda p: (-p["worst"]["difference"], -p["mean"], p["press"]))
-    return {"cells": cells, "left_out": left_out, "full": full_score, "presses": presses}
+    return {"cells": cells, "left_out": left_out, "full": full_score, "presses": presses, "not_ranked": not_ranked}
 
 
 def _mean(values: list[float]) -> float:
@@ -70,6 +72,9 @@ def table(result: dict, default: str | None = None) -> str:
     full = ", ".join(f"{task} {score:.3f}" for task, score in sorted(result["full"].items()))
     lines.append(f"\nfull cache: {full}; left out (full cache below {NEAR_CHANCE}): "
                  f"{', '.join(result['left_out']) or 'none'}")  # fmt: skip
+    for press, missing in result["not_ranked"].items():
+        cells = ", ".join(f"{task} r = {ratio}" for task, ratio in missing[:3]) + (", ..." if len(missing) > 3 else "")
+        lines.append(f"not ranked: {press}, not measured in {len(missing)} of {len(result['cells'])} cells ({cells})")
     return "\n".join(lines)
 
 
@@ -93,7 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     settings_path = Path(args.out) / "settings.json"
     settings = json.loads(settings_path.read_text()) if settings_path.exists() else {}
     tasks = args.tasks.split(",") if args.tasks else settings.get("tasks")
-    rows = [row for row in current_rows(Path(args.out)).values() if (tasks is None or row["task"] in tasks)
+    every = list(current_rows(Path(args.out)).values())
+    unknown = sorted(set(args.tasks.split(",") if args.tasks else ()) - {row["task"] for row in every})
+    if unknown:
+        print(f"kvpress ranking: {args.out} holds no rows of tasks {', '.join(unknown)}; its tasks: "
+              f"{', '.join(sorted({row['task'] for row in every}))}", file=sys.stderr)  # fmt: skip
+        return 2
+    rows = [row for row in every if (tasks is None or row["task"] in tasks)
             and (args.examples is None or row["example"] < args.examples)]  # fmt: skip
     if not any(row["press"] == "none" for row in rows):
         print(f"kvpress ranking: {args.out} holds no full-cache rows (ratio 0) of tasks {tasks} to pair with",

@@ -79,6 +79,14 @@ def configurations(presses: list[str], ratios: list[float]) -> list[tuple[str, f
     for ratio in ratios:
         if not 0 <= ratio < 1:
             raise ValueError(f"ratios must be in [0, 1), got {ratio}")
+    for kind, given in (("presses", presses), ("ratios", ratios)):
+        twice = sorted({str(x) for x in given if given.count(x) > 1})
+        if twice:
+            raise ValueError(f"{kind} given twice: {', '.join(twice)} (each is measured once)")
+    idle = [name for name in presses if name not in quantized and not any(ratio > 0 for ratio in ratios)]
+    if idle:
+        raise ValueError(f"ratios {ratios} hold no ratio > 0 for {', '.join(idle)} (r = 0 is the full cache, measured "
+                         "once for all presses): add one")  # fmt: skip
     return [("none", 0.0)] + [(name, ratio) for name in presses for ratio in ratios
                               if ratio > 0 or name in quantized]  # fmt: skip
 
@@ -532,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, value)
     presses, tasks = args.presses.split(","), args.tasks.split(",")
     try:
-        ratios = [float(r) for r in args.ratios.split(",")]
+        ratios = [_ratio(r) for r in args.ratios.split(",")]
         configurations(presses, ratios)
         check_tasks(tasks)  # before the model loads
         check_sizes(args.examples, args.length, args.seed)
@@ -548,6 +556,13 @@ def main(argv: list[str] | None = None) -> int:
         print(_table(summary))
         print(f"wrote {args.out}/results*.jsonl, summary.json, summary.csv, table.md, plot.png (+ heatmap.png)")
     return 0
+
+
+def _ratio(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"--ratios takes comma-separated numbers in [0, 1) (0,0.5,0.75), got {text!r}") from None
 
 
 def _refresh(args) -> int:

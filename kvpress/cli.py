@@ -29,9 +29,19 @@ def _press(name: str | None, ratio: float | None, max_tokens: int | None, model=
 
     if name is None or name == "none":
         return None
-    if ratio is None and max_tokens is None:
+    return kvpress.press_from_name(name, model, **_budget(name, ratio, max_tokens))
+
+
+def _budget(name: str, ratio: float | None, max_tokens: int | None) -> dict:
+    """The budget keywords `--ratio` and `--max-tokens` give the press `name`: r = 0.5 when neither they nor
+    `name`'s own parameters (`snapkv:max_tokens=100`) set one."""
+    from kvpress.presses import parse_press_spec, resolve_default
+
+    _, params = parse_press_spec(resolve_default(name))
+    if ratio is None and max_tokens is None and not {"compression_ratio", "max_tokens"} & set(params):
         ratio = 0.5
-    return kvpress.press_from_name(name, model, compression_ratio=ratio, max_tokens=max_tokens)
+    return {key: value for key, value in (("compression_ratio", ratio), ("max_tokens", max_tokens))
+            if value is not None}  # fmt: skip
 
 
 def _answer(
@@ -102,9 +112,9 @@ def _spec(args: argparse.Namespace, model=None) -> str:
 
     if args.press == "none":
         return "none"
-    ratio = 0.5 if args.ratio is None else args.ratio
-    budget = f"max_tokens={args.max_tokens}" if args.max_tokens is not None else f"compression_ratio={ratio}"
-    return resolve_default(f"{args.press or 'default'}:{budget}", model)
+    name = args.press or "default"
+    budget = "".join(f":{key}={value}" for key, value in _budget(name, args.ratio, args.max_tokens).items())
+    return resolve_default(name + budget, model)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -253,6 +263,21 @@ def _trainer_args(fn, args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in inspect.signature(fn).parameters if name not in _NOT_FLAGS}
 
 
+def _check_update(args: argparse.Namespace) -> None:
+    """`train-scorer --update-profile` and `--update-words` change the scorer in --out and train nothing: one at a
+    time, and no training flag beside them."""
+    from kvpress.train_scorer import train_scorer
+
+    if args.update_profile and args.update_words:
+        raise ValueError("--update-profile and --update-words: give one (run the command twice for both)")
+    if args.update_profile or args.update_words:
+        flag = "--update-profile" if args.update_profile else "--update-words"
+        given = [f"--{name.replace('_', '-')}" for name, value in _trainer_args(train_scorer, args).items()
+                 if value != inspect.signature(train_scorer).parameters[name].default]  # fmt: skip
+        if given:
+            raise ValueError(f"{flag} trains nothing, so {', '.join(given)} would be ignored: drop them")
+
+
 def _check_generate(args: argparse.Namespace) -> None:
     """Refuse `kvpress generate` flags that cannot go together, before a model loads."""
     if args.save_cache and args.load_cache:
@@ -262,6 +287,10 @@ def _check_generate(args: argparse.Namespace) -> None:
     if args.load_cache and (args.press or args.ratio is not None or args.max_tokens is not None):
         raise ValueError("--load-cache continues the cache with the press it was saved with: drop --press, "
                          "--ratio and --max-tokens")  # fmt: skip
+    if args.load_cache and args.prefill_chunk_size is not None:
+        raise ValueError("--load-cache answers from a cache already prefilled: drop --prefill-chunk-size")
+    if args.press == "none" and (args.ratio is not None or args.max_tokens is not None):
+        raise ValueError("--press none keeps the whole cache: drop --ratio and --max-tokens, or name a press")
     if args.load_cache:
         from kvpress.saved_cache import read_metadata
 
@@ -362,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                 _press(name, args.ratio, None)  # validate before loading the model
         elif args.command == "generate":
             _check_generate(args)
+        elif args.command == "train-scorer":
+            _check_update(args)  # before the model loads
         return args.fn(args)
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"kvpress {args.command}: {err}", file=sys.stderr)

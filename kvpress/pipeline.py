@@ -29,7 +29,11 @@ def split_prompt(
     if chat_template and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": f"{context}\n\n{question}"}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        cut = text.rindex(question)
+        found = [text.rfind(q) for q in (question, question.strip()) if q]  # a template may trim the message
+        cut = next((at for at in found if at >= 0), -1)
+        if cut < 0:
+            raise ValueError(f"the tokenizer's chat template rewrites the question {question!r}, so the prompt cannot "
+                             "be cut before it: pass chat_template=False (plain text) or a question it keeps")  # fmt: skip
         head, tail = text[:cut], text[cut:]
         special = False
     else:

@@ -119,6 +119,39 @@ def test_cli_counts_are_checked_before_the_model_loads(tmp_path):
     assert res.returncode == 2 and "--examples must be an integer >= 1, got 0" in res.stderr
 
 
+def test_cli_refuses_flags_it_would_ignore_before_the_model_loads(tmp_path, capsys):
+    """--press none with a budget, --load-cache with a chunk size, train-scorer's update modes with training flags
+    (or both): refused by name, before a model loads."""
+    from kvpress.cli import main
+
+    (tmp_path / "c.txt").write_text("hello")
+    ask = ["generate", "--context-file", str(tmp_path / "c.txt"), "--question", "q"]
+    cases = [(ask + ["--press", "none", "--ratio", "0.3"], "--press none keeps the whole cache"),
+             (ask + ["--press", "none", "--max-tokens", "30"], "drop --ratio and --max-tokens"),
+             (ask + ["--load-cache", str(tmp_path / "x.safetensors"), "--prefill-chunk-size", "64"],
+              "drop --prefill-chunk-size"),
+             (["train-scorer", "--out", "x", "--update-profile", "--update-words"], "give one"),
+             (["train-scorer", "--out", "x", "--update-words", "--texts", "9", "--seed", "7"],
+              "so --texts, --seed would be ignored")]  # fmt: skip
+    for argv, said in cases:
+        assert main(argv) == 2
+        assert said in capsys.readouterr().err
+
+
+def test_cli_budget_in_the_press_name_is_the_budget():
+    """`--press snapkv:max_tokens=100` is that budget (no r = 0.5 added beside it); no budget anywhere is r = 0.5."""
+    from argparse import Namespace
+
+    from kvpress.cli import _press, _spec
+
+    assert _spec(Namespace(press="snapkv:max_tokens=100", ratio=None, max_tokens=None)) == "snapkv:max_tokens=100"
+    assert _spec(Namespace(press="snapkv", ratio=None, max_tokens=None)) == "snapkv:compression_ratio=0.5"
+    assert _spec(Namespace(press="snapkv", ratio=None, max_tokens=30)) == "snapkv:max_tokens=30"
+    press = _press("snapkv:compression_ratio=0.3", None, None)
+    assert press.compression_ratio == 0.3 and press.max_tokens is None
+    assert _press("knorm", None, None).compression_ratio == 0.5
+
+
 def test_protected_tokens_over_the_budget_are_said_once():
     from tiny import prompt, tiny_model
 

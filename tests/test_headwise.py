@@ -373,6 +373,11 @@ def test_bad_arguments_are_refused():
         DuoAttentionPress(max_tokens=10)
     with pytest.raises(ValueError, match="retrieval_fraction must be"):
         DuoAttentionPress(retrieval_fraction=1.5)
+    for unused in (dict(decode_slack=0.5), dict(layer_scales=(1.0, 2.0)), dict(rerotate=True)):  # nothing reads them
+        with pytest.raises(ValueError, match="it takes no layer_scales, rerotate or decode_slack"):
+            DuoAttentionPress(compression_ratio=0.5, **unused)
+    with pytest.raises(ValueError, match="kv_bits must be one of"):
+        DuoAttentionPress(compression_ratio=0.5, kv_bits=3)
     with pytest.raises(FileNotFoundError, match="neither a JSON file nor a packaged pattern"):
         DuoAttentionPress(compression_ratio=0.5, head_pattern="no-such-model")
     assert isinstance(press_from_name("adakv", compression_ratio=0.5, window_size=8).press, SnapKVPress)

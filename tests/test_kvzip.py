@@ -133,6 +133,8 @@ def test_refuses_without_a_tokenizer():
         KVzipPress(0.5, reconstruction_chunk=0)
     with pytest.raises(ValueError, match="prompt must be a non-empty repeat request"):
         KVzipPress(0.5, prompt="  ")
+    with pytest.raises(ValueError, match="keeps the tokens generated after it: decode_slack has nothing to cut"):
+        kvpress.press_from_name("adakv:inner=kvzip:decode_slack=0.5", compression_ratio=0.5)  # nothing reads it
 
 
 def test_generate_compresses_the_context_with_kvzip():

@@ -120,6 +120,15 @@ def test_bad_arguments_are_refused(default_model):
                   prefill_chunk_size=64)  # fmt: skip
     with pytest.raises(ValueError, match="prefill_chunk_size must be a positive number of tokens, got 'x'"):
         KVPressLM(pretrained=model, tokenizer=tokenizer, press="snapkv", compression_ratio=0.5, prefill_chunk_size="x")
+    for value in (12.9, True, "abc"):  # what lm-eval's model_args parser hands over for 12.9, true, abc
+        with pytest.raises(ValueError, match=f"rolling_chunk must be a positive number of tokens, got {value!r}"):
+            KVPressLM(pretrained=model, tokenizer=tokenizer, press="snapkv", compression_ratio=0.5, rolling_chunk=value)
+    with pytest.raises(ValueError, match="query_aware must be true or false, got 2"):
+        KVPressLM(pretrained=model, tokenizer=tokenizer, press="snapkv", compression_ratio=0.5, query_aware=2)
+    with pytest.raises(ValueError, match="query_aware, rolling_chunk only shape how a press compresses"):
+        KVPressLM(pretrained=model, tokenizer=tokenizer, query_aware="true", rolling_chunk=64)
+    with pytest.raises(ValueError, match="question_regex only shape how a press compresses"):
+        KVPressLM(pretrained=model, tokenizer=tokenizer, question_regex="Q:")
 
 
 def test_cli_refuses_bad_press_task_and_model(default_model, capsys):

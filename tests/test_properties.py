@@ -69,7 +69,7 @@ def _case(i: int) -> dict:
         budget = {"compression_ratio": rng.choice([0.0, 0.0, 0.25, 0.5, 0.75, 0.9])}
     if name == "duo-attention":
         budget = {"compression_ratio": budget.get("compression_ratio", 0.5)}
-        params = {k: v for k, v in params.items() if k in ("n_sink", "window", "decode_slack")}
+        params = {k: v for k, v in params.items() if k in ("n_sink", "window")}
     lengths = [rng.randint(1, 50)] + ([rng.randint(1, 50)] if rng.random() < 0.35 else [])
     return {"family": family, "attn": attn, "name": name, "params": params, "budget": budget,
             "lengths": lengths, "seed": rng.randrange(1000), "rng": rng}  # fmt: skip

@@ -49,6 +49,8 @@ def test_bad_widths_are_refused():
         RoundPolicy(inner=SnapKVPress(0.5, kv_bits=8))
     with pytest.raises(ValueError, match="takes kv_bits from the wrapped press"):
         AdaKVPress(SnapKVPress(0.5), kv_bits=4)
+    pyramid = kvpress.PyramidKVPress(0.5, kv_bits=4)  # no press given: its own SnapKV stores at that width
+    assert pyramid.kv_bits == pyramid.press.kv_bits == 4
 
 
 def _prefilled(press, model, ids) -> DynamicCache:

@@ -130,6 +130,8 @@ def test_bad_names_are_refused(default_model, tmp_path, capsys):
         run_sweep(model, tokenizer, ["snapkv"], [0.5], ["ruler"], tmp_path)
     assert main(["--out", str(tmp_path), "--ratios", "0.5,1.2"]) == 2
     assert "ratios must be in [0, 1)" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path), "--ratios", "0.5,"]) == 2
+    assert "--ratios takes comma-separated numbers in [0, 1) (0,0.5,0.75), got ''" in capsys.readouterr().err
     for flag, value, message in (("--examples", "-1", "examples must be an integer >= 1, got -1"),
                                  ("--length", "0", "length must be an integer >= 64, got 0")):  # fmt: skip
         assert main(["--out", str(tmp_path), flag, value]) == 2  # refused before any model loads
@@ -334,6 +336,12 @@ def test_plots_give_each_press_its_own_style_and_write_both_pngs(tmp_path):
 def test_a_quantizing_press_is_also_measured_at_ratio_zero():
     configs = configurations(["snapkv", "snapkv:kv_bits=4"], [0.0, 0.75])
     assert configs == [("none", 0.0), ("snapkv", 0.75), ("snapkv:kv_bits=4", 0.0), ("snapkv:kv_bits=4", 0.75)]
+    with pytest.raises(ValueError, match=r"ratios \[0.0\] hold no ratio > 0 for snapkv"):  # it would run nothing
+        configurations(["snapkv", "snapkv:kv_bits=4"], [0.0])
+    with pytest.raises(ValueError, match="presses given twice: snapkv"):
+        configurations(["snapkv", "snapkv"], [0.5])
+    with pytest.raises(ValueError, match="ratios given twice: 0.5"):
+        configurations(["snapkv"], [0.5, 0.5])
 
 
 def test_paired_differences_count_only_examples_both_answered():
@@ -342,6 +350,10 @@ def test_paired_differences_count_only_examples_both_answered():
     cell, pooled = paired_rows(rows, "a", "b")[1], paired_rows(rows, "a", "b")[0]
     assert pooled["task"] == "all" and cell["task"] == "t" and cell["n"] == 2  # example 2 has no "b"
     assert cell["difference"] == -0.5 and cell["low"] < -0.5 < cell["high"]
+    full = [{"task": "t", "ratio": 0.0, "example": i, "press": "none", "score": 1.0} for i in range(3)]
+    cells = paired_rows(full + rows, "none", "a")  # the full cache, measured at r = 0, pairs at a's ratio
+    assert [(c["task"], c["ratio"], c["n"], c["difference"]) for c in cells] == [("all", 0.75, 3, 0.0),
+                                                                                ("t", 0.75, 3, 0.0)]
 
 
 def test_paired_also_pairs_against_another_sweep_of_the_same_examples(tmp_path, capsys):
@@ -388,7 +400,7 @@ def test_continuation_compares_next_token_distributions_with_the_full_cache(toke
 
 
 def test_ranking_puts_the_best_worst_cell_first_and_leaves_out_tasks_at_chance():
-    from kvpress.eval.ranking import ranking
+    from kvpress.eval.ranking import ranking, table
 
     def rows(press, ratio, task, scores):
         return [{"task": task, "ratio": ratio, "example": i, "press": press, "score": s} for i, s in enumerate(scores)]
@@ -401,6 +413,8 @@ def test_ranking_puts_the_best_worst_cell_first_and_leaves_out_tasks_at_chance()
     result = ranking(full + steady + spiky + partial + rows("spiky", 0.5, "floor", [1, 1, 1, 1]))
     assert result["left_out"] == {"floor": 0.0} and result["cells"] == [("hard", 0.5), ("needle", 0.5)]
     assert [p["press"] for p in result["presses"]] == ["steady", "spiky"]  # worst -0.25 beats -0.5
+    assert result["not_ranked"] == {"partial": [("hard", 0.5)]}
+    assert "not ranked: partial, not measured in 1 of 2 cells (hard r = 0.5)" in table(result)
     steady_ = result["presses"][0]
     assert steady_["worst"]["task"] == "needle" and steady_["worst"]["difference"] == -0.25
     assert steady_["mean"] == -0.125 and steady_["mean_low"] < -0.125 < steady_["mean_high"]
@@ -424,6 +438,8 @@ def test_ranking_examples_ranks_on_the_first_examples_only(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path), "--examples", "0"])
     assert "--examples must be at least 1" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path), "--tasks", "needle,neddle"]) == 2  # a misspelt task is not ranked on nothing
+    assert "holds no rows of tasks neddle; its tasks: needle" in capsys.readouterr().err
 
 
 def test_a_chunked_sweep_prefills_live_presses_in_chunks_and_says_so(tokenized, tmp_path):

@@ -44,3 +44,22 @@ def test_bad_calls_are_refused(tokenized):
     model(torch.tensor([[5, 6]]), cache=full)
     with pytest.raises(ValueError, match="already holds 2 tokens"):
         pipe(CONTEXT, question="a", cache=full)
+
+
+def test_split_prompt_under_a_template_that_trims_the_message(tokenized, monkeypatch):
+    """A chat template that trims the message (Llama 3's) still cuts before the question; one that rewrites it is
+    refused by name, not with a bare "substring not found"."""
+    _, tokenizer = tokenized
+    template = tokenizer.apply_chat_template
+
+    def trimming(messages, **kwargs):
+        return template([{**m, "content": m["content"].strip()} for m in messages], **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", trimming)
+    head, tail = kvpress.pipeline.split_prompt(tokenizer, "Some document.", "What is the code?\n")
+    assert tokenizer.decode(tail[0]).startswith("What is the code?")
+    assert "What is the code" not in tokenizer.decode(head[0])
+    monkeypatch.setattr(tokenizer, "apply_chat_template", lambda messages, **kwargs: template(
+        [{**m, "content": m["content"].upper()} for m in messages], **kwargs))  # fmt: skip
+    with pytest.raises(ValueError, match="chat template rewrites the question 'What is the code'"):
+        kvpress.pipeline.split_prompt(tokenizer, "Some document.", "What is the code")

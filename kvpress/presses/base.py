@@ -96,7 +96,9 @@ class BasePress(Installable):
             different numbers of tokens, the total staying that of the budget.
         decode_slack: while decoding, a row over its budget is cut to `budget - decode_slack * budget`
             tokens at once, so scoring and copying run every few steps instead of every step (the cache
-            never exceeds its budget). 0 evicts one token per step.
+            never exceeds its budget). 0 evicts one token per step. A press that scores the whole context
+            (`needs_whole_context`: KVzip, ...) compresses it once and keeps the tokens generated after it,
+            so it takes no decode_slack.
         kv_bits: store the kept keys and values in 8 or 4 bits (None: in the model's dtype), once the press
             has chosen them: each channel normalised by its range, then each slot with a scale of its own
             (`kvpress.patches.kv_quantization`, after KIVI). Eviction and quantization multiply: r = 0.75 at
@@ -137,6 +139,10 @@ class BasePress(Installable):
                                  f"{self.layer_scales!r}")  # fmt: skip
         if not isinstance(self.decode_slack, (int, float)) or not 0 <= self.decode_slack < 1:
             raise ValueError(f"decode_slack must be a fraction in [0, 1), got {self.decode_slack!r}")
+        if type(self).needs_whole_context is True and self.decode_slack != BasePress.decode_slack:
+            raise ValueError(f"{type(self).__name__} compresses the whole context once and keeps the tokens "
+                             f"generated after it: decode_slack has nothing to cut, got {self.decode_slack!r} (a "
+                             "press that scores while decoding, such as kvzap, bounds a long generation)")  # fmt: skip
         if (self.compression_ratio is None) == (self.max_tokens is None):
             raise ValueError(
                 f"{type(self).__name__} takes exactly one of compression_ratio (a fraction in [0, 1)) or "

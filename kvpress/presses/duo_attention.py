@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvpress.patches import kv_quantization as quant
 from kvpress.patches import model_access
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.patterns import check_pattern, find_pattern, load_pattern
@@ -72,6 +73,15 @@ class DuoAttentionPress(HeadwisePress):
                 self.kv_bits = self.press.kv_bits
         if self.max_tokens is not None:
             raise ValueError("DuoAttentionPress takes compression_ratio or retrieval_fraction, not max_tokens")
+        slack = type(self).__dataclass_fields__["decode_slack"].default
+        if self.layer_scales is not None or self.rerotate or self.decode_slack != slack:
+            raise ValueError("DuoAttentionPress budgets heads, not layers or decoding steps (a streaming head keeps "
+                             "n_sink + window, a retrieval head everything or what its press= keeps): it takes no "
+                             "layer_scales, rerotate or decode_slack (give decode_slack to its press=), got "
+                             f"layer_scales={self.layer_scales!r}, rerotate={self.rerotate!r}, "
+                             f"decode_slack={self.decode_slack!r}")  # fmt: skip
+        if self.kv_bits is not None:
+            quant.check_bits(self.kv_bits)
         if (self.compression_ratio is None) == (self.retrieval_fraction is None):
             raise ValueError(
                 "DuoAttentionPress takes exactly one of compression_ratio (a fraction in [0, 1)) or "

@@ -25,8 +25,8 @@ class PyramidKVPress(WrapsPress, BasePress):
     Parameters:
         press: the press that scores tokens (its budget, sinks and window are used; it must not set
             `layer_scales`). Or, as in the paper, SnapKV built from the arguments below:
-        compression_ratio / max_tokens, rerotate, decode_slack: the average budget (see `BasePress`);
-            each layer keeps at least its protected window.
+        compression_ratio / max_tokens, rerotate, decode_slack, kv_bits: the average budget and the storage
+            width (see `BasePress`); each layer keeps at least its protected window.
         window_size, kernel_size, n_sink: SnapKV's (defaults 64, 5, 0).
         beta: steepness; the top layer keeps 1/beta of the average budget (default 20, as in the paper).
     """
@@ -45,8 +45,9 @@ class PyramidKVPress(WrapsPress, BasePress):
         snapkv = {k: v for k in ("window_size", "kernel_size", "n_sink") if (v := getattr(self, k)) is not None}
         if self.press is None and not isinstance(self.compression_ratio, BasePress):  # the paper's: SnapKV
             self.press = SnapKVPress(compression_ratio=self.compression_ratio, max_tokens=self.max_tokens,
-                                     rerotate=self.rerotate, decode_slack=self.decode_slack, **snapkv)  # fmt: skip
-            self.compression_ratio = self.max_tokens = None
+                                     rerotate=self.rerotate, decode_slack=self.decode_slack, kv_bits=self.kv_bits,
+                                     **snapkv)  # fmt: skip
+            self.compression_ratio = self.max_tokens = self.kv_bits = None
             self.rerotate, self.decode_slack = False, 0.02
             self.window_size = self.kernel_size = self.n_sink = None  # held by the SnapKV built from them
         elif snapkv:
