@@ -96,7 +96,9 @@ def measure(config: dict, model=None, tokenizer=None) -> dict:
 
 
 def _key(row: dict) -> tuple:
-    return row["model"], row["length"], row["press"], row["ratio"], row.get("pairs_with"), row["steps"]
+    """What makes a run the same run: a row measured with another chunk size is not reused."""
+    return (row["model"], row["length"], row["press"], row["ratio"], row.get("pairs_with"), row["steps"],
+            row.get("chunk"))
 
 
 def configurations(plan: dict, presses: list[str], ratios: list[float], chunk, steps: int) -> list[dict]:
@@ -128,7 +130,7 @@ def summary(rows: list[dict]) -> list[dict]:
     for row in rows:
         if row["press"] == "none":
             continue
-        none = by_key.get((row["model"], row["length"], "none", 0.0, f"{row['press']}@{row['ratio']}", row["steps"]))
+        none = by_key.get(_key({**row, "press": "none", "ratio": 0.0, "pairs_with": f"{row['press']}@{row['ratio']}"}))
         if none is None:
             continue
         w = row["weight_bytes"]

@@ -200,6 +200,14 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 
 
 def _check_one_of(press, round_policy) -> None:
+    """A press (one a chat can run every turn), a round policy, or neither; not both."""
     if press is not None and round_policy is not None:
         raise ValueError("give press= or round_policy=, not both (a round policy compresses each round with "
                          "its inner= press)")  # fmt: skip
+    if press is not None and not isinstance(press, BasePress):
+        raise TypeError(f"press must be a kvpress press (kvpress.press_from_name('snapkv', compression_ratio=0.5), "
+                        f"...) or None, got {press!r}")  # fmt: skip
+    if press is not None and press.needs_whole_context:
+        raise ValueError(f"{type(press).__name__} compresses the first prompt of a cache, in a pass over all of it: "
+                         "a chat's later turns cannot be scored that way; use a press that scores tokens as they "
+                         "are cached (kvzap, snapkv, ...)")  # fmt: skip

@@ -26,14 +26,17 @@ def split_prompt(
         raise ValueError("context must be a non-empty string")
     if not isinstance(question, str) or not question:
         raise ValueError("question must be a non-empty string")
+    if not isinstance(chat_template, bool):
+        raise ValueError(f"chat_template must be True or False, got {chat_template!r}")
     if chat_template and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": f"{context}\n\n{question}"}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         found = [text.rfind(q) for q in (question, question.strip()) if q]  # a template may trim the message
         cut = next((at for at in found if at >= 0), -1)
         if cut < 0:
-            raise ValueError(f"the tokenizer's chat template rewrites the question {question!r}, so the prompt cannot "
-                             "be cut before it: pass chat_template=False (plain text) or a question it keeps")  # fmt: skip
+            raise ValueError(f"the tokenizer's chat template rewrites the question {question!r}, so the prompt "
+                             "cannot be cut before it: pass chat_template=False (plain text) or a question it "
+                             "keeps")  # fmt: skip
         head, tail = text[:cut], text[cut:]
         special = False
     else:
@@ -41,6 +44,25 @@ def split_prompt(
     ids_head = tokenizer(head, add_special_tokens=special, return_tensors="pt").input_ids
     ids_tail = tokenizer(tail, add_special_tokens=False, return_tensors="pt").input_ids
     return ids_head, ids_tail
+
+
+def check_press(press) -> None:
+    """Refuse anything but a press or None where a press is expected, saying what is allowed."""
+    if press is not None and not isinstance(press, BasePress):
+        hint = " (a RoundPolicy is a chat policy: kvpress.ChatSession(..., round_policy=...))" \
+            if type(press).__name__ in ("RoundPolicy", "RoundPress") else ""  # fmt: skip
+        raise TypeError(f"press must be a kvpress press (kvpress.press_from_name('snapkv', compression_ratio=0.5), "
+                        f"...) or None, got {press!r}{hint}")  # fmt: skip
+
+
+def check_compresses(press: BasePress | None, context_tokens: int) -> None:
+    """Refuse a fixed budget that holds the whole context of one call: nothing would be compressed."""
+    max_tokens = getattr(press, "max_tokens", None)
+    if max_tokens is not None and max_tokens >= context_tokens:
+        raise ValueError(
+            f"max_tokens={max_tokens} is not smaller than the context ({context_tokens} tokens), so nothing "
+            "would be compressed; use a smaller max_tokens or a compression_ratio"
+        )
 
 
 @torch.no_grad()  # not inference_mode: the cache it fills stays usable outside it (a plain model.generate)
@@ -67,8 +89,11 @@ def generate(
     `chat_template=False` asks as a plain completion (the question's text is continued).
     `prefill_chunk_size` feeds the prefill that many tokens a forward, each evicting (see `prefill_context`).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_press(press)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not isinstance(query_aware, bool):
+        raise ValueError(f"query_aware must be True or False, got {query_aware!r}")
     if press is not None and press.needs_question and not query_aware:
         raise ValueError(f"{type(press).__name__} scores by the question: it needs query_aware=True")
     held = max((layer.get_seq_length() for layer in cache.layers), default=0) if cache is not None else 0
@@ -80,12 +105,7 @@ def generate(
     device = model.device
     ctx_ids, q_ids = split_prompt(tokenizer, context, question, chat_template)
     ctx_ids, q_ids = ctx_ids.to(device), q_ids.to(device)
-    max_tokens = getattr(press, "max_tokens", None)
-    if max_tokens is not None and max_tokens >= ctx_ids.shape[1]:
-        raise ValueError(
-            f"max_tokens={max_tokens} is not smaller than the context ({ctx_ids.shape[1]} tokens), so nothing "
-            "would be compressed; use a smaller max_tokens or a compression_ratio"
-        )
+    check_compresses(press, ctx_ids.shape[1])
     cache = DynamicCache(config=model.config) if cache is None else cache
     ids = torch.cat([ctx_ids, q_ids], dim=-1)
     prefill = ids[:, :-1] if query_aware else ctx_ids  # generate feeds at least the last token itself

@@ -120,6 +120,10 @@ class RoundPolicy:
             if self.inner.rerotate or self.inner.kv_bits is not None:
                 raise ValueError("inner presses compress a round in place: rerotate=True and kv_bits are not "
                                  "supported there")  # fmt: skip
+            if self.inner.needs_whole_context or not self.inner.wrappable:
+                raise ValueError(f"inner={type(self.inner).__name__} decides its slots in a pass or a store of its own "
+                                 "(it cannot score a round's slots in place): use a press that scores from keys "
+                                 "and queries (SnapKV, H2O, Knorm, ...)")  # fmt: skip
             if self.inner.needs_hidden:
                 raise ValueError(f"inner={type(self.inner).__name__} scores tokens from their hidden states, which a "
                                  "round compressed at the end of its turn no longer has: use a press that scores "

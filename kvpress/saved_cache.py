@@ -29,6 +29,13 @@ def save_cache(cache: DynamicCache, path: str | Path, model: nn.Module, press: s
     """Write `cache` (made by `model`, compressed by the press spec `press` if given) to the safetensors file `path`."""
     if not isinstance(cache, DynamicCache):
         raise TypeError(f"save_cache saves a DynamicCache, got {type(cache).__name__}")
+    if press is not None and press != "none":  # a spec the loaded cache can be continued with, budget included
+        if not isinstance(press, str):
+            raise TypeError(f"press= is the spec of the press that compressed the cache, such as "
+                            f"'snapkv:compression_ratio=0.5' (or None), got {press!r}")  # fmt: skip
+        from kvpress.presses import press_from_name
+
+        press_from_name(press)  # refuses an unknown name or parameter, or a spec without its budget
     if any(getattr(layer, "offloaded", None) is not None for layer in cache.layers):
         raise ValueError("this cache keeps a RecallPress store of evicted spans, which save_cache does not write: "
                          "the loaded cache could not recall them (compress with its inner press to save)")  # fmt: skip

@@ -46,7 +46,8 @@ def stream(
 
     Parameters:
         press: what bounds the cache, typically `SinkWindowPress(n_sink=4, window=W, rerotate=True)`;
-            any press works (it evicts after every chunk). None keeps the full cache, which is only
+            any press that scores tokens as they are cached works (it evicts after every chunk); one that
+            scores a whole prompt in a pass of its own (KVzip, ...) is refused. None keeps the full cache, which is only
             possible while the stream fits the model's `max_position_embeddings`.
         chunk: tokens fed per forward; within a chunk each token also sees the chunk's earlier tokens.
         limit: read at most this many tokens of the stream.
@@ -56,8 +57,17 @@ def stream(
     copy them into one preallocated tensor (or floats) rather than keeping every small tensor: those
     between the large per-chunk logits fragment the heap and the process memory creeps up.
     """
-    if not isinstance(chunk, int) or chunk < 1:
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+    if press is not None and not isinstance(press, BasePress):
+        raise TypeError(f"press must be a kvpress press (SinkWindowPress(...), ...) or None, got {press!r}")
+    if press is not None and press.needs_whole_context:
+        raise ValueError(f"{type(press).__name__} compresses a whole prompt once, in a pass over all of it: a stream "
+                         "fed chunk by chunk needs a press that scores tokens as they are cached (sink-window, "
+                         "snapkv, kvzap, ...)")  # fmt: skip
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(f"cache= already holds {cache.get_seq_length()} tokens: a stream starts from an empty "
+                         "cache (its NLLs would be conditioned on the earlier text); pass an empty DynamicCache")
     ids = stream_ids(tokenizer, text_or_ids)
     if limit is not None:
         if limit < 2:

@@ -19,13 +19,19 @@ from transformers import AutoModelForCausalLM, DynamicCache, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
 from kvpress.patches.cache import scratch
-from kvpress.pipeline import answer_from_cache, prefill_context, split_prompt
+from kvpress.pipeline import answer_from_cache, check_compresses, check_press, prefill_context, split_prompt
 
 TASK = "kv-press-text-generation"
 
 
 class KVPressTextGenerationPipeline(Pipeline):
     """See the module docstring."""
+
+    def __call__(self, context, *args, **kwargs):
+        if kwargs.get("cache") is not None and not isinstance(context, str) and len(context) > 1:
+            raise ValueError(f"cache= receives one compressed context; {len(context)} contexts were given: call the "
+                             "pipeline once per context")  # fmt: skip
+        return super().__call__(context, *args, **kwargs)
 
     def _sanitize_parameters(self, question=None, questions=None, answer_prefix="", press=None, max_new_tokens=50,
                              cache=None, chat_template=True, **unknown):  # fmt: skip
@@ -40,6 +46,7 @@ class KVPressTextGenerationPipeline(Pipeline):
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if cache is not None and not isinstance(cache, DynamicCache):
             raise TypeError(f"cache= takes a DynamicCache, got {type(cache).__name__}")
+        check_press(press)
         asked = {"questions": [question] if questions is None else list(questions), "answer_prefix": answer_prefix,
                  "chat_template": chat_template}  # fmt: skip
         return asked, {"press": press, "max_new_tokens": max_new_tokens, "cache": cache}, {"one": questions is None}
@@ -60,6 +67,7 @@ class KVPressTextGenerationPipeline(Pipeline):
             raise ValueError(f"cache= already holds {cache.get_seq_length()} tokens: pass an empty DynamicCache")
         device = self.model.device
         context_ids = inputs["context_ids"].to(device)
+        check_compresses(press, context_ids.shape[1])  # as kvpress.generate: one question gives its answer
         prefill_context(self.model, context_ids, press, cache, self.tokenizer)
         answers = []
         for question_ids in inputs["question_ids"]:

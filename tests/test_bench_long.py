@@ -3,7 +3,7 @@
 import pytest
 
 import kvpress
-from kvpress.eval.bench_long import configurations, main, markdown, measure, summary
+from kvpress.eval.bench_long import _key, configurations, main, markdown, measure, summary
 
 
 def test_each_press_follows_its_own_no_press_run_and_whole_context_pairs_run_unchunked():
@@ -17,6 +17,8 @@ def test_each_press_follows_its_own_no_press_run_and_whole_context_pairs_run_unc
         (8192, "none", "lookahead@0.5", None), (8192, "lookahead", None, None),
         (8192, "none", "kvzip@0.5", 1024), (8192, "kvzip", None, 1024),
     ]  # fmt: skip
+    unchunked = configurations({"qwen2.5-0.5b": (4096, 8192)}, ["snapkv", "lookahead", "kvzip"], [0.5], None, 8)
+    assert {_key(r) for r in unchunked} & {_key(r) for r in runs} == {_key(r) for r in runs if r["chunk"] is None}
     default = configurations({"qwen2.5-0.5b": (4096,)}, ["default"], [0.5], None, 8)[1]
     assert default["press"] == "default" and default["spec"] == kvpress.presses.defaults.default_for("qwen2.5-0.5b")
 

@@ -49,7 +49,15 @@ def test_errors_leave_the_session_unchanged(default_model):
         session.send("   ")
     with pytest.raises(ValueError, match=r"past the model's 8192 positions"):
         session.send("Tell me a story.", max_new_tokens=9000)
+    session.press = kvpress.KVzipPress(compression_ratio=0.5)  # set between turns: checked at the next send
+    with pytest.raises(ValueError, match="KVzipPress compresses the first prompt of a cache.*a chat's later turns"):
+        session.send("Tell me a story.")
+    session.press = None
     assert _state(session) == before
+    with pytest.raises(TypeError, match="press must be a kvpress press"):
+        kvpress.ChatSession(model, tokenizer, press="snapkv")
+    with pytest.raises(ValueError, match="LookaheadPress compresses the first prompt of a cache"):
+        kvpress.ChatSession(model, tokenizer, press=kvpress.press_from_name("lookahead", compression_ratio=0.5))
 
 
 class _Collect(BaseStreamer):

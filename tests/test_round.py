@@ -138,6 +138,9 @@ def test_round_press_errors(default_model):
         kvpress.RoundPress(compression_ratio=0.5)
     with pytest.raises(TypeError, match="inner must be a token-level press"):
         kvpress.RoundPress(inner=kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=0.5)))
+    for name in ("kvzip", "simlayerkv", "recall", "think"):  # a pass or a store of their own: refused, not run wrong
+        with pytest.raises(ValueError, match="cannot score a round's slots in place"):
+            kvpress.RoundPress(inner=kvpress.press_from_name(name, compression_ratio=0.5))
     with pytest.raises(RuntimeError, match=r"use it through kvpress.ChatSession\(model, tokenizer, round_policy="):
         with kvpress.RoundPress()(model):
             model(torch.tensor([[1, 2, 3]]))

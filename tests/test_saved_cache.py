@@ -15,11 +15,12 @@ from kvpress import AdaKVPress, SnapKVPress
 from kvpress.saved_cache import read_metadata
 from tiny import prompt, tiny_model
 
-PRESSES = {
-    "snapkv": lambda: SnapKVPress(0.5, window_size=4),
-    "adakv": lambda: AdaKVPress(SnapKVPress(0.5, window_size=4)),  # per-head storage
-    "adakv-4bit": lambda: AdaKVPress(SnapKVPress(0.5, window_size=4, kv_bits=4)),  # per-head codes
-    "snapkv-8bit": lambda: SnapKVPress(0.5, window_size=4, kv_bits=8),
+PRESSES = {  # the spec save_cache records -> the press
+    "snapkv:compression_ratio=0.5:window_size=4": lambda: SnapKVPress(0.5, window_size=4),
+    "adakv:compression_ratio=0.5:window_size=4": lambda: AdaKVPress(SnapKVPress(0.5, window_size=4)),  # per head
+    "adakv:compression_ratio=0.5:window_size=4:kv_bits=4":
+        lambda: AdaKVPress(SnapKVPress(0.5, window_size=4, kv_bits=4)),  # per-head codes
+    "snapkv:compression_ratio=0.5:window_size=4:kv_bits=8": lambda: SnapKVPress(0.5, window_size=4, kv_bits=8),
 }
 FAMILIES = {"llama": {}, "gemma3": {}}  # gemma3: sliding-window layers past their window
 TESTS = Path(__file__).resolve().parent
@@ -73,5 +74,9 @@ def test_another_architecture_or_a_damaged_file_is_refused(tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not a cache")
     with pytest.raises(ValueError, match="not a cache saved by kvpress.save_cache"):
         kvpress.load_cache(tmp_path / "junk.safetensors", model)
+    with pytest.raises(TypeError, match="press= is the spec of the press that compressed the cache"):
+        kvpress.save_cache(cache, path, model, press=SnapKVPress(0.5, window_size=4))
+    with pytest.raises(ValueError, match="unknown press 'nonsense'"):
+        kvpress.save_cache(cache, path, model, press="nonsense:xyz=1")  # --load-cache would continue with it
     with pytest.raises(FileNotFoundError, match="does not exist"):
         kvpress.load_cache(tmp_path / "none.safetensors", model)

@@ -57,3 +57,11 @@ def test_bad_arguments():
         next(kvpress.stream(model, None, prompt(1, 10)[0], chunk=0))
     with pytest.raises(ValueError, match="at least 2 token ids"):
         next(kvpress.stream(model, None, torch.tensor([5])))
+    with pytest.raises(TypeError, match="press must be a kvpress press"):
+        next(kvpress.stream(model, None, prompt(1, 10)[0], "sink-window"))
+    with pytest.raises(ValueError, match="KVzipPress compresses a whole prompt once"):
+        next(kvpress.stream(model, None, prompt(1, 10)[0], kvpress.KVzipPress(compression_ratio=0.5)))
+    cache = DynamicCache(config=model.config)
+    list(kvpress.stream(model, None, prompt(1, 10)[0], cache=cache, progress=False))
+    with pytest.raises(ValueError, match="cache= already holds 10 tokens: a stream starts from an empty cache"):
+        next(kvpress.stream(model, None, prompt(1, 10)[0], cache=cache, progress=False))

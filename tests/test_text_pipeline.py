@@ -44,6 +44,28 @@ def test_bad_calls_are_refused(tokenized):
     model(torch.tensor([[5, 6]]), cache=full)
     with pytest.raises(ValueError, match="already holds 2 tokens"):
         pipe(CONTEXT, question="a", cache=full)
+    with pytest.raises(ValueError, match="cache= receives one compressed context; 2 contexts were given"):
+        pipe([CONTEXT, CONTEXT], question="a", cache=DynamicCache(config=model.config))
+    with pytest.raises(ValueError, match=r"max_tokens=100000 is not smaller than the context \(\d+ tokens\)"):
+        pipe(CONTEXT, question="a", press=SnapKVPress(max_tokens=100000, window_size=4))  # as kvpress.generate
+    with pytest.raises(TypeError, match="press must be a kvpress press"):
+        pipe(CONTEXT, question="a", press="snapkv")
+    with pytest.raises(ValueError, match="chat_template must be True or False, got 'false'"):
+        pipe(CONTEXT, question="a", chat_template="false")
+
+
+def test_generate_refuses_arguments_of_the_wrong_kind(tokenized):
+    """kvpress.generate: a press that is not one, a bool flag given as text, a count that is not an integer."""
+    model, tokenizer = tokenized
+    for kwargs, error, said in ((dict(press="snapkv"), TypeError, "press must be a kvpress press"),
+                                (dict(press=kvpress.RoundPolicy()), TypeError, "a RoundPolicy is a chat policy"),
+                                (dict(press=SnapKVPress(0.5), query_aware="no"), ValueError,
+                                 "query_aware must be True or False, got 'no'"),
+                                (dict(max_new_tokens=2.5), ValueError, "max_new_tokens must be a positive integer"),
+                                (dict(max_new_tokens=True), ValueError, "max_new_tokens must be a positive integer"),
+                                (dict(chat_template="false"), ValueError, "chat_template must be True or False")):
+        with pytest.raises(error, match=said):
+            kvpress.generate(model, tokenizer, CONTEXT, QUESTION, **kwargs)
 
 
 def test_split_prompt_under_a_template_that_trims_the_message(tokenized, monkeypatch):
