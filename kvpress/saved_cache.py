@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from kvpress.patches import model_access
 from kvpress.patches.cache_io import layer_from_state, layer_state
 from kvpress.patterns import config_hash
+from kvpress.presses import press_from_name
 
 FORMAT = 1
 
@@ -33,8 +34,6 @@ def save_cache(cache: DynamicCache, path: str | Path, model: nn.Module, press: s
         if not isinstance(press, str):
             raise TypeError(f"press= is the spec of the press that compressed the cache, such as "
                             f"'snapkv:compression_ratio=0.5' (or None), got {press!r}")  # fmt: skip
-        from kvpress.presses import press_from_name
-
         press_from_name(press)  # refuses an unknown name or parameter, or a spec without its budget
     if any(getattr(layer, "offloaded", None) is not None for layer in cache.layers):
         raise ValueError("this cache keeps a RecallPress store of evicted spans, which save_cache does not write: "
