@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache
 
 import kvpress
+from kvpress.cli import check_counts
 from kvpress.engine import maybe_installed
 from kvpress.patches.model_access import attention_modules
 from kvpress.recording import record_prefill
@@ -190,6 +191,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "core.json"))
     args = parser.parse_args(argv)
+    try:
+        check_counts(args, {"repeats": 1, "decode_steps": 1, "varlen_steps": 1, "prefill_tokens": 1,
+                            "decode_context": 1})  # fmt: skip
+    except ValueError as err:
+        parser.error(str(err))
     for flag, names in (("--presses", args.presses), ("--generate-presses", args.generate_presses)):
         for name in names:
             try:

@@ -21,6 +21,8 @@ import torch
 from transformers import DynamicCache
 
 import kvpress
+from kvpress.cli import check_counts
+from kvpress.eval.sweep import configurations
 from kvpress.eval.tasks.needle import HAYSTACKS, needle_examples
 
 CONFIGS = {
@@ -85,7 +87,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ratios", default=[0.5, 0.75], type=lambda s: [float(x) for x in s.split(",")])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "heads.json"))
     args = parser.parse_args(argv)
+    try:
+        check_counts(args, {"examples": 1, "length": 100, "seed": 0})
+        configurations(["snapkv"], args.ratios)  # ratios in [0, 1), each once
+    except ValueError as err:
+        parser.error(str(err))
     result = run(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["tasks"], indent=1))
     print(f"wrote {args.out}")

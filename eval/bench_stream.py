@@ -29,6 +29,7 @@ from transformers import DynamicCache
 
 import kvpress
 from kvpress import HeavyHitterPress, SinkWindowPress
+from kvpress.cli import check_counts
 from kvpress.eval.tasks.essays import essays
 
 RESULTS = Path(__file__).parent / "results"
@@ -124,6 +125,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(RESULTS / "stream.json"))
     parser.add_argument("--plot", default=str(RESULTS / "stream.png"))
     args = parser.parse_args(argv)
+    try:
+        check_counts(args, {"cache": args.n_sink + 1, "n_sink": 0, "chunk": 1, "tokens": args.rss_warmup + 1,
+                            "short_tokens": args.cache + 1, "recompute_every": 1, "smooth": 1,
+                            "rss_warmup": args.cache + args.chunk})  # fmt: skip
+    except ValueError as err:  # sizes that leave nothing to compare, found before the runs, not after them
+        parser.error(str(err))
 
     torch.manual_seed(0)
     model, tokenizer = kvpress.load_model(args.model)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from kvpress.presses import DEFAULT_PRESS
@@ -34,9 +35,16 @@ def _rows(dirs: tuple[str, ...], results: Path) -> list[dict]:
     rows = []
     for name in dirs:
         path = results / name / "summary.json"
-        if path.exists():
+        if path.exists():  # a missing one is named by `missing` (main says so, in fidelity.md too)
             rows += [r for r in json.loads(path.read_text()) if r["task"] in TASKS]
     return rows
+
+
+def missing(results: Path = RESULTS) -> list[str]:
+    """The sweep directories of `SWEEPS` that hold no summary.json under `results` (their rows are not in the
+    table)."""
+    return [name for dirs in SWEEPS.values() for group in dirs for name in group
+            if not (results / name / "summary.json").exists()]  # fmt: skip
 
 
 def _best(rows: list[dict], task: str, ratio: float) -> tuple[str, float] | None:
@@ -126,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     ranked = ranking(results)
     (results / "fidelity.json").write_text(json.dumps({"tasks": table, "ranking": ranked}, indent=1) + "\n")
     text = markdown(table) + "\n" + ranking_markdown(ranked)
+    if missing(results):
+        text += f"\nmissing (no summary.json, not in the tables): {', '.join(missing(results))}\n"
+        print(f"kvpress fidelity: no summary.json in {', '.join(missing(results))}", file=sys.stderr)
     (results / "fidelity.md").write_text(text)
     print(text)
     return 0

@@ -43,13 +43,24 @@ def sample_rows(rows: list[dict], n: int, seed: int = 0) -> list[dict]:
     return picked
 
 
+def replayable(sweep: Path, presses: list[str] | None = None) -> list[dict]:
+    """The rows of `sweep` with an answer to replay (of `presses` only, when given); a press with none, or no row
+    at all, is refused (a replay of nothing would pass)."""
+    answered = [row for row in current_rows(sweep).values() if row["task"] in ANSWER_TOKENS]
+    names = sorted({row["press"] for row in answered})
+    unknown = sorted(set(presses or ()) - set(names))
+    if unknown or not answered:
+        raise ValueError(f"{sweep} holds no answer rows of {', '.join(unknown) or 'any press'} to replay (perplexity "
+                         f"and continuation rows have none); its presses with answers: {', '.join(names) or 'none'}")
+    return [row for row in answered if presses is None or row["press"] in presses]
+
+
 def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, progress: bool = True,
            presses: list[str] | None = None) -> list[dict]:  # fmt: skip
     """Re-measure `n` sampled rows of `sweep` (of `presses` only, when given) into `out` (JSON lines, resumed);
     returns every replayed row."""
     settings = json.loads((sweep / "settings.json").read_text())
-    rows = [row for row in current_rows(sweep).values()
-            if row["task"] in ANSWER_TOKENS and (presses is None or row["press"] in presses)]  # fmt: skip
+    rows = replayable(sweep, presses)
     done = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     seen = {(r["task"], r["example"], r["press"], r["ratio"]) for r in done}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -89,8 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     if not (sweep / "settings.json").exists():
         parser.error(f"{sweep} holds no sweep (no settings.json)")
     name = json.loads((sweep / "settings.json").read_text()).get("model")
-    model, tokenizer = kvpress.load_model(None if name in (None, "smollm2-135m") else name)
     presses = args.presses.split(",") if args.presses else None
+    try:
+        replayable(sweep, presses)  # before the model loads
+    except ValueError as err:
+        parser.error(str(err))
+    model, tokenizer = kvpress.load_model(None if name in (None, "smollm2-135m") else name)
     rows = replay(model, tokenizer, sweep, args.rows, Path(args.out), args.seed, presses=presses)
     same = sum(r["same"] for r in rows)
     print(f"{same} of {len(rows)} replayed rows give the same answer, kept bytes and score")

@@ -299,10 +299,13 @@ def _check_generate(args: argparse.Namespace) -> None:
         _press(args.press or "default", args.ratio, args.max_tokens)
 
 
-def _check_counts(args: argparse.Namespace) -> None:
-    """Refuse counts no command can run with, naming the flag and the allowed values."""
-    least = {"max_new_tokens": 1, "max_tokens": 1, "examples": 1, "length": 100, "seed": 0, "texts": 1, "held_out": 1,
-             "tokens": 64, "window": 1, "epochs": 1}
+COUNTS = {"max_new_tokens": 1, "max_tokens": 1, "examples": 1, "length": 100, "seed": 0, "texts": 1, "held_out": 1,
+          "tokens": 64, "window": 1, "epochs": 1}  # the least value of each count flag a command takes
+
+
+def check_counts(args: argparse.Namespace, least: dict[str, int] = COUNTS) -> None:
+    """Refuse counts no command can run with, naming the flag and the allowed values (`least`: flag name -> the
+    least value; flags a command lacks are skipped). Used by the benchmarks' parsers too."""
     for name, bound in least.items():
         value = getattr(args, name, None)
         if value is not None and value < bound:
@@ -385,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     try:
-        _check_counts(args)  # before any model loads
+        check_counts(args)  # before any model loads
         if args.command == "demo":
             for name in args.presses.split(","):
                 _press(name, args.ratio, None)  # validate before loading the model
@@ -393,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
             _check_generate(args)
         elif args.command == "train-scorer":
             _check_update(args)  # before the model loads
+        if getattr(args, "out", None) is not None and not Path(args.out).resolve().parent.is_dir():
+            raise ValueError(f"--out {args.out}: its directory does not exist (the result would be lost after the "
+                             "run): create it first")  # fmt: skip
         return args.fn(args)
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"kvpress {args.command}: {err}", file=sys.stderr)

@@ -220,6 +220,9 @@ def load_model(
     A damaged file (truncated weights, a config or tokenizer that does not parse) is named in a ValueError; a
     packaged model's converted copy is converted again once, with a warning, before that error is raised.
     """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # before a damaged file is looked for
+        raise ValueError(f"dtype must be a floating torch.dtype (torch.float32, torch.bfloat16, torch.float16), "
+                         f"got {dtype!r}")  # fmt: skip
     name = name_or_path or DEFAULT_MODEL
     path = resolve_model_path(name)
     for attempt in (1, 2):
@@ -240,4 +243,5 @@ def load_model(
                 if name in PACKAGED_MODELS
                 else "replace it with a whole copy (e.g. save the model again with save_pretrained)"
             )
-            raise ValueError(f"model {name!r}: {file} is damaged ({why}); {fix}") from error
+            raise ValueError(f"model {name!r}: {file} is damaged ({why}); {fix} (the load failed with "
+                             f"{type(error).__name__}: {error})") from error

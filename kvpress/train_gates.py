@@ -192,9 +192,10 @@ def train_gates(
 ) -> Gates:
     """Train `Gates` for `model` on `texts` windows of `tokens` tokens and report them on `held_out` others
     (`training` holds the settings and the test fit, per layer and overall)."""
-    if texts < 1 or held_out < 1 or tokens < 64 or window < 1 or epochs < 1 or not (sparsity >= 0 and lr > 0):
+    if texts < 1 or held_out < 1 or tokens < 64 or window < 1 or epochs < 1 or not (0 <= sparsity < math.inf) \
+            or not (0 < lr < math.inf):  # fmt: skip
         raise ValueError(f"need texts >= 1, held_out >= 1, tokens >= 64, window >= 1, epochs >= 1, sparsity >= 0 "
-                         f"and lr > 0, got {texts}, {held_out}, {tokens}, {window}, {epochs}, {sparsity}, "
+                         f"and lr > 0 (finite), got {texts}, {held_out}, {tokens}, {window}, {epochs}, {sparsity}, "
                          f"{lr}")  # fmt: skip
     if model_access.has_sliding_layers(model):
         raise ValueError("train-gates trains on models whose layers all attend to the whole context; this one has "

@@ -132,7 +132,10 @@ def test_cli_refuses_flags_it_would_ignore_before_the_model_loads(tmp_path, caps
               "drop --prefill-chunk-size"),
              (["train-scorer", "--out", "x", "--update-profile", "--update-words"], "give one"),
              (["train-scorer", "--out", "x", "--update-words", "--texts", "9", "--seed", "7"],
-              "so --texts, --seed would be ignored")]  # fmt: skip
+              "so --texts, --seed would be ignored"),
+             (["calibrate-heads", "--out", str(tmp_path / "no" / "p.json")], "its directory does not exist"),
+             (["train-gates", "--out", str(tmp_path / "no" / "g.safetensors")],
+              "its directory does not exist")]  # fmt: skip
     for argv, said in cases:
         assert main(argv) == 2
         assert said in capsys.readouterr().err

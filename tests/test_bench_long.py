@@ -50,3 +50,21 @@ def test_a_measured_configuration_and_its_ratios(tokenized):
 def test_bad_arguments_are_refused_before_anything_runs(argv, tmp_path, capsys):
     assert main([*argv, "--out", str(tmp_path)]) == 2
     assert "kvpress bench-long:" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("bench, argv, said", [
+    ("bench_core", ["--decode-steps", "0"], "--decode-steps must be an integer >= 1, got 0"),
+    ("bench_core", ["--repeats", "0"], "--repeats must be an integer >= 1, got 0"),
+    ("bench_heads", ["--ratios", "0.5,0.5"], "ratios given twice: 0.5"),
+    ("bench_stream", ["--tokens", "600"], "--tokens must be an integer >= 10001, got 600"),
+    ("bench_stream", ["--short-tokens", "100"], "--short-tokens must be an integer >= 513, got 100"),
+])  # fmt: skip
+def test_the_other_benchmarks_refuse_sizes_before_they_run(bench, argv, said, capsys, monkeypatch):
+    """Sizes that would crash a benchmark after its runs (an empty median, nothing past the warm-up) are refused
+    before a model loads."""
+    import importlib
+
+    monkeypatch.setattr(kvpress, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    with pytest.raises(SystemExit):
+        importlib.import_module(f"kvpress.eval.{bench}").main(argv)
+    assert said in capsys.readouterr().err

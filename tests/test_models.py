@@ -144,7 +144,9 @@ def test_damaged_file_is_named(tmp_path, file):
     _cut(tmp_path / file)
     with pytest.raises(ValueError, match=rf"{tmp_path / file} is damaged .*save_pretrained") as info:
         models.load_model(str(tmp_path))
-    assert info.value.__cause__ is not None
+    assert info.value.__cause__ is not None and type(info.value.__cause__).__name__ in str(info.value)
+    with pytest.raises(ValueError, match="dtype must be a floating torch.dtype .* got 'fp16'"):
+        models.load_model(str(tmp_path), dtype="fp16")  # named as itself, not as the damaged file
 
 
 def test_damaged_packaged_model_is_converted_again(tmp_path, conversions, monkeypatch):

@@ -183,6 +183,8 @@ def test_train_gates_writes_gates_for_the_model(tokenized):
     assert t["command"].startswith("kvpress train-gates --model tiny --texts 2 --held-out 1 --tokens 64")
     with pytest.raises(ValueError, match="need texts >= 1"):
         train_gates(model, tokenizer, "tiny", texts=0)
+    with pytest.raises(ValueError, match=r"lr > 0 \(finite\), got .*, inf"):
+        train_gates(model, tokenizer, "tiny", lr=float("inf"))
 
 
 def test_packaged_gates_beat_shuffled_roles():

@@ -158,6 +158,9 @@ def test_fidelity_table_picks_the_best_press_per_task_and_marks_the_targets(tmp_
     assert noise["agnostic@0.5"] == ("knorm", 1.0) and noise["default@0.5"] == 0.5
     assert noise["agnostic@0.75"] == ("knorm", 0.75) and noise["aware@0.75"] == ("snapkv", 1.0)
     assert tracking["full"] == 0.0 and tracking["agnostic@0.5"] is None  # no retention without a full score
+    from kvpress.eval.fidelity import missing
+
+    assert "sweep-tasks" in missing(tmp_path) and "sweep" not in missing(tmp_path)  # named, not dropped unseen
     table = markdown([noise, tracking])
     assert "100% ✓ (knorm)" in table and "75% ✗ (knorm)" in table and "100% ✓ (snapkv)" in table
     assert "| variable_tracking | 0.000 (near chance) | - |" in table
@@ -527,3 +530,9 @@ def test_replay_measures_sampled_rows_again_and_appends_each(default_model, tmp_
     assert written == done and {(r["press"], r["ratio"]) for r in done} == {("none", 0.0), ("snapkv", 0.5)}
     assert all(r["same"] for r in done)  # greedy answers, the same code: the same rows
     assert replay(model, tokenizer, tmp_path / "sweep", 2, out) == done  # nothing measured twice
+    from kvpress.eval.replay import main as replay_main
+
+    with pytest.raises(SystemExit):  # a misspelt press would replay nothing and pass: refused before the model loads
+        replay_main(["--sweep", str(tmp_path / "sweep"), "--presses", "snapkvv", "--out", str(tmp_path / "x.jsonl")])
+    with pytest.raises(ValueError, match="holds no answer rows of snapkvv to replay.*with answers: none, snapkv"):
+        replay(model, tokenizer, tmp_path / "sweep", 2, out, presses=["snapkvv"])

@@ -114,6 +114,17 @@ def test_bad_task_arguments_are_refused(tokenizer):
         perplexity_documents(tokenizer, 1, 100, 0, source="wiki")
     with pytest.raises(ValueError, match="need n >= 1, length >= 128 and 1 <= top <= 20"):
         task_examples("common_words", tokenizer, 1, 64, seed=0)
+    from kvpress.eval.tasks.arithmetic import arithmetic_examples
+
+    with pytest.raises(ValueError, match="generator 'spell_backward' has answers that are not numbers"):
+        arithmetic_examples(tokenizer, 1, 200, seed=0, generator="spell_backward")  # before any answer
+    from kvpress.eval.tasks.chat_recall import chat_recall_examples
+
+    with pytest.raises(ValueError, match=r"n=100000 chats of 10 rounds asked; the conversation pool holds \d+"):
+        chat_recall_examples(100_000)
+    for n, length in ((0, 512), (1, 0)):  # no examples, or no context: refused, not returned empty
+        with pytest.raises(ValueError, match=f"need n >= 1 and length >= 16, got n={n}, length={length}"):
+            task_examples("continuation_pydoc", tokenizer, n, length, seed=0)
     with pytest.raises(ValueError, match="the pydoc haystack has .* tokens, fewer than length=1000000"):
         task_examples("perplexity_pydoc", tokenizer, 1, 1_000_000, seed=0)
     assert {"perplexity", "arithmetic", "common_words", "needle_essay"} <= set(TASKS)
@@ -216,3 +227,13 @@ def test_continuation_examples_are_the_tokens_that_follow(tokenizer):
         joined = list(example.context_ids + example.following_ids)
         start = next(i for i in range(len(ids)) if ids[i : i + 16] == joined[:16])
         assert ids[start : start + len(joined)] == joined  # one stretch of the text, cut in two
+
+
+def test_lm_eval_task_metadata_counts_are_whole_numbers(tokenizer):
+    """`--metadata '{"n": 2.9}'` is refused by name, not truncated to 2; digits given as text are counts."""
+    from kvpress.eval.tasks.lm_eval_hooks import dataset
+
+    for name, value in (("n", 2.9), ("length", True), ("seed", "x")):
+        with pytest.raises(ValueError, match=f"task metadata {name} must be a whole number, got {value!r}"):
+            dataset("needle_noise", **{name: value}, tokenizer=tokenizer)
+    assert len(dataset("needle_noise", length="200", n="2", tokenizer=tokenizer)["test"]) == 2

@@ -66,6 +66,9 @@ def arithmetic_examples(
         raise ValueError(f"need n >= 1 and length >= 64, got n={n}, length={length}")
     config = config or (DEFAULT_CONFIG if generator == DEFAULT_GENERATOR else {})
     problems = _problems(generator, seed, POOL, config)
+    if first_number(str(problems[0]["answer"])) is None:  # scored by the first number of the reply
+        raise ValueError(f"generator {generator!r} has answers that are not numbers ({problems[0]['answer']!r}): the "
+                         "arithmetic task scores a reply by its first number; choose a numeric generator")  # fmt: skip
     rng = random.Random(f"arithmetic-{generator}-{seed}")
     used: set[int] = set()
 

@@ -67,6 +67,8 @@ def chat_recall_examples(n: int, rounds: int = 10, seed: int = 0, plant_within: 
         raise ValueError(f"need n >= 1, rounds >= 2 and 2 <= plant_within < rounds, got {n}, {rounds}, {plant_within}")
     rng = random.Random(f"chat-recall-{seed}")
     pool = [c for c in conversations() if len(c) >= 2 * rounds and all(m.strip() for m in c[: 2 * rounds])]
+    if n > len(pool):
+        raise ValueError(f"n={n} chats of {rounds} rounds asked; the conversation pool holds {len(pool)} that long")
     out = []
     for convo in rng.sample(pool, n):
         turns = [[convo[2 * i].strip(), convo[2 * i + 1].strip()] for i in range(rounds)]

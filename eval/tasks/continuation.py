@@ -33,6 +33,8 @@ def continuation_examples(tokenizer, n: int, length: int, seed: int, source: str
     """`n` contexts of `length` tokens of `source`, each with the `FOLLOWING` tokens after it."""
     if source not in SOURCES:
         raise ValueError(f"unknown continuation source {source!r}; choose one of {SOURCES}")
+    if n < 1 or length < 16:
+        raise ValueError(f"need n >= 1 and length >= 16, got n={n}, length={length}")
     rng = random.Random(f"continuation-{source}-{seed}")
     examples = []
     for _ in range(n):

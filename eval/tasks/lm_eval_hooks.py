@@ -24,12 +24,23 @@ def _tokenizer(kwargs: dict):
     return AutoTokenizer.from_pretrained(resolve_model_path(None if name == "default" else name), local_files_only=True)
 
 
+def _whole(name: str, value) -> int:
+    """A metadata count as an int: an int or its digits (`--metadata '{"n": "32"}'`); 2.9 or true is refused,
+    not truncated."""
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"task metadata {name} must be a whole number, got {value!r}")
+    return value
+
+
 def dataset(task: str, length: int = 1024, n: int = 32, seed: int = 0, **kwargs) -> dict:
     """lm-eval's `custom_dataset`: `{"test": Dataset}` of kvpress task `task` (metadata: length, n, seed).
     Rows have `context`, `question`, `answers`, or `text` for the perplexity tasks."""
     import datasets
 
-    items = task_examples(task, _tokenizer(kwargs), int(n), int(length), int(seed))
+    n, length, seed = (_whole(name, value) for name, value in (("n", n), ("length", length), ("seed", seed)))
+    items = task_examples(task, _tokenizer(kwargs), n, length, seed)
     if isinstance(items[0], Document):
         rows = [{"text": d.text} for d in items]
     else:
