@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpress.engine import maybe_installed, observe
-from kvpress.pipeline import pad_token_id
+from kvpress.pipeline import check_press, pad_token_id
 from kvpress.presses.base import BasePress
 from kvpress.round_store import RoundStore
 from kvpress.rounds import RoundPolicy
@@ -204,9 +204,7 @@ def _check_one_of(press, round_policy) -> None:
     if press is not None and round_policy is not None:
         raise ValueError("give press= or round_policy=, not both (a round policy compresses each round with "
                          "its inner= press)")  # fmt: skip
-    if press is not None and not isinstance(press, BasePress):
-        raise TypeError(f"press must be a kvpress press (kvpress.press_from_name('snapkv', compression_ratio=0.5), "
-                        f"...) or None, got {press!r}")  # fmt: skip
+    check_press(press)
     if press is not None and press.needs_whole_context:
         raise ValueError(f"{type(press).__name__} compresses the first prompt of a cache, in a pass over all of it: "
                          "a chat's later turns cannot be scored that way; use a press that scores tokens as they "

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from kvpress.pipeline import check_press
 from kvpress.presses.base import BasePress
 
 
@@ -47,8 +48,8 @@ def stream(
     Parameters:
         press: what bounds the cache, typically `SinkWindowPress(n_sink=4, window=W, rerotate=True)`;
             any press that scores tokens as they are cached works (it evicts after every chunk); one that
-            scores a whole prompt in a pass of its own (KVzip, ...) is refused. None keeps the full cache, which is only
-            possible while the stream fits the model's `max_position_embeddings`.
+            scores a whole prompt in a pass of its own (KVzip, ...) is refused. None keeps the full cache,
+            which is only possible while the stream fits the model's `max_position_embeddings`.
         chunk: tokens fed per forward; within a chunk each token also sees the chunk's earlier tokens.
         limit: read at most this many tokens of the stream.
         cache: a `DynamicCache` to use, so the caller can inspect it between chunks.
@@ -59,8 +60,7 @@ def stream(
     """
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
-    if press is not None and not isinstance(press, BasePress):
-        raise TypeError(f"press must be a kvpress press (SinkWindowPress(...), ...) or None, got {press!r}")
+    check_press(press)
     if press is not None and press.needs_whole_context:
         raise ValueError(f"{type(press).__name__} compresses a whole prompt once, in a pass over all of it: a stream "
                          "fed chunk by chunk needs a press that scores tokens as they are cached (sink-window, "
