@@ -73,8 +73,7 @@ class DuoAttentionPress(HeadwisePress):
                 self.kv_bits = self.press.kv_bits
         if self.max_tokens is not None:
             raise ValueError("DuoAttentionPress takes compression_ratio or retrieval_fraction, not max_tokens")
-        slack = type(self).__dataclass_fields__["decode_slack"].default
-        if self.layer_scales is not None or self.rerotate or self.decode_slack != slack:
+        if self.layer_scales is not None or self.rerotate or self.decode_slack != BasePress.decode_slack:
             raise ValueError("DuoAttentionPress budgets heads, not layers or decoding steps (a streaming head keeps "
                              "n_sink + window, a retrieval head everything or what its press= keeps): it takes no "
                              "layer_scales, rerotate or decode_slack (give decode_slack to its press=), got "

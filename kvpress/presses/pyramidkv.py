@@ -48,7 +48,7 @@ class PyramidKVPress(WrapsPress, BasePress):
                                      rerotate=self.rerotate, decode_slack=self.decode_slack, kv_bits=self.kv_bits,
                                      **snapkv)  # fmt: skip
             self.compression_ratio = self.max_tokens = self.kv_bits = None
-            self.rerotate, self.decode_slack = False, 0.02
+            self.rerotate, self.decode_slack = False, BasePress.decode_slack  # held by its SnapKV
             self.window_size = self.kernel_size = self.n_sink = None  # held by the SnapKV built from them
         elif snapkv:
             raise ValueError(f"PyramidKVPress takes {', '.join(snapkv)} for its own SnapKV only; set them on the "
