@@ -11,7 +11,9 @@ is shared and noisy. Writes `eval/results/core.json`:
      per-head variable-length storage and attention vs one dense tensor; steps interleaved, each side first
      every other step), "kvzip_scoring_peak_ratio": the
      most bytes the cache holds while KVzip scores the decode context (its reconstruction passes) / the
-     context's full-cache bytes}
+     context's full-cache bytes, "kvzip_pass_ratio": KVzip's scoring of the decode context with the
+     attention weights computed once, for the output and the scores / computed again for the scores
+     (`reconstruction_scores(from_output=False)`), alternating}
 
 Run: `make bench` (or `python -m kvpress.eval.bench_core --help`).
 """
@@ -31,6 +33,7 @@ import kvpress
 from kvpress.cli import check_counts
 from kvpress.engine import maybe_installed
 from kvpress.patches.model_access import attention_modules
+from kvpress.presses.kvzip import reconstruction_scores
 from kvpress.recording import record_prefill
 
 PRESSES = ("snapkv", "h2o", "sink-window", "knorm", "random", "adakv", "duo-attention", "snapkv:kv_bits=4",
@@ -71,6 +74,20 @@ def timed_generate(model, tokenizer, ids: torch.Tensor, press=None) -> float:
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
                        pad_token_id=tokenizer.eos_token_id)  # fmt: skip
         return time.perf_counter() - start
+
+
+def kvzip_pass_ratio(model, tokenizer, ids: torch.Tensor, repeats: int) -> float:
+    """Median seconds of KVzip's scoring of the context `ids` with the weights computed once, over the median with
+    them computed a second time for the scores (the two alternate, each first every other round)."""
+    recording = record_prefill(model, ids)
+    request = tokenizer(kvpress.KVzipPress.prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    times: dict = {True: [], False: []}
+    for round_ in range(repeats):
+        for once in (True, False) if round_ % 2 == 0 else (False, True):
+            start = time.perf_counter()
+            reconstruction_scores(model, recording.cache, ids, request, from_output=once)
+            times[once].append(time.perf_counter() - start)
+    return statistics.median(times[True]) / statistics.median(times[False])
 
 
 def kvzip_scoring_peak(model, tokenizer, ids: torch.Tensor) -> float:
@@ -153,6 +170,8 @@ def run(args: argparse.Namespace) -> dict:
         print(f"decode at {args.decode_context}: variable-length / dense step x{result['varlen_vs_dense_decode']}")
     result["kvzip_scoring_peak_ratio"] = round(kvzip_scoring_peak(model, tokenizer, ids), 3)
     print(f"KVzip scoring at {args.decode_context}: the cache peaks at x{result['kvzip_scoring_peak_ratio']} of full")
+    result["kvzip_pass_ratio"] = round(kvzip_pass_ratio(model, tokenizer, ids, args.repeats), 3)
+    print(f"KVzip scoring at {args.decode_context}: weights computed once / twice x{result['kvzip_pass_ratio']}")
     for name, press in presses.items():
         cache, _ = prefill(model, ids, press)
         result["kept_bytes_ratio"][name] = round(kvpress.cache_bytes(cache) / full_bytes, 4)

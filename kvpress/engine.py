@@ -45,6 +45,9 @@ class Observation:
     hidden: torch.Tensor | None = None  # [B, q, d] the attention module's input hidden states of the new tokens
     kv_heads: slice = field(default_factory=lambda: slice(None))  # the KV heads `keys` holds (one: a head-wise view)
     mass: torch.Tensor | None = None  # [B, Hkv, n] fp32 the attention computed with its output (`attention_mass`)
+    # [B, Hkv, n] fp32 the largest weight each slot received from the new queries and the query heads of its KV head,
+    # computed with the output when an observer asked (`weights_block`, see `observe`); else None
+    peak: torch.Tensor | None = None
     ids: torch.Tensor | None = None  # [B, q] the new tokens' ids (None where the forward was given embeddings)
 
     @property
@@ -365,22 +368,36 @@ class PressInstallation:
         else:
             self._unscored.append(ids)
 
+    def _watching(self) -> tuple[Observer, ...]:
+        """The observers of this caller's forwards now: the installation's, and those `observing()` added."""
+        return (*self.observers, *(_OBSERVING.get() or {}).get(self, ()))
+
     def mass_block(self, layer: PressedLayer | HeadwiseLayer, evict_now: bool = True) -> int | None:
-        """Queries a block when this forward's press reads the attention mass of a layer (see the intercept)."""
+        """Queries a block when this forward's press or an observer reads the attention weights of a layer (see the
+        intercept): the smallest block any of them asks for. Observers see dense layers only."""
+        asked = []
+        if not isinstance(layer, HeadwiseLayer):
+            heads = model_access.text_config(self.model).num_attention_heads
+            asked = [o.weights_block(layer, heads) for o in self._watching() if hasattr(o, "weights_block")]
         press = self.press
-        if press is None or press.needs_whole_context or not (evict_now or press.observes_frozen):
-            return None
-        return press.mass_block()
+        if press is not None and not press.needs_whole_context and (evict_now or press.observes_frozen):
+            asked.append(press.mass_block())
+        asked = [block for block in asked if block]
+        return min(asked) if asked else None
+
+    def reads_peak(self) -> bool:
+        """Whether an observer may read `Observation.peak` (one with `weights_block`)."""
+        return any(hasattr(o, "weights_block") for o in self._watching())
 
     def after_attention(
         self, module: nn.Module, query, key, value, layer: PressedLayer, evict_now: bool = True, hidden=None, mass=None,
-        ids=None,
+        ids=None, peak=None,
     ) -> HeadwiseLayer | None:  # fmt: skip
         if torch.is_grad_enabled():  # what stays is decided, not learned: no autograd history in what is kept
             with torch.no_grad():  # (generate runs without grad already: this step costs it nothing)
-                return self.after_attention(module, query, key, value, layer, evict_now, hidden, mass, ids)
-        obs = Observation(module, query, key, value, layer, hidden, mass=mass, ids=ids)
-        for observer in (*self.observers, *(_OBSERVING.get() or {}).get(self, ())):  # see every slot attended to
+                return self.after_attention(module, query, key, value, layer, evict_now, hidden, mass, ids, peak)
+        obs = Observation(module, query, key, value, layer, hidden, mass=mass, ids=ids, peak=peak)
+        for observer in self._watching():  # see every slot attended to
             observer(obs)
         if self.press is None or self.press.needs_whole_context:
             return None  # a whole-context press evicts once, at the end of the prefill (`run_forward`)
@@ -441,7 +458,12 @@ class PressInstallation:
 def observe(model: nn.Module, *observers: Observer):
     """`with observe(model, fn):` calls `fn(observation)` after every compressible layer's attention of the
     caller's forwards inside the block; nothing is evicted (also when a press is active on the model for this
-    caller: its eviction pauses inside the block)."""
+    caller: its eviction pauses inside the block). An observer that reads the attention weights has a method
+    `weights_block(layer, query_heads)` (queries a block, or None): a full-attention layer's attention is then
+    computed from its weights, that many queries at a time, and hands it their sum and peak per slot
+    (`Observation.mass`, `.peak`), so the observer need not compute them a second time; they are None where the
+    attention cannot give them (a sliding-window layer, attention sinks or a position bias, a forward that records
+    gradients), and the observer computes them itself."""
     active = active_handler(model)
     if isinstance(active, PressInstallation):
         return active.observing(*observers)

@@ -62,13 +62,15 @@ def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 def attention_with_mass(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         rows_mask: Callable[..., torch.Tensor] | None, block: int, scaling: float | None = None,
-                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                        softcap: float | None = None, peak: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Attention of `query` `[B, Hq, q, D]` (the newest `q` slots of `key`/`value` `[B, Hkv, n, D]`) from its
     weights, `block` queries at a time, and the attention mass: `[B, Hkv, n]` fp32, the weight each slot received,
     summed over the queries and the query heads that share its KV head. `rows_mask(rows=(s, e))`: the bool mask
     of queries `s:e` over the first `n - q + e` slots, `[B or 1, Hkv or 1, e - s, n - q + e]`; None: every held
-    slot visible, the new ones causally. Logits in the model's dtype, weights in fp32. Returns (`[B, q, Hq, Dv]`,
-    mass)."""
+    slot visible, the new ones causally. Logits in the model's dtype, weights in fp32. `peak`: a `[B, Hkv, n]` fp32
+    tensor raised in place to the largest weight each slot received from those queries and heads (KVzip's score).
+    Returns (`[B, q, Hq, Dv]`, mass)."""
     b, hq, q, d = query.shape
     hkv, n = key.shape[1], key.shape[2]
     g = hq // hkv
@@ -98,5 +100,7 @@ def attention_with_mass(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                 logits.view(b, hkv, g, w, width)[..., c:].masked_fill_(hidden[:, :, None, :, c:], float("-inf"))
         weights = torch.softmax(logits, dim=-1, dtype=torch.float32, out=weights_buffer[:used].view(shape))
         mass[..., :width] += weights.sum(dim=-2)
+        if peak is not None:
+            peak[..., :width] = torch.maximum(peak[..., :width], weights.amax(dim=-2))
         out[:, :, :, s:e] = (weights.to(value.dtype) @ value[:, :, :width]).view(b, hkv, g, w, -1)
     return out.view(b, hq, q, -1).transpose(1, 2).contiguous(), mass

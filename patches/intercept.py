@@ -25,13 +25,15 @@ object with:
 - `before_forward(cache, args, kwargs)`: before the forward runs (it may refuse it, or set `position_ids`);
 - `run_forward(forward, cache, args, kwargs)`: runs the forward (`forward(*args, **kwargs)`, or in parts);
 - `mass_block(layer, evict)`: before a full-attention layer's attention (dense or head-wise): None, or the queries
-  a block when the press reads the attention mass (each slot's summed weights), which the attention then computes
-  from its weights (`blocked_attention.attention_with_mass`) instead of sdpa's fused kernel;
-- `after_attention(module, query, key, value, layer, evict, hidden, mass, ids)`: after a dense layer's attention
-  (before a sliding layer's `trim_window`; `evict` False while the caller is `frozen()`; `hidden` the attention
-  module's input hidden states of the new tokens, `[B, q, d]`; `mass` `[B, Hkv, n]` when `mass_block` asked for
-  it; `ids` the new tokens' ids, `[B, q]`, or None when the forward was given embeddings); returns a layer that
-  replaces it (per-head storage), or None;
+  a block when the press (or an observer) reads the attention mass (each slot's summed weights), which the attention
+  then computes from its weights (`blocked_attention.attention_with_mass`) instead of sdpa's fused kernel;
+- `reads_peak()`: when `mass_block` gave a block for a dense layer, whether the largest weight each slot received
+  is wanted too (`peak`);
+- `after_attention(module, query, key, value, layer, evict, hidden, mass, ids, peak)`: after a dense layer's
+  attention (before a sliding layer's `trim_window`; `evict` False while the caller is `frozen()`; `hidden` the
+  attention module's input hidden states of the new tokens, `[B, q, d]`; `mass` `[B, Hkv, n]` when `mass_block`
+  asked for it, `peak` `[B, Hkv, n]` when `reads_peak()` did too, else None; `ids` the new tokens' ids, `[B, q]`,
+  or None when the forward was given embeddings); returns a layer that replaces it (per-head storage), or None;
 - `after_headwise(module, query, layer, hidden, evict, ids, mass)`: after a head-wise layer's attention (`mass`
   `[slots]` aligned with the layer's packed storage when `mass_block` asked for it, else None).
 
@@ -310,11 +312,14 @@ class Intercept:
         out = mass = None
         block = self.handler.mass_block(layer, call.compressing) if layer.window is None else None
         grad = torch.is_grad_enabled() and query.requires_grad  # (its buffers take no autograd history)
+        peak = None
         if block and blocked.weighable(module, kwargs) and not grad:  # the press reads the weights: computed once
             plain = layer.valid is None  # no padding, no holes: causal among the new tokens is all the mask says
             rows_mask = None if plain else functools.partial(layer_mask, layer, q_len, 1, query.dtype, False)
+            if self.handler.reads_peak():
+                peak = key.new_zeros(*key.shape[:3], dtype=torch.float32)
             out, mass = blocked.attention_with_mass(query, key, value, rows_mask, block, kwargs.get("scaling"),
-                                                    kwargs.get("softcap"))  # fmt: skip
+                                                    kwargs.get("softcap"), peak)  # fmt: skip
             out = out, None
         elif whole and not _sized_for_another_layer(standard, key) and not (flash and thin):
             mask = standard  # slots still line up with tokens: transformers' own mask is right
@@ -333,7 +338,7 @@ class Intercept:
         if out is None:
             out = inner(module, query, key, value, mask, **kwargs)
         replacement = self.handler.after_attention(module, query, key, value, layer, call.compressing, hidden, mass,
-                                                   ids)  # fmt: skip
+                                                   ids, peak)  # fmt: skip
         if replacement is not None:  # the layer moved to per-head storage
             replacement.driven = True
             call.cache.layers[module.layer_idx] = replacement

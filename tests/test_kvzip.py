@@ -11,6 +11,7 @@ import kvpress
 from kvpress import KVzipPress
 from kvpress.eval.bench_core import kvzip_scoring_peak
 from kvpress.eval.sweep import run_sweep
+from kvpress.patches import blocked_attention as blocked
 from kvpress.presses.kvzip import LEAD_IN, reconstruction_scores
 from kvpress.recording import compress_recording, record_prefill
 from tiny import prompt, tiny_model
@@ -30,13 +31,23 @@ def _plain(ratio: float) -> KVzipPress:
     return KVzipPress(ratio, window_size=0, global_budget=0.0)
 
 
+@pytest.mark.parametrize("with_output", [True, False])
 @pytest.mark.parametrize("family", ["llama", "mistral-window", "gemma3"])  # windows of 16 and 8: 40 tokens pass them
-def test_scores_are_the_peak_attention_of_the_reconstruction(family):
+def test_scores_are_the_peak_attention_of_the_reconstruction(family, with_output, monkeypatch):
+    """Both ways of scoring: the full-attention layers' weights computed once, with the attention's output
+    (`PromptAttention.weights_block`), and the observer computing them itself (what sliding-window layers do)."""
     model = tiny_model(family, attn="eager")
     ids = prompt(1, 40)
     recording = record_prefill(model, ids)
     before = copy.deepcopy(recording.cache)
-    scores = reconstruction_scores(model, recording.cache, ids, REPEAT, chunk_size=64, piece_size=7)  # one pass
+    calls = []
+    original = blocked.attention_with_mass
+    monkeypatch.setattr(blocked, "attention_with_mass", lambda *a, **k: calls.append(a[-1]) or original(*a, **k))
+    scores = reconstruction_scores(model, recording.cache, ids, REPEAT, chunk_size=64, piece_size=7,
+                                   from_output=with_output)  # one pass
+    full_layers = [i for i, layer in enumerate(recording.cache.layers) if getattr(layer, "window", None) is None]
+    assert len(calls) == (len(full_layers) * 7 if with_output else 0)  # 43 tokens in 7 pieces: one call a piece
+    assert all(peak is not None for peak in calls)  # each gave the peaks too
     for layer, kept in zip(recording.cache.layers, before.layers, strict=True):  # the cache is left as it was
         assert torch.equal(layer.keys, kept.keys) and layer.get_seq_length() == kept.get_seq_length() == 40
     full = torch.cat([ids, REPEAT, ids], dim=-1)

@@ -66,7 +66,8 @@ class KVzipPress(BasePress):
     seen, so a chunked prefill holds at most the budget plus one chunk (and one pass while scoring). Chunks see
     only what came before them: a cache prefilled in chunks differs from one scored whole.
     Cost: one more forward of the prompt and the context over the cached context, which holds at most one
-    pass more (the prompt and `reconstruction_chunk` tokens). The prefill's own queries are not read
+    pass more (the prompt and `reconstruction_chunk` tokens); its full-attention layers compute their weights once,
+    for their output and the scores (`PromptAttention.weights_block`). The prefill's own queries are not read
     (`reads_queries`), so a live prefill keeps none of them for it.
     """
 
@@ -181,6 +182,7 @@ def reconstruction_scores(
     chunk_size: int = 2048,
     piece_size: int = 512,
     lead_in: torch.Tensor | None = None,
+    from_output: bool = True,
 ) -> dict[int, torch.Tensor]:
     """KVzip's importance of each cached context token, per compressible layer `[B, Hkv, n]`: the peak
     attention paid to it while the model rebuilds the context after the request `prompt_ids`. As in the
@@ -191,7 +193,9 @@ def reconstruction_scores(
 
     `lead_in`: `context_ids` are the last tokens the cache has seen, after tokens it has compressed already, of
     which `lead_in` are the last ids (a later chunk of a chunked prefill); only `context_ids` are rebuilt, and
-    the scores are per position of every token seen `[B, Hkv, seen]`, 0 where a layer no longer holds it."""
+    the scores are per position of every token seen `[B, Hkv, seen]`, 0 where a layer no longer holds it.
+    `from_output`: full-attention layers compute the pass's attention weights once, for their output and the scores
+    (False: the scores compute them again, as sliding-window layers do; what `make bench` compares against)."""
     n = context_ids.shape[1]
     seen = n
     if lead_in is None:
@@ -211,7 +215,7 @@ def reconstruction_scores(
                     f"a later chunk's reconstruction scores need every layer to have seen the same tokens, the "
                     f"chunk's {n} last, and no padding; layer {idx} has seen {getattr(layer, 'seen', '?')}"
                 )
-    observer = PromptAttention(n_prompt=seen, by_position=lead_in is not None)
+    observer = PromptAttention(n_prompt=seen, by_position=lead_in is not None, from_output=from_output)
     prompt = prompt_ids.expand(context_ids.shape[0], -1)
     before = context_ids[:, :0] if lead_in is None else lead_in
     with observe(model, observer):

@@ -20,14 +20,28 @@ class PromptAttention:
     observes pay each of the first `n_prompt` slots, over the query heads of each KV group: the largest
     (`peaks`, `[B, Hkv, n_prompt]`) and the sum with the number of (query, head) pairs that paid it (`sums`).
     `by_position`: per position of the prompt's first `n_prompt` tokens instead, 0 where a layer no longer holds
-    the token (a cache a press compressed before: KVzip scoring a later chunk)."""
+    the token (a cache a press compressed before: KVzip scoring a later chunk). `from_output`: read them from the
+    weights the attention computed its output with, where it can (`weights_block`); False: compute them again here,
+    as for the layers where it cannot (what `make bench` compares against)."""
 
     n_prompt: int
     by_position: bool = False
+    from_output: bool = True
     peaks: dict[int, torch.Tensor] = field(default_factory=dict)
     sums: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
+    def weights_block(self, layer, query_heads: int) -> int | None:
+        """Queries a block whose weights fit in `BLOCK_FLOATS`: the attention computes the weights with its output
+        and hands this observer their peak and sum (`Observation.peak`, `.mass`; see `kvpress.engine.observe`)."""
+        if not self.from_output:
+            return None
+        return max(1, BLOCK_FLOATS // (layer.keys.shape[0] * query_heads * max(layer.n, 1)))
+
     def __call__(self, obs: Observation) -> None:
+        if self.from_output and obs.peak is not None and obs.mass is not None:  # computed with the attention's output
+            g = obs.query.shape[1] // obs.keys.shape[1]
+            self._add(obs, self._on_prompt(obs, obs.peak, "amax"), self._on_prompt(obs, obs.mass, "sum"), g * obs.q_len)
+            return
         peak, total, count = None, None, 0
         rows = max(1, BLOCK_FLOATS // (obs.query.shape[0] * obs.query.shape[1] * obs.keys.shape[2]))
         for start in range(0, obs.q_len, rows):  # the attention matrix a block of queries at a time
@@ -37,6 +51,10 @@ class PromptAttention:
             peak = chunk_peak if peak is None else torch.maximum(peak, chunk_peak)
             total = chunk_total if total is None else total + chunk_total
             count += probs.shape[2] * probs.shape[3]
+        self._add(obs, peak, total, count)
+
+    def _add(self, obs: Observation, peak: torch.Tensor, total: torch.Tensor, count: int) -> None:
+        """Fold one forward's peak, sum and (query, head) count per prompt token into the layer's."""
         if obs.layer_idx in self.peaks:
             peak = torch.maximum(self.peaks[obs.layer_idx], peak)
             total, count = total + self.sums[obs.layer_idx][0], count + self.sums[obs.layer_idx][1]
