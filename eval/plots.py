@@ -16,7 +16,9 @@ documents (NLL sum / token sum, a ratio of sums): its standard error is the rati
 sqrt(sum (nll_i - r tokens_i)^2 / (n (n - 1))) / mean tokens, and the band exp(r +- 1.96 se). Otherwise a cell
 of one example has no band. With more than `BANDS_FOR_ALL`
 presses in a figure, only the default press and the full cache get bands (a dozen overlapping bands hide
-the curves); the heatmap then reads better than the curves.
+the curves); the heatmap then reads better than the curves. Cells measured on fewer examples than their task's
+widest (a sweep widened and stopped part way, `partial_cells`) are marked: a range of n in the panel's title, a
+'*' in the heatmap.
 
 Replot an existing sweep without running it again: `python -m kvpress.eval.sweep --replot --out DIR`.
 """
@@ -137,6 +139,15 @@ def plot_sweep(summary: list[dict], rows: list[dict], out: str | Path) -> list[P
     return written
 
 
+def partial_cells(summary: list[dict]) -> set[tuple[str, str, float]]:
+    """The (press, task, ratio) cells measured on fewer examples than the task's widest cell (a sweep that was
+    widened and stopped part way): the plots mark them."""
+    widest: dict[str, int] = {}
+    for s in summary:
+        widest[s["task"]] = max(widest.get(s["task"], 0), s["examples"])
+    return {(s["press"], s["task"], s["ratio"]) for s in summary if s["examples"] < widest[s["task"]]}
+
+
 def _order(presses: Iterable[str], default: str) -> list[str]:
     """Legend order: full cache, default press, the others sorted."""
     return sorted(set(presses), key=lambda p: (p != FULL, not is_default(p, default), p))
@@ -202,8 +213,9 @@ def _curves(plt, summary: list[dict], bands: dict, path: Path, default: str) -> 
                     alpha = 0.15 if is_default(press, default) else 0.06
                     ax.fill_between(xs, lows, highs, color=style["color"], alpha=alpha,
                                     linewidth=0, zorder=style["zorder"] - 1)  # fmt: skip
-        examples = max(s["examples"] for rows in cells.values() for s in rows)
-        ax.set_title(f"{task} ({examples} examples)")
+        counts = sorted({s["examples"] for rows in cells.values() for s in rows})
+        examples = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"  # partial cells: a range
+        ax.set_title(f"{task} ({examples} examples{' a cell' if len(counts) > 1 else ''})")
         ax.set_xlabel("kept KV bytes / full")
         if ppl:
             ax.set(ylabel="perplexity (lower is better)", yscale="log")
@@ -230,6 +242,7 @@ def _heatmap(plt, summary: list[dict], path: Path, default: str) -> Path:
     tasks = sorted({s["task"] for s in summary})
     ratios = sorted({s["ratio"] for s in summary if s["press"] != FULL})
     cell = {(s["press"], s["task"], s["ratio"]): s["retention"] for s in summary}
+    partial = partial_cells(summary)
     presses = sorted({s["press"] for s in summary} - {FULL})
     kept = {p: [v for (q, _, _), v in cell.items() if q == p and v is not None] for p in presses}
     presses.sort(key=lambda p: (-statistics.fmean(kept[p]) if kept[p] else 0.0, p))  # best first
@@ -248,7 +261,7 @@ def _heatmap(plt, summary: list[dict], path: Path, default: str) -> Path:
                     ax.text(j, i, "-", ha="center", va="center", fontsize=8, color="grey")
                     continue
                 v = cell[(p, t, ratio)]
-                text = "n/a" if v is None else f"{v:.2f}"
+                text = ("n/a" if v is None else f"{v:.2f}") + ("*" if (p, t, ratio) in partial else "")
                 dark = v is not None and v < 0.6
                 ax.text(j, i, text, ha="center", va="center", fontsize=8, color="white" if dark else "black")
         ax.set_title(f"ratio {ratio:g}", fontsize=10)
@@ -261,7 +274,7 @@ def _heatmap(plt, summary: list[dict], path: Path, default: str) -> Path:
             label.set_color(DEFAULT_COLOUR)
     fig.colorbar(image, ax=axes[0].tolist(), label="retention (score / full cache's)", shrink=0.8)
     fig.suptitle("retention of the full cache's score (perplexity: full ppl / ppl; '-' not measured, "
-                 "'n/a' full cache scored 0)", fontsize=10)  # fmt: skip
+                 "'n/a' full cache scored 0, '*' fewer examples than the task's other cells)", fontsize=10)  # fmt: skip
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

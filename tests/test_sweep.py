@@ -308,7 +308,7 @@ def test_a_torn_last_row_is_measured_again(default_model, tmp_path, capsys):
 
 def test_plots_give_each_press_its_own_style_and_write_both_pngs(tmp_path):
     pytest.importorskip("matplotlib")
-    from kvpress.eval.plots import intervals, is_default, plot_sweep, press_styles
+    from kvpress.eval.plots import intervals, is_default, partial_cells, plot_sweep, press_styles
     from kvpress.presses import DEFAULT_PRESS, press_names
 
     names = [f"{n}{extra}" for n in press_names() for extra in ("", ":window_size=16", ":inner=kvzip")]
@@ -334,6 +334,10 @@ def test_plots_give_each_press_its_own_style_and_write_both_pngs(tmp_path):
     assert all(p.stat().st_size > 0 for p in written)
     plot_sweep([s for s in summary if s["task"] == "arithmetic"], rows, tmp_path)  # one task: no heatmap
     assert (tmp_path / "plot.png").exists() and not (tmp_path / "heatmap.png").exists()
+    assert partial_cells(summary) == set()
+    widened = [{**s, "examples": 6} if s["press"] == "none" and s["task"] == "arithmetic" else s for s in summary]
+    assert partial_cells(widened) == {("snapkv", "arithmetic", 0.5), (DEFAULT_PRESS, "arithmetic", 0.5)}
+    assert plot_sweep(widened, rows, tmp_path) == written  # marked ('*' and a range of n), not dropped
 
 
 def test_a_quantizing_press_is_also_measured_at_ratio_zero():
