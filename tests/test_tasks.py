@@ -237,3 +237,17 @@ def test_lm_eval_task_metadata_counts_are_whole_numbers(tokenizer):
         with pytest.raises(ValueError, match=f"task metadata {name} must be a whole number, got {value!r}"):
             dataset("needle_noise", **{name: value}, tokenizer=tokenizer)
     assert len(dataset("needle_noise", length="200", n="2", tokenizer=tokenizer)["test"]) == 2
+
+
+def test_lm_eval_task_metadata_refuses_a_misspelt_key(tokenizer):
+    """`lenght` would leave the default length in its place: refused, naming the key it resembles; the open-ended
+    keys lm-eval merges in from model_args (HFLM's, press parameters) pass."""
+    from kvpress.eval.tasks.lm_eval_hooks import dataset
+
+    for key, meant in (("lenght", "length"), ("Seed", "seed"), ("N", "n"), ("tokeniser", "tokenizer")):
+        with pytest.raises(ValueError, match=f"task metadata '{key}' is not one kvpress tasks read; did you mean "
+                                             f"'{meant}'"):  # fmt: skip
+            dataset("needle_noise", length=200, n=1, tokenizer=tokenizer, **{key: 1})
+    rows = dataset("needle_noise", length=200, n=1, tokenizer=tokenizer, max_length=4096, batch_size=1, version=1.0,
+                   window_size=64, press="snapkv")  # fmt: skip
+    assert len(rows["test"]) == 1

@@ -6,6 +6,9 @@ lm-eval loads this file by path, so it imports the generators through the instal
 
 from __future__ import annotations
 
+import difflib
+import inspect
+
 from transformers import AutoTokenizer
 
 from kvpress.eval.tasks import Document, Example, task_examples
@@ -13,12 +16,15 @@ from kvpress.eval.tasks.arithmetic import first_number_score
 from kvpress.eval.tasks.chat_recall import whole_number_score
 from kvpress.eval.tasks.common_words import top_words_score
 from kvpress.models import resolve_model_path
+from kvpress.presses import all_press_parameters
+
+TOKENIZER_KEYS = ("tokenizer", "pretrained")  # where `_tokenizer` looks, in order
 
 
 def _tokenizer(kwargs: dict):
     """The tokenizer named by the task metadata (lm-eval merges `model_args` into it): `tokenizer` or
     `pretrained`, where "default" or a packaged name resolves offline through kvpress."""
-    name = kwargs.get("tokenizer") or kwargs.get("pretrained") or "default"
+    name = next((kwargs[key] for key in TOKENIZER_KEYS if kwargs.get(key)), "default")
     if not isinstance(name, str):
         return name  # a tokenizer object passed in the metadata
     return AutoTokenizer.from_pretrained(resolve_model_path(None if name == "default" else name), local_files_only=True)
@@ -39,6 +45,7 @@ def dataset(task: str, length: int = 1024, n: int = 32, seed: int = 0, **kwargs)
     Rows have `context`, `question`, `answers`, or `text` for the perplexity tasks."""
     import datasets
 
+    _check_keys(kwargs)
     n, length, seed = (_whole(name, value) for name, value in (("n", n), ("length", length), ("seed", seed)))
     items = task_examples(task, _tokenizer(kwargs), n, length, seed)
     if isinstance(items[0], Document):
@@ -46,6 +53,20 @@ def dataset(task: str, length: int = 1024, n: int = 32, seed: int = 0, **kwargs)
     else:
         rows = [{"context": e.context, "question": e.question, "answers": list(e.answers)} for e in items]
     return {"test": datasets.Dataset.from_list(rows)}
+
+
+def _check_keys(kwargs: dict) -> None:
+    """Refuse a metadata key that looks like a misspelling of one the tasks read (`lenght`, `Seed`, `tokeniser`),
+    which would leave the default in its place. Other keys pass: lm-eval merges the model's `model_args` into the
+    metadata, so any model's (and any press's) arguments arrive here."""
+    read = [p for p in inspect.signature(dataset).parameters if p not in ("task", "kwargs")] + list(TOKENIZER_KEYS)
+    for key in kwargs:
+        if key in read or key in all_press_parameters():
+            continue
+        close = difflib.get_close_matches(key.lower(), read, n=1, cutoff=0.8)
+        if close:
+            raise ValueError(f"task metadata {key!r} is not one kvpress tasks read; did you mean {close[0]!r}? "
+                             f"They read {', '.join(read)}")
 
 
 def process_results(doc: dict, results: list[str]) -> dict:
