@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvpress-installed
 
-.PHONY: setup run test lint bench bench-heads bench-chat bench-stream bench-long clean
+.PHONY: setup run test lint bench bench-heads bench-chat bench-stream bench-long bench-gpu clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,11 @@ bench-stream: setup
 # from eval/results/long.jsonl (hours on 2 cores: Qwen2.5-0.5B at 16K tokens)
 bench-long: setup
 	$(PY) -m kvpress.eval.bench_long
+
+# CUDA peak memory, prefill and decode at 16K and 32K tokens, sdpa and flash_attention_2 (where flash-attn is
+# installed): a machine with a GPU only (eval/results/gpu.json)
+bench-gpu: setup
+	$(PY) -m kvpress.eval.bench_gpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,241 @@
+"""GPU benchmark (`make bench-gpu`): CUDA peak memory, cache, prefill and decode per press at 16K and 32K tokens,
+with sdpa and, where flash-attn is installed, flash_attention_2 (dense and head-wise layers alike).
+
+The configurations are `bench_long`'s (each press paired with a no-press run of the same length, a one-chunk run
+for the bound, transformers' `prefill_chunk_size`), measured in one process: CUDA's allocator counts each run's
+peak on its own (`torch.cuda.reset_peak_memory_stats`), so no run needs a process of its own. A row's peak is
+`max_memory_allocated` above what was allocated before it (the model and nothing else); its times are taken
+after `torch.cuda.synchronize()`. A configuration that raises is a row with its `error` (printed, kept in
+`gpu.jsonl`, left out of the ratios): one broken path does not hide the others' numbers.
+
+`--config DIR` builds the model from a directory holding a config.json (and tokenizer files) with random
+weights: where the weights cannot travel (a lent GPU machine with no network), memory and time depend on the
+architecture alone, so a packaged model's config stands in for it; what a press keeps then differs from the real
+model's, its budget does not. Without it the packaged model loads (`kvpress.load_model`).
+
+Writes `gpu.jsonl` (rows as they finish), `gpu.json` (`bench_long.summary` per attention implementation) and
+`gpu.md` under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, StoppingCriteria
+
+import kvpress
+from kvpress.engine import maybe_installed
+from kvpress.eval.bench_core import long_ids
+from kvpress.eval.bench_long import _key as long_key
+from kvpress.eval.bench_long import configurations, markdown, summary
+
+PLAN = {"qwen2.5-0.5b": (16384, 32768)}  # model -> context lengths (Qwen2.5-0.5B has 32K positions)
+PRESSES = "snapkv,adakv,duo-attention,default,h2o,kvzip"  # dense, head-wise, DuoAttention, the default, H2O, KVzip
+IMPLEMENTATIONS = ("sdpa", "flash_attention_2")
+RESULTS = Path(__file__).parent / "results"
+
+
+def load(name: str, config_dir: str | None, attn: str, dtype: torch.dtype, device: str):
+    """`(model, tokenizer)` on `device`: the packaged model, or `config_dir`'s architecture with random weights."""
+    if config_dir is None:
+        model, tokenizer = kvpress.load_model(name, dtype=dtype, attn_implementation=attn)
+        return model.to(device).eval(), tokenizer
+    config = AutoConfig.from_pretrained(config_dir)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    return model.eval(), AutoTokenizer.from_pretrained(config_dir)
+
+
+def measure(model, tokenizer, config: dict, profiled: bool = False) -> dict:
+    """One configuration: generate `steps + 1` tokens after `length` tokens of text, with its press installed;
+    peak memory above what was allocated before (CUDA), cache bytes, prefill seconds, median decode step; with
+    `profiled`, the whole generation runs under torch's profiler (its times then include the profiler's cost) and
+    `profile` holds its top operators (`_top`)."""
+    device = model.device
+    cuda = device.type == "cuda"
+    ids = long_ids(tokenizer, config["length"]).to(device)
+    spec = config["spec"]
+    press = None if spec == "none" else kvpress.press_from_name(spec, compression_ratio=config["ratio"])
+    stamps: list[float] = []
+
+    class Stamp(StoppingCriteria):  # called once per generated token: the first call ends the prefill
+        def __call__(self, input_ids, scores, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    cache = DynamicCache(config=model.config)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with torch.inference_mode(), maybe_installed(press, model, tokenizer), (
+        profile(activities=activities) if profiled else contextlib.nullcontext()
+    ) as prof:
+        start = time.perf_counter()
+        new = config["steps"] + 1
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=tokenizer.eos_token_id, prefill_chunk_size=config["chunk"],
+                       stopping_criteria=[Stamp()])  # fmt: skip
+        peak = torch.cuda.max_memory_allocated() - base if cuda else None
+        kept = kvpress.cache_bytes(cache)
+    steps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return {**config, "peak_above_model_bytes": peak, "cache_bytes": kept,
+            "profile": _top(prof, cuda) if profiled else None,
+            "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "prefill_seconds": stamps[0] - start, "decode_step_seconds": statistics.median(steps),
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu"}  # fmt: skip
+
+
+def _top(prof, cuda: bool, top: int = 15) -> dict:
+    """The `top` operators of a profiled run by their own device time (on a GPU) and by their own CPU time (where
+    a sync or a copy to the host shows as the CPU waiting): calls and microseconds per operator."""
+
+    def row(e) -> dict:
+        return {"op": e.key, "calls": e.count, "cpu_us": e.self_cpu_time_total,
+                "device_us": e.self_device_time_total if cuda else None}  # fmt: skip
+
+    events = prof.key_averages()
+    by_cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    by_device = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top] if cuda else []
+    return {"by_cpu": [row(e) for e in by_cpu], "by_device": [row(e) for e in by_device]}
+
+
+def available(attn: str) -> str | None:
+    """Why `attn` cannot run here, or None."""
+    if attn.startswith("flash_attention") and importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn is not installed (pip install 'kvpress[flash]' on a machine with CUDA)"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvpress.eval.bench_gpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--model", default=next(iter(PLAN)), help=f"packaged model (default {next(iter(PLAN))})")
+    parser.add_argument("--lengths", default=",".join(map(str, PLAN[next(iter(PLAN))])))
+    parser.add_argument("--presses", default=PRESSES, help=f"(default: {PRESSES})")
+    parser.add_argument("--ratios", default="0.5,0.75")
+    parser.add_argument("--attn", default=",".join(IMPLEMENTATIONS), help=f"of {', '.join(IMPLEMENTATIONS)}")
+    parser.add_argument("--chunk", type=int, default=1024, help="prefill_chunk_size (0: none; default 1024)")
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--profile", action="store_true", help="profile each generation: its top operators")
+    parser.add_argument("--config", help="a directory with config.json and tokenizer: random weights (see above)")
+    parser.add_argument("--out", default=str(RESULTS), help="directory of gpu.jsonl, gpu.json, gpu.md")
+    args = parser.parse_args(argv)
+    try:
+        attns = args.attn.split(",")
+        unknown = [a for a in attns if a not in IMPLEMENTATIONS]
+        if unknown:
+            raise ValueError(f"--attn {','.join(unknown)} is not one of {', '.join(IMPLEMENTATIONS)}")
+        if args.decode_steps < 2 or args.chunk < 0:
+            raise ValueError("--decode-steps must be >= 2 and --chunk >= 0")
+        if not all(n.isdigit() for n in args.lengths.split(",")):
+            raise ValueError(f"--lengths must be token counts separated by commas, got {args.lengths!r}")
+        plan = {args.model: tuple(int(n) for n in args.lengths.split(","))}
+        runs = configurations(plan, args.presses.split(","), [float(r) for r in args.ratios.split(",")],
+                              args.chunk or None, args.decode_steps)  # fmt: skip
+    except ValueError as err:
+        print(f"kvpress bench-gpu: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    jsonl = out / "gpu.jsonl"
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()] if jsonl.exists() else []
+    done = {_key(r) for r in rows if "error" not in r}
+    random = args.config is not None
+    todo = [(a, c) for a in attns for c in runs if _key({**c, "attn": a, "random_weights": random}) not in done]
+    if todo and not torch.cuda.is_available():
+        if rows:
+            write(out, rows, {})
+        summarised = f"; {out / 'gpu.json'} summarises gpu.jsonl" if rows else ""
+        print(f"kvpress bench-gpu: no CUDA device here; {len(todo)} configurations are not measured (it measures "
+              f"CUDA memory; on CPUs: make bench-long){summarised}", file=sys.stderr)  # fmt: skip
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    skipped = {}
+    with jsonl.open("a") as log:
+        for attn in attns:
+            mine = [c for a, c in todo if a == attn]
+            why = available(attn)
+            if why is not None:
+                skipped[attn] = why
+                print(f"{attn}: not measured: {why}")
+                continue
+            if not mine:
+                continue
+            model, tokenizer = load(args.model, args.config, attn, torch.bfloat16, "cuda")
+            measure(model, tokenizer, {**runs[0], "length": args.chunk or 1024, "steps": 2})  # kernels warmed
+            for config in mine:
+                config = {**config, "attn": attn, "random_weights": random}
+                try:
+                    row = measure(model, tokenizer, config, profiled=args.profile)
+                except Exception as error:  # kept as a row and printed: the other configurations still run
+                    row = {**config, "error": f"{type(error).__name__}: {error}",
+                           "traceback": traceback.format_exc()[-2000:]}  # fmt: skip
+                    print(row["traceback"], file=sys.stderr)
+                rows.append(row)
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                print(f"{attn} {row['length']:>6} {row['press']:>40s} r={row['ratio']:<5} " + (
+                    f"ERROR {row['error']}" if "error" in row else
+                    f"peak +{row['peak_above_model_bytes'] / 2**20:8.1f} MB  cache {row['cache_bytes'] / 2**20:7.1f}"
+                    f" MB  prefill {row['prefill_seconds']:6.2f} s  step {row['decode_step_seconds'] * 1000:6.1f} ms"))
+            del model
+            torch.cuda.empty_cache()
+    errors = write(out, rows, skipped)
+    print(f"wrote {out / 'gpu.json'}; {len(errors)} configurations failed, skipped: {skipped or 'none'}")
+    return 1 if errors else 0
+
+
+def _key(row: dict) -> tuple:
+    """`bench_long`'s key of a run, and the attention implementation and weights it ran with."""
+    return (*long_key(row), row["attn"], row.get("random_weights", False))
+
+
+def write(out: Path, rows: list[dict], skipped: dict) -> list[dict]:
+    """`gpu.json` (per attention implementation, `bench_long.summary` of its rows, which pairs a press with the
+    no-press run of its own configuration) and `gpu.md` from `rows`; returns the failed configurations."""
+    attns = sorted({r["attn"] for r in rows})
+    tables = {a: [_same_length(t) for t in summary([r for r in rows if r["attn"] == a and "error" not in r])]
+              for a in attns}  # fmt: skip
+    errors = [{k: r[k] for k in ("attn", "length", "press", "ratio", "error")} for r in rows if "error" in r]
+    devices = sorted({r["device"] for r in rows if "device" in r})
+    result = {"devices": devices, "random_weights": sorted({r.get("random_weights", False) for r in rows}),
+              "skipped": skipped, "errors": errors, "tables": tables}  # fmt: skip
+    (out / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "gpu.md").write_text("".join(f"### {a}\n\n{markdown(t)}\n{_same_length_md(t)}\n"
+                                        for a, t in tables.items() if t))  # fmt: skip
+    return errors
+
+
+def _same_length(row: dict) -> dict:
+    """`row` with the bound at its own length: its cache plus what no press's prefill held above its cache at that
+    length (a chunk's activations grow with the context the chunk attends to; `bound_mb` takes one chunk alone)."""
+    none_cache_mb = row["cache_mb"] / row["cache_ratio"]
+    bound = row["cache_mb"] + row["none_peak_above_model_mb"] - none_cache_mb
+    return {**row, "length_bound_mb": bound, "peak_over_length_bound": row["peak_above_model_mb"] / bound}
+
+
+def _same_length_md(table: list[dict]) -> str:
+    lines = ["| tokens | press | r | peak, MB | cache + no press's activations at this length, MB | peak / that |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in sorted(table, key=lambda r: (r["length"], r["press"], r["ratio"])):
+        lines.append(f"| {r['length']} | {r['press']} | {r['ratio']} | {r['peak_above_model_mb']:.0f} | "
+                     f"{r['length_bound_mb']:.0f} | {r['peak_over_length_bound']:.2f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+if __name__ == "__main__":
+    sys.exit(main())

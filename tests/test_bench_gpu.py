@@ -1,0 +1,79 @@
+"""The GPU benchmark's mechanics on the CPU: one configuration measured on a tiny model, refusals before a
+model loads, and flash-attn named when it is missing."""
+
+import json
+
+import pytest
+import torch
+
+import kvpress
+from kvpress.eval import bench_gpu
+from kvpress.eval.bench_long import configurations
+
+
+def test_a_measured_configuration_on_the_cpu_has_no_peak_but_the_rest(tokenized):
+    model, tokenizer = tokenized
+    runs = configurations({"tiny": (96,)}, ["snapkv"], [0.5], 32, 3)
+    rows = [bench_gpu.measure(model, tokenizer, {**c, "spec": c["spec"].replace("snapkv", "snapkv:window_size=8")},
+                              profiled=True) for c in runs]  # fmt: skip
+    one, none, pressed = rows
+    assert pressed["cache_bytes"] < none["cache_bytes"] and one["length"] == 32
+    assert pressed["peak_above_model_bytes"] is None and pressed["device"] == "cpu"  # CUDA's counter only
+    assert none["prefill_seconds"] > 0 and pressed["decode_step_seconds"] > 0
+    ops = {op["op"]: op for op in pressed["profile"]["by_cpu"]}  # the generation profiled: where its time goes
+    assert len(ops) == 15 and {"aten::mm", "aten::addmm"} & set(ops) and pressed["profile"]["by_device"] == []
+    assert none["profile"]["by_cpu"][0]["cpu_us"] >= none["profile"]["by_cpu"][-1]["cpu_us"] > 0
+
+
+def test_without_cuda_the_rows_already_measured_are_summarised(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = {"model": "m", "length": 64, "chunk": 32, "steps": 2, "ratio": 0.5, "attn": "sdpa", "random_weights": True,
+              "peak_above_model_bytes": 100, "prefill_seconds": 1.0, "decode_step_seconds": 0.1, "weight_bytes": 10}
+    rows = [{**config, "press": "none", "spec": "none", "ratio": 0.0, "pairs_with": "snapkv@0.5", "cache_bytes": 8},
+            {**config, "press": "snapkv", "spec": "snapkv", "pairs_with": None, "cache_bytes": 4,
+             "peak_above_model_bytes": 50},
+            {**config, "press": "adakv", "spec": "adakv", "pairs_with": None, "error": "RuntimeError: broken"}]
+    (tmp_path / "gpu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert bench_gpu.main(["--out", str(tmp_path), "--config", str(tmp_path)]) == 2
+    assert "configurations are not measured" in capsys.readouterr().err
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    (row,) = result["tables"]["sdpa"]
+    assert row["memory_ratio"] == 0.5 and row["cache_ratio"] == 0.5
+    activations = (100 - 8) / 2**20  # no press's peak above its own cache, at the same length
+    assert row["length_bound_mb"] == pytest.approx(4 / 2**20 + activations)
+    assert row["peak_over_length_bound"] == pytest.approx((50 / 2**20) / (4 / 2**20 + activations))
+    assert result["errors"] == [{"attn": "sdpa", "length": 64, "press": "adakv", "ratio": 0.5,
+                                 "error": "RuntimeError: broken"}]  # fmt: skip
+
+
+def test_random_weights_from_a_config_directory(tmp_path, tokenized):
+    model, tokenizer = tokenized
+    model.config.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    built, _ = bench_gpu.load("ignored", str(tmp_path), "sdpa", torch.float32, "cpu")
+    assert type(built) is type(model) and built.config.num_hidden_layers == model.config.num_hidden_layers
+    assert not list(tmp_path.glob("*.safetensors"))  # no weights to read: the architecture alone
+    assert sum(p.numel() for p in built.parameters()) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--attn", "sdpa,eager"], "--attn eager is not one of sdpa, flash_attention_2"),
+    (["--decode-steps", "1"], "--decode-steps must be >= 2"),
+    (["--lengths", "16k"], "--lengths must be token counts separated by commas, got '16k'"),
+])  # fmt: skip
+def test_bad_arguments_are_refused_before_a_model_loads(argv, said, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(kvpress, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    assert bench_gpu.main([*argv, "--out", str(tmp_path)]) == 2
+    assert said in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_without_cuda_it_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_gpu.main(["--out", str(tmp_path)]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_flash_attention_is_named_when_flash_attn_is_missing(monkeypatch):
+    monkeypatch.setattr(bench_gpu.importlib.util, "find_spec", lambda name: None)
+    assert "flash-attn is not installed" in bench_gpu.available("flash_attention_2")
+    assert bench_gpu.available("sdpa") is None
