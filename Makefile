@@ -50,7 +50,7 @@ bench-long: setup
 	$(PY) -m kvpress.eval.bench_long
 
 # CUDA peak memory, prefill and decode at 16K and 32K tokens, sdpa and flash_attention_2 (where flash-attn is
-# installed): a machine with a GPU only (eval/results/gpu.json)
+# installed): a machine with a GPU only (eval/results/gpu.json; offline machines: eval/bench_gpu_offline.sh)
 bench-gpu: setup
 	$(PY) -m kvpress.eval.bench_gpu
 
