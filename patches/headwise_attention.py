@@ -88,6 +88,7 @@ def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float, mass: to
     scaled = (query[:, :, 0] * scale).view(b, h, hq // h, d)  # each KV head's g queries
     out = query.new_empty(b, h, hq // h, layer.value_dim or d)
     keys, values = layer.store["keys"], layer.store["values"]
+    grad = torch.is_grad_enabled() and (query.requires_grad or keys.requires_grad or values.requires_grad)
     for row in range(b):
         for head in range(h):
             i = row * h + head
@@ -97,7 +98,10 @@ def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float, mass: to
             else:
                 k, v = layer.pair(row, head)
             weights = torch.softmax(torch.mm(scaled[row, head], k.T), dim=-1)
-            torch.mm(weights, v, out=out[row, head])
+            if grad:  # autograd takes no out=: the product is copied in (training code, a probe)
+                out[row, head] = torch.mm(weights, v)
+            else:
+                torch.mm(weights, v, out=out[row, head])
             if mass is not None:  # (one op where the weights are fp32, as on the CPU)
                 torch.sum(weights.float(), dim=0, out=mass[layer.bounds[i] : layer.bounds[i] + layer.lengths[i]])
     return out.view(b, 1, hq, -1)

@@ -85,7 +85,8 @@ def test_use_cache_false_refused():
 
 
 def test_presses_run_with_autograd_enabled():
-    """A forward with gradients on (training code, a probe) compresses as under no_grad; logits keep their grad."""
+    """A forward with gradients on (training code, a probe) compresses as under no_grad, and a decoding step over
+    the compressed layers (head-wise ones too) runs; logits keep their grad."""
     with torch.inference_mode(False), torch.enable_grad():
         model = tiny_model("llama", intermediate_size=96)  # parameters made outside inference mode
         ids = prompt(1, 40)
@@ -93,5 +94,7 @@ def test_presses_run_with_autograd_enabled():
             cache = DynamicCache(config=model.config)
             with press(model):
                 logits = model(ids, cache=cache).logits
+                step = model(ids[:, -1:], cache=cache).logits  # a decoding step over the compressed layers
             assert logits.requires_grad and sum(layer.n if hasattr(layer, "n") else 0 for layer in cache.layers) < 80
-            logits.sum().backward()
+            assert step.requires_grad
+            (logits.sum() + step.sum()).backward()
