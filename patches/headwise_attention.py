@@ -88,7 +88,7 @@ def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float, mass: to
     scaled = (query[:, :, 0] * scale).view(b, h, hq // h, d)  # each KV head's g queries
     out = query.new_empty(b, h, hq // h, layer.value_dim or d)
     keys, values = layer.store["keys"], layer.store["values"]
-    grad = torch.is_grad_enabled() and (query.requires_grad or keys.requires_grad or values.requires_grad)
+    grad = torch.is_grad_enabled()  # (no_grad and inference mode, as in generate, keep the out= products)
     for row in range(b):
         for head in range(h):
             i = row * h + head
