@@ -27,19 +27,18 @@ import importlib.util
 import json
 import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, StoppingCriteria
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import kvpress
 from kvpress.engine import maybe_installed
 from kvpress.eval.bench_core import long_ids
 from kvpress.eval.bench_long import _key as long_key
-from kvpress.eval.bench_long import configurations, markdown, summary
+from kvpress.eval.bench_long import configurations, markdown, stamped_generate, summary
 
 PLAN = {"qwen2.5-0.5b": (16384, 32768)}  # model -> context lengths (Qwen2.5-0.5B has 32K positions)
 PRESSES = "snapkv,adakv,duo-attention,default,h2o,kvzip"  # dense, head-wise, DuoAttention, the default, H2O, KVzip
@@ -69,15 +68,6 @@ def measure(model, tokenizer, config: dict, profiled: bool = False) -> dict:
     ids = long_ids(tokenizer, config["length"]).to(device)
     spec = config["spec"]
     press = None if spec == "none" else kvpress.press_from_name(spec, compression_ratio=config["ratio"])
-    stamps: list[float] = []
-
-    class Stamp(StoppingCriteria):  # called once per generated token: the first call ends the prefill
-        def __call__(self, input_ids, scores, **kwargs):
-            if cuda:
-                torch.cuda.synchronize()
-            stamps.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
     cache = DynamicCache(config=model.config)
     if cuda:
         torch.cuda.empty_cache()
@@ -88,18 +78,13 @@ def measure(model, tokenizer, config: dict, profiled: bool = False) -> dict:
     with torch.inference_mode(), maybe_installed(press, model, tokenizer), (
         profile(activities=activities) if profiled else contextlib.nullcontext()
     ) as prof:
-        start = time.perf_counter()
-        new = config["steps"] + 1
-        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new, min_new_tokens=new,
-                       do_sample=False, pad_token_id=tokenizer.eos_token_id, prefill_chunk_size=config["chunk"],
-                       stopping_criteria=[Stamp()])  # fmt: skip
+        prefill, steps = stamped_generate(model, tokenizer, ids, cache, config["steps"], config["chunk"])
         peak = torch.cuda.max_memory_allocated() - base if cuda else None
         kept = kvpress.cache_bytes(cache)
-    steps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     return {**config, "peak_above_model_bytes": peak, "cache_bytes": kept,
             "profile": _top(prof, cuda) if profiled else None,
             "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "prefill_seconds": stamps[0] - start, "decode_step_seconds": statistics.median(steps),
+            "prefill_seconds": prefill, "decode_step_seconds": statistics.median(steps),
             "device": torch.cuda.get_device_name(device) if cuda else "cpu"}  # fmt: skip
 
 

@@ -69,13 +69,6 @@ def measure(config: dict, model=None, tokenizer=None) -> dict:
     ids = long_ids(tokenizer, config["length"])
     spec = config["spec"]
     press = None if spec == "none" else kvpress.press_from_name(spec, compression_ratio=config["ratio"])
-    stamps: list[float] = []
-
-    class Stamp(StoppingCriteria):  # called once per generated token: the first call ends the prefill
-        def __call__(self, input_ids, scores, **kwargs):
-            stamps.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
     cache = DynamicCache(config=model.config)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     page_in(model)  # every weight resident: a memory-mapped file is otherwise read as it is used
@@ -84,15 +77,32 @@ def measure(config: dict, model=None, tokenizer=None) -> dict:
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts from the loaded model
     base = _status("VmRSS")
     with torch.inference_mode(), maybe_installed(press, model, tokenizer):
-        start = time.perf_counter()
-        new = config["steps"] + 1
-        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new, min_new_tokens=new,
-                       do_sample=False, pad_token_id=tokenizer.eos_token_id, prefill_chunk_size=config["chunk"],
-                       stopping_criteria=StoppingCriteriaList([Stamp()]))  # fmt: skip
-    steps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        prefill, steps = stamped_generate(model, tokenizer, ids, cache, config["steps"], config["chunk"])
     return {**config, "peak_above_model_bytes": _status("VmHWM") - base,
-            "cache_bytes": kvpress.cache_bytes(cache), "weight_bytes": weights, "prefill_seconds": stamps[0] - start,
+            "cache_bytes": kvpress.cache_bytes(cache), "weight_bytes": weights, "prefill_seconds": prefill,
             "decode_step_seconds": statistics.median(steps), "threads": torch.get_num_threads()}  # fmt: skip
+
+
+def stamped_generate(model, tokenizer, ids: torch.Tensor, cache, steps: int, chunk: int | None,
+                     ) -> tuple[float, list[float]]:  # fmt: skip
+    """`model.generate` of `steps + 1` tokens after `ids` into `cache` (the caller installs the press), with
+    `prefill_chunk_size=chunk`: the seconds to the first token (the prefill) and of each decode step, each time
+    taken once the device has finished its work."""
+    stamps: list[float] = []
+    cuda = ids.device.type == "cuda"
+
+    class Stamp(StoppingCriteria):  # called once per generated token: the first call ends the prefill
+        def __call__(self, input_ids, scores, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=steps + 1,
+                   min_new_tokens=steps + 1, do_sample=False, pad_token_id=tokenizer.eos_token_id,
+                   prefill_chunk_size=chunk, stopping_criteria=StoppingCriteriaList([Stamp()]))  # fmt: skip
+    return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
 def _key(row: dict) -> tuple:
