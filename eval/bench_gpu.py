@@ -133,8 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         if not all(n.isdigit() for n in args.lengths.split(",")):
             raise ValueError(f"--lengths must be token counts separated by commas, got {args.lengths!r}")
         plan = {args.model: tuple(int(n) for n in args.lengths.split(","))}
-        runs = configurations(plan, args.presses.split(","), [float(r) for r in args.ratios.split(",")],
-                              args.chunk or None, args.decode_steps)  # fmt: skip
+        try:
+            ratios = [float(r) for r in args.ratios.split(",")]
+        except ValueError:
+            raise ValueError(f"--ratios must be fractions separated by commas, got {args.ratios!r}") from None
+        runs = configurations(plan, args.presses.split(","), ratios, args.chunk or None, args.decode_steps)
     except ValueError as err:
         print(f"kvpress bench-gpu: {err}", file=sys.stderr)
         return 2
@@ -196,11 +199,14 @@ def _key(row: dict) -> tuple:
 
 def write(out: Path, rows: list[dict], skipped: dict) -> list[dict]:
     """`gpu.json` (per attention implementation, `bench_long.summary` of its rows, which pairs a press with the
-    no-press run of its own configuration) and `gpu.md` from `rows`; returns the failed configurations."""
+    no-press run of its own configuration) and `gpu.md` from `rows`; returns the configurations that failed and
+    were not measured since."""
     attns = sorted({r["attn"] for r in rows})
     tables = {a: [_same_length(t) for t in summary([r for r in rows if r["attn"] == a and "error" not in r])]
               for a in attns}  # fmt: skip
-    errors = [{k: r[k] for k in ("attn", "length", "press", "ratio", "error")} for r in rows if "error" in r]
+    measured = {_key(r) for r in rows if "error" not in r}  # a failure a later run measured is no failure
+    errors = [{k: r[k] for k in ("attn", "length", "press", "ratio", "error")} for r in rows
+              if "error" in r and _key(r) not in measured]  # fmt: skip
     devices = sorted({r["device"] for r in rows if "device" in r})
     result = {"devices": devices, "random_weights": sorted({r.get("random_weights", False) for r in rows}),
               "skipped": skipped, "errors": errors, "tables": tables}  # fmt: skip

@@ -44,6 +44,9 @@ def test_without_cuda_the_rows_already_measured_are_summarised(tmp_path, capsys,
     assert row["peak_over_length_bound"] == pytest.approx((50 / 2**20) / (4 / 2**20 + activations))
     assert result["errors"] == [{"attn": "sdpa", "length": 64, "press": "adakv", "ratio": 0.5,
                                  "error": "RuntimeError: broken"}]  # fmt: skip
+    measured = {**rows[2], "peak_above_model_bytes": 60, "cache_bytes": 4}  # a later run measured it
+    del measured["error"]
+    assert bench_gpu.write(tmp_path, [*rows, measured], {}) == []
 
 
 def test_random_weights_from_a_config_directory(tmp_path, tokenized):
@@ -60,6 +63,7 @@ def test_random_weights_from_a_config_directory(tmp_path, tokenized):
     (["--attn", "sdpa,eager"], "--attn eager is not one of sdpa, flash_attention_2"),
     (["--decode-steps", "1"], "--decode-steps must be >= 2"),
     (["--lengths", "16k"], "--lengths must be token counts separated by commas, got '16k'"),
+    (["--ratios", "0.5,half"], "--ratios must be fractions separated by commas, got '0.5,half'"),
 ])  # fmt: skip
 def test_bad_arguments_are_refused_before_a_model_loads(argv, said, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(kvpress, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
