@@ -39,6 +39,7 @@ from kvpress.engine import maybe_installed
 from kvpress.eval.bench_core import long_ids
 from kvpress.eval.bench_long import _key as long_key
 from kvpress.eval.bench_long import configurations, markdown, stamped_generate, summary
+from kvpress.patches import sdpa_backends
 
 PLAN = {"qwen2.5-0.5b": (16384, 32768)}  # model -> context lengths (Qwen2.5-0.5B has 32K positions)
 PRESSES = "snapkv,adakv,duo-attention,default,h2o,kvzip"  # dense, head-wise, DuoAttention, the default, H2O, KVzip
@@ -85,7 +86,9 @@ def measure(model, tokenizer, config: dict, profiled: bool = False) -> dict:
             "profile": _top(prof, cuda) if profiled else None,
             "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "prefill_seconds": prefill, "decode_step_seconds": statistics.median(steps),
-            "device": torch.cuda.get_device_name(device) if cuda else "cpu"}  # fmt: skip
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+            "cudnn": torch.backends.cudnn.version() if cuda else None,  # cuDNN >= 9.15.1 on sm90: its sdpa first
+            "sdpa_priority": sdpa_backends.priority()}  # fmt: skip (a press's forwards run without cuDNN's)
 
 
 def _top(prof, cuda: bool, top: int = 15) -> dict:

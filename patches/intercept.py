@@ -3,8 +3,9 @@
 Installing registers an attention function and its mask partner under a name of their own, switches the
 model's attention implementation to that name and wraps the model instance's `forward` (it prepares the
 cache, counts the forwards in flight, so uninstalling never lands mid-forward, and marks a cache a forward
-left half-written when any exception, KeyboardInterrupt included, escapes it); uninstalling undoes all
-of it, error or not. Importing kvpress patches nothing.
+left half-written when any exception, KeyboardInterrupt included, escapes it, and on CUDA runs it with cuDNN's
+attention set aside, `sdpa_backends`); uninstalling undoes all of it, error or not. Importing kvpress patches
+nothing.
 
 Activation is scoped to the caller: the wrapper and the attention function act only for forwards run in a
 context (thread, `contextvars` context) where `activated()` is entered. Another thread's forwards on the
@@ -61,7 +62,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
 from kvpress.patches import blocked_attention as blocked
-from kvpress.patches import model_access
+from kvpress.patches import model_access, sdpa_backends
 from kvpress.patches.cache import PressedLayer
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.patches.headwise_attention import headwise_attention
@@ -213,7 +214,8 @@ class Intercept:
                     return forward(*args, **kwargs)
                 outer, outer_ids = call.cache, call.ids  # a cache already: this forward runs inside another
                 self._prepare(call, args, kwargs)
-                return self.handler.run_forward(forward, call.cache, args, kwargs)
+                with sdpa_backends.without_cudnn(self.model.device):  # no cuDNN graph per new length (CUDA)
+                    return self.handler.run_forward(forward, call.cache, args, kwargs)
             except BaseException:
                 if call is not None and call.cache is not None and _torn(call.cache):
                     for layer in call.cache.layers:  # refused from now on, with or without the press

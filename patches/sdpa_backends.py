@@ -1,0 +1,60 @@
+"""Which sdpa kernels a pressed forward may use on CUDA: cuDNN's attention set aside while another is enabled.
+
+torch 2.13 built with cuDNN >= 9.15.1 tries cuDNN's attention first on sm90 and sm100 (Hopper and Blackwell
+datacenter GPUs; `check_prefer_cudnn_attention` in torch's `sdp_utils.cpp`), and cuDNN builds an execution graph
+for each problem it has not seen (batch, query and key lengths, strides, mask), cached per shape: tens of
+milliseconds of host time each. A plain cache meets one new key length a decoding step; a compressed one meets many,
+and new ones at every eviction (layers and heads hold different numbers of tokens: a head-wise chunk calls sdpa
+once per head and block of queries over that head's own length). That fits what an H200 measured before this
+module (eval/results/README.md, "On a GPU"): AdaKV's 16K prefill 97 s against 0.3 s with no press (hundreds of new
+shapes), the default press's decoding step 0.9 s (a new key length per layer a step), AdaKV's step, which calls no
+sdpa, 1.8x; and a no-press run whose shapes were not cached yet 36 ms a step slower than one whose were. (That
+machine ran torch 2.11: whether its build put cuDNN first, `bench_gpu`'s `sdpa_priority` will say.)
+
+`without_cudnn(device)`: inside it, on a CUDA device, sdpa runs with every backend enabled now except cuDNN's
+(flash for unmasked calls, memory-efficient or math for masked ones); the user's own choice among those is kept, a
+choice of cuDNN alone is left as it is, and the flags are put back on exit, error or not. Other devices: nothing.
+torch's switches are process-wide: another thread's sdpa calls during a pressed forward on CUDA run without cuDNN
+too (another kernel for the same attention, within rounding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+_FLAGS = {  # backend -> whether it is enabled now (torch.backends.cuda's switches; they hold on any build)
+    SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled,
+    SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled,
+    SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled,
+    SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled,
+}
+if hasattr(SDPBackend, "OVERRIDEABLE"):  # a device's own backend (sdpa_kernel switches it too: kept as it is)
+    _FLAGS[SDPBackend.OVERRIDEABLE] = torch._C._get_overrideable_sdp_enabled
+
+
+def enabled_backends() -> list[SDPBackend]:
+    """The sdpa backends enabled now."""
+    return [backend for backend, on in _FLAGS.items() if on()]
+
+
+def priority() -> list[str]:
+    """The enabled backends in the order torch tries them (its order once its first sdpa call has set it)."""
+    order = getattr(torch._C, "_get_sdp_priority_order", lambda: [])()
+    enabled = enabled_backends()
+    return [b.name for b in sorted(enabled, key=lambda b: order.index(int(b)) if int(b) in order else len(order))]
+
+
+@contextlib.contextmanager
+def without_cudnn(device: torch.device | str) -> Iterator[None]:
+    """On CUDA, cuDNN's attention disabled inside the block when another backend is enabled (see above)."""
+    enabled = enabled_backends() if torch.device(device).type == "cuda" else []
+    others = [backend for backend in enabled if backend != SDPBackend.CUDNN_ATTENTION]
+    if len(others) == len(enabled) or not others:  # not CUDA, cuDNN off, or cuDNN alone
+        yield
+        return
+    with sdpa_kernel(others):
+        yield
