@@ -325,9 +325,10 @@ class Intercept:
             out = out, None
         elif whole and not _sized_for_another_layer(standard, key) and not (flash and thin):
             mask = standard  # slots still line up with tokens: transformers' own mask is right
-        elif flash and "valid" not in layer.slots and not thin:
+        elif flash and "valid" not in layer.slots and not thin and (layer.window is None or q_len == 1):
             mask = None  # flash aligns causal masks bottom-right: new tokens after every held slot
-        else:  # kvpress's own mask (flash cannot express holes in a padded batch, nor keys narrower than values: that
+        else:  # kvpress's own mask (flash cannot express holes in a padded batch, keys narrower than values, nor a
+            # sliding window over held slots that are not consecutive positions: it counts the window in slots; that
             # call runs on sdpa), on the CPU in blocks of queries
             fn = "sdpa" if flash else self._original
             inner = model_access.inner_attention(self.model, fn, module) if fn != self._original else inner
