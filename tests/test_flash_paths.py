@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import kvpress
-from tiny import prompt, tiny_model
+from tiny import live_presses, prompt, tiny_model
 
 CALLS: list[tuple] = []  # (query length, key length, mask) of each call the stand-in got
 
@@ -56,9 +56,9 @@ def flash(monkeypatch):
     return on_flash
 
 
-def scores(model, ids, spec: str, mask=None, chunk: int | None = 16) -> torch.Tensor:
-    """The logits of 6 greedy steps inside the press (`[steps, B, vocab]`)."""
-    press = kvpress.press_from_name(spec, compression_ratio=0.5)
+def scores(model, ids, spec, mask=None, chunk: int | None = 16) -> torch.Tensor:
+    """The logits of 6 greedy steps inside the press (a CLI name, or a press) (`[steps, B, vocab]`)."""
+    press = kvpress.press_from_name(spec, compression_ratio=0.5) if isinstance(spec, str) else spec
     with press(model):
         out = model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
                              max_new_tokens=6, min_new_tokens=6, do_sample=False, output_scores=True,
@@ -66,12 +66,17 @@ def scores(model, ids, spec: str, mask=None, chunk: int | None = 16) -> torch.Te
     return torch.stack(out.scores)
 
 
-SPECS = ["snapkv:window_size=4", "adakv:window_size=4", "h2o", "streaming-llm", "tova", "snapkv:kv_bits=4"]
+SPECS = ["snapkv:window_size=4", "adakv:window_size=4", "h2o", "streaming-llm", "tova", "snapkv:kv_bits=4",
+         "snapkv:rerotate=True:window_size=4", "sink-window:rerotate=True"]
 OWN_ATTENTION = {"adakv:window_size=4", "h2o"}  # head-wise layers, and a press that reads the weights: kvpress attends
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral-window", "gemma3"])
-@pytest.mark.parametrize("spec", SPECS)
+FAMILIES = ("llama", "qwen2", "mistral-window", "gemma3")
+SLIDING = ("mistral-window", "gemma3")  # rerotate=True refuses models with sliding-window layers
+
+
+@pytest.mark.parametrize(("family", "spec"), [(f, s) for f in FAMILIES for s in SPECS
+                                              if not ("rerotate" in s and f in SLIDING)])  # fmt: skip
 def test_a_press_on_flash_gives_the_logits_it_gives_on_sdpa(flash, family, spec):
     model = tiny_model(family)
     ids = prompt(length=48)
@@ -80,6 +85,16 @@ def test_a_press_on_flash_gives_the_logits_it_gives_on_sdpa(flash, family, spec)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     if spec not in OWN_ATTENTION:
         assert [(q, n) for q, n, _ in CALLS if n > q], "the stand-in never attended over held slots"
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-window"])
+@pytest.mark.parametrize("name", sorted(live_presses()))
+def test_every_per_token_press_on_flash_gives_the_logits_it_gives_on_sdpa(flash, family, name):
+    model = tiny_model(family)
+    ids = prompt(length=48)
+    make = live_presses(window_size=4)[name]
+    torch.testing.assert_close(scores(flash(model), ids, make(compression_ratio=0.5)),
+                               scores(model, ids, make(compression_ratio=0.5)), rtol=1e-4, atol=1e-4)  # fmt: skip
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral-window"])
