@@ -32,8 +32,9 @@ _FLAGS = {  # backend -> whether it is enabled now (torch.backends.cuda's switch
     SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled,
     SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled,
 }
-if hasattr(SDPBackend, "OVERRIDEABLE"):  # a device's own backend (sdpa_kernel switches it too: kept as it is)
-    _FLAGS[SDPBackend.OVERRIDEABLE] = torch._C._get_overrideable_sdp_enabled
+_OVERRIDEABLE = getattr(torch._C, "_get_overrideable_sdp_enabled", None)
+if hasattr(SDPBackend, "OVERRIDEABLE") and _OVERRIDEABLE is not None:  # a device's own (sdpa_kernel switches it too)
+    _FLAGS[SDPBackend.OVERRIDEABLE] = _OVERRIDEABLE
 
 
 def enabled_backends() -> list[SDPBackend]:
