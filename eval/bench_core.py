@@ -37,7 +37,7 @@ from kvpress.presses.kvzip import reconstruction_scores
 from kvpress.recording import record_prefill
 
 PRESSES = ("snapkv", "h2o", "sink-window", "knorm", "random", "adakv", "duo-attention", "snapkv:kv_bits=4",
-           "adakv:kv_bits=4")
+           "adakv:kv_bits=4", "default")  # default: the model's own (`resolve_default`), the main road
 
 
 def long_ids(tokenizer, n_tokens: int) -> torch.Tensor:
@@ -110,7 +110,8 @@ def kvzip_scoring_peak(model, tokenizer, ids: torch.Tensor) -> float:
 def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     model, tokenizer = kvpress.load_model(args.model)
-    presses = {name: kvpress.press_from_name(name, compression_ratio=args.ratio) for name in args.presses}
+    presses = {name: kvpress.press_from_name(kvpress.resolve_default(name, model), compression_ratio=args.ratio)
+               for name in args.presses}  # fmt: skip
     result: dict = {
         "model": args.model or kvpress.models.DEFAULT_MODEL,
         "compression_ratio": args.ratio,
