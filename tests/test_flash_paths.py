@@ -24,7 +24,8 @@ def flash_stand_in(module, query, key, value, attention_mask, dropout=0.0, scali
                    softcap=None, is_causal=None, **kwargs):  # fmt: skip
     """flash-attn's semantics through sdpa: `[B, q, Hq, D]`."""
     if softcap is not None or (attention_mask is not None and attention_mask.dim() != 2):
-        raise AssertionError(f"flash takes no softcap nor a 4D mask (got {softcap}, {attention_mask.shape})")
+        dims = None if attention_mask is None else attention_mask.dim()
+        raise AssertionError(f"flash takes no softcap nor a 4D mask (got softcap {softcap}, mask dimensions {dims})")
     q, n = query.shape[2], key.shape[2]
     CALLS.append((q, n, attention_mask))
     i = torch.arange(q)[:, None] + (n - q)  # bottom-right: the last query sees every key

@@ -46,23 +46,24 @@ def test_a_pressed_forward_on_cuda_runs_without_cudnn(monkeypatch, press):
     seen = []
     hooks = [m.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
              for m in attention_modules(model).values()]  # fmt: skip
-    with sdpa_kernel(ALL):
-        with press(model):
-            model(prompt())  # on the CPU: left alone
-            assert seen and all(seen)
-            seen.clear()
-            monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
-            model(prompt())
-            assert seen and not any(seen)
-            seen.clear()
-            with pytest.raises(RuntimeError, match="boom"):
+    try:
+        with sdpa_kernel(ALL):
+            with press(model):
+                model(prompt())  # on the CPU: left alone
+                assert seen and all(seen)
+                seen.clear()
+                monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
+                model(prompt())
+                assert seen and not any(seen)
                 hooks.append(model.model.layers[1].register_forward_hook(lambda *_: (_ for _ in ()).throw(
                     RuntimeError("boom"))))  # fmt: skip
-                model(prompt())
-            assert torch.backends.cuda.cudnn_sdp_enabled()  # back after the error
-        for hook in hooks:
+                with pytest.raises(RuntimeError, match="boom"):
+                    model(prompt())
+                assert torch.backends.cuda.cudnn_sdp_enabled()  # back after the error
+            assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        for hook in hooks:  # the tiny model is shared with other tests
             hook.remove()
-        assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def test_priority_names_the_enabled_backends_in_torchs_order():
