@@ -17,6 +17,8 @@ Writes `gpu.jsonl` (rows as they finish; a rerun measures only the configuration
 (`bench_long.summary` per attention implementation, with each press's peak against its cache + no press's
 activations at the same length) and `gpu.md` under `--out`. Without CUDA it measures nothing: it says so, and
 summarises the rows `gpu.jsonl` already holds. `--profile` keeps each generation's top operators in its row.
+`--attn sdpa-blocked` (its own table) runs sdpa with a chunk over a compressed layer in blocks of queries on CUDA
+too, as `blocked_attention` does on the CPU: what those blocks save or cost on a GPU.
 """
 
 from __future__ import annotations
@@ -39,16 +41,21 @@ from kvpress.engine import maybe_installed
 from kvpress.eval.bench_core import long_ids
 from kvpress.eval.bench_long import _key as long_key
 from kvpress.eval.bench_long import configurations, markdown, stamped_generate, summary
+from kvpress.patches import blocked_attention as blocked
 from kvpress.patches import sdpa_backends
 
 PLAN = {"qwen2.5-0.5b": (16384, 32768)}  # model -> context lengths (Qwen2.5-0.5B has 32K positions)
 PRESSES = "snapkv,adakv,duo-attention,default,h2o,kvzip"  # dense, head-wise, DuoAttention, the default, H2O, KVzip
 IMPLEMENTATIONS = ("sdpa", "flash_attention_2")
+# on request only: sdpa with a chunk over a compressed layer in blocks of queries on CUDA too (`blocked_attention`
+# runs them on the CPU only: whether its blocks save memory or cost time on a GPU is what this measures)
+VARIANTS = {"sdpa-blocked": "sdpa"}
 RESULTS = Path(__file__).parent / "results"
 
 
 def load(name: str, config_dir: str | None, attn: str, dtype: torch.dtype, device: str):
     """`(model, tokenizer)` on `device`: the packaged model, or `config_dir`'s architecture with random weights."""
+    attn = VARIANTS.get(attn, attn)
     if config_dir is None:
         model, tokenizer = kvpress.load_model(name, dtype=dtype, attn_implementation=attn)
         return model.to(device).eval(), tokenizer
@@ -78,7 +85,7 @@ def measure(model, tokenizer, config: dict, profiled: bool = False) -> dict:
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     with torch.inference_mode(), maybe_installed(press, model, tokenizer), (
         profile(activities=activities) if profiled else contextlib.nullcontext()
-    ) as prof:
+    ) as prof, blocks_on(device.type if config.get("attn") == "sdpa-blocked" else None):
         prefill, steps = stamped_generate(model, tokenizer, ids, cache, config["steps"], config["chunk"])
         peak = torch.cuda.max_memory_allocated() - base if cuda else None
         kept = kvpress.cache_bytes(cache)
@@ -89,6 +96,18 @@ def measure(model, tokenizer, config: dict, profiled: bool = False) -> dict:
             "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
             "cudnn": torch.backends.cudnn.version() if cuda else None,  # cuDNN >= 9.15.1 on sm90: its sdpa first
             "sdpa_priority": sdpa_backends.priority()}  # fmt: skip (a press's forwards run without cuDNN's)
+
+
+@contextlib.contextmanager
+def blocks_on(device_type: str | None):
+    """Inside: `blocked_attention` also runs a chunk in blocks on `device_type` (None: as it is); put back after."""
+    before = blocked.DEVICES
+    if device_type is not None:
+        blocked.DEVICES = (*before, device_type)
+    try:
+        yield
+    finally:
+        blocked.DEVICES = before
 
 
 def _top(prof, cuda: bool, top: int = 15) -> dict:
@@ -119,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default=",".join(map(str, PLAN[next(iter(PLAN))])))
     parser.add_argument("--presses", default=PRESSES, help=f"(default: {PRESSES})")
     parser.add_argument("--ratios", default="0.5,0.75")
-    parser.add_argument("--attn", default=",".join(IMPLEMENTATIONS), help=f"of {', '.join(IMPLEMENTATIONS)}")
+    parser.add_argument("--attn", default=",".join(IMPLEMENTATIONS),
+                        help=f"of {', '.join((*IMPLEMENTATIONS, *VARIANTS))} (default: {', '.join(IMPLEMENTATIONS)})")
     parser.add_argument("--chunk", type=int, default=1024, help="prefill_chunk_size (0: none; default 1024)")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--profile", action="store_true", help="profile each generation: its top operators")
@@ -128,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         attns = args.attn.split(",")
-        unknown = [a for a in attns if a not in IMPLEMENTATIONS]
+        unknown = [a for a in attns if a not in (*IMPLEMENTATIONS, *VARIANTS)]
         if unknown:
-            raise ValueError(f"--attn {','.join(unknown)} is not one of {', '.join(IMPLEMENTATIONS)}")
+            raise ValueError(f"--attn {','.join(unknown)} is not one of {', '.join((*IMPLEMENTATIONS, *VARIANTS))}")
         if args.decode_steps < 2 or args.chunk < 0:
             raise ValueError("--decode-steps must be >= 2 and --chunk >= 0")
         if not all(n.isdigit() for n in args.lengths.split(",")):

@@ -10,9 +10,10 @@ the scores. Here torch shares the KV head (`enable_gqa`) and each block of queri
 see (the held ones, and the new ones up to its last query), with a mask of that block's rows: neither copy
 grows past one block's. Measured by `make bench-long` (eval/results/README.md, "Long contexts").
 
-CPU only: on CUDA, sdpa with a mask and `enable_gqa` leaves the fused kernels, so that call keeps
-transformers' path. So do calls with anything this plain sdpa call does not express (softcapping, attention
-sinks, a position bias, dropout).
+CPU only (`DEVICES`): on CUDA, sdpa with a mask and `enable_gqa` may leave the fused kernels (torch's
+memory-efficient kernel takes both in recent versions; not measured here), so that call keeps transformers' path;
+`bench_gpu --attn sdpa-blocked` measures the blocks on CUDA. So do calls with anything this plain sdpa call does not
+express (softcapping, attention sinks, a position bias, dropout).
 
 `attention_with_mass`: the attention computed from its weights, a few queries at a time, for a press that reads
 the weights themselves (H2O accumulates the attention each slot receives): the weights are computed once, for
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 QUERY_BLOCK = 256  # queries a call: 128 saved 1 MB more at 5,120 slots and took 16% longer
+DEVICES = ("cpu",)  # the device types a chunk runs in blocks on (see above)
 
 
 def weighable(module: nn.Module, kwargs: dict) -> bool:
@@ -39,7 +41,7 @@ def weighable(module: nn.Module, kwargs: dict) -> bool:
 
 def applies(module: nn.Module, query: torch.Tensor, kwargs: dict) -> bool:
     """Whether a chunk of `query` can run in `blocked_attention` instead of transformers' sdpa path."""
-    return (query.device.type == "cpu" and query.shape[2] > 1 and kwargs.get("softcap") is None
+    return (query.device.type in DEVICES and query.shape[2] > 1 and kwargs.get("softcap") is None
             and weighable(module, kwargs))  # fmt: skip
 
 

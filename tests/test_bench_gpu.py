@@ -81,3 +81,20 @@ def test_flash_attention_is_named_when_flash_attn_is_missing(monkeypatch):
     monkeypatch.setattr(bench_gpu.importlib.util, "find_spec", lambda name: None)
     assert "flash-attn is not installed" in bench_gpu.available("flash_attention_2")
     assert bench_gpu.available("sdpa") is None
+
+
+def test_the_blocked_variant_runs_chunks_in_blocks_on_its_device_and_puts_that_back(tmp_path, capsys, monkeypatch):
+    from kvpress.patches import blocked_attention as blocked
+
+    before = blocked.DEVICES
+    with pytest.raises(KeyError), bench_gpu.blocks_on("cuda"):
+        assert blocked.DEVICES == (*before, "cuda")
+        raise KeyError("escapes")
+    assert blocked.DEVICES == before
+    with bench_gpu.blocks_on(None):
+        assert blocked.DEVICES == before
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_gpu.main(["--out", str(tmp_path), "--attn", "sdpa-blocked"]) == 2  # accepted; no CUDA here
+    assert "configurations are not measured" in capsys.readouterr().err
+    assert bench_gpu.main(["--out", str(tmp_path), "--attn", "sdpa-blocks"]) == 2
+    assert "not one of sdpa, flash_attention_2, sdpa-blocked" in capsys.readouterr().err
