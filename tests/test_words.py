@@ -138,6 +138,21 @@ def test_whole_words_under_adakv_score_head_wise_layers_while_decoding():
             assert layer.slot("kvzap_word", 0, h).tolist() == [float(whole[p]) for p in pos.tolist()]
 
 
+def test_whole_words_under_adakv_decode_a_batch_row_by_row():
+    model = tiny_model("llama")
+    press = AdaKVPress(KVzapPress(max_tokens=24, window_size=4, scorer=_word_scorer(model), whole_words=True))
+    cache = DynamicCache(config=model.config)
+    ids = torch.cat([prompt(1, 30, seed=3), prompt(1, 30, seed=4)])  # two rows, no padding
+    with press(model):
+        out = model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    for row in range(2):
+        whole = _expected_starts(out[row].tolist())
+        for layer in cache.layers:
+            for h in range(layer.heads):
+                pos = layer.slot("pos", row, h).long()
+                assert layer.slot("kvzap_word", row, h).tolist() == [float(whole[p]) for p in pos.tolist()]
+
+
 def test_whole_words_are_refused_without_a_word_table_or_token_ids():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="has no word table: add it with `kvpress train-scorer .* --update-words`"):
