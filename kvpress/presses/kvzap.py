@@ -166,9 +166,7 @@ class KVzapPress(BasePress):
                     obs, _ = head_observation(module, query, layer, i // layer.heads, i % layer.heads)
                     mass[layer.bounds[i] : layer.bounds[i] + layer.lengths[i]] = obs.attention_mass(MASS_BLOCK)[0, 0]
             layer.state(_MASS).add_(mass)
-        if self.whole_words and q == 1 and min(layer.lengths) > 1:  # a decoding step, in the fewest ops
-            self._join_decoded_words(layer, flat, self._word_edges(module, ids, layer.device), ids)
-        elif self.whole_words:
+        if self.whole_words:
             starts, ends, pos = layer.state(_WORD), layer.state(_WORD_END), layer.store["pos"]
             before = (new[..., 0] - 1).clamp_min(0).view(-1)  # the slot each pair holds just before its new ones
             held_pos, held_starts, held_ends = (t.index_select(0, before).view(*new.shape[:2], 1)
@@ -179,20 +177,6 @@ class KVzapPress(BasePress):
                                     pos.index_select(0, flat).view(new.shape), held_pos, held_starts, held_ends)
             starts.index_copy_(0, flat, word.reshape(-1))
             ends.index_copy_(0, flat, end.reshape(-1))
-
-    @staticmethod
-    def _join_decoded_words(layer: HeadwiseLayer, flat: torch.Tensor, edges: torch.Tensor, ids: torch.Tensor) -> None:
-        """`word_starts` for one new token a pair (`flat`: their slots, each pair holding an older one just before
-        it): the new token continues the word of that slot when it is the token just before it, ends with a letter
-        or digit and the new one starts with one; else it starts a word at its own position."""
-        starts, ends, pos = layer.state(_WORD), layer.state(_WORD_END), layer.store["pos"]
-        flags = edges[ids[:, -1].to(edges.device).clamp(0, edges.shape[0] - 1)].to(flat.device)  # [B, 2]
-        flags = flags.repeat_interleave(layer.heads, 0)  # per (row, KV head), in `flat`'s order
-        prev = flat - 1
-        new_pos, prev_pos = pos.index_select(0, flat), pos.index_select(0, prev)
-        joined = (prev_pos == new_pos - 1) & (ends.index_select(0, prev) > 0) & flags[:, 0].bool()
-        starts.index_copy_(0, flat, torch.where(joined, starts.index_select(0, prev), new_pos.float()))
-        ends.index_copy_(0, flat, flags[:, 1].float())
 
     def _layer_weights(self, module: nn.Module, hidden: torch.Tensor | None, device: torch.device) -> tuple:
         """The scorer's (weight, bias, mass weights or None) of `module`'s layer, on `device`."""
