@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import kvpress
-from tiny import live_presses, prompt, tiny_model
+from tiny import greedy_scores, live_presses, prompt, tiny_model
 
 CALLS: list[tuple] = []  # (query length, key length, mask) of each call the stand-in got
 
@@ -57,14 +57,10 @@ def flash(monkeypatch):
     return on_flash
 
 
-def scores(model, ids, spec, mask=None, chunk: int | None = 16) -> torch.Tensor:
-    """The logits of 6 greedy steps inside the press (a CLI name, or a press) (`[steps, B, vocab]`)."""
+def scores(model, ids, spec, mask=None) -> torch.Tensor:
+    """The logits of 6 greedy steps inside the press (a CLI name, or a press), the prompt in chunks of 16."""
     press = kvpress.press_from_name(spec, compression_ratio=0.5) if isinstance(spec, str) else spec
-    with press(model):
-        out = model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
-                             max_new_tokens=6, min_new_tokens=6, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True, prefill_chunk_size=chunk, pad_token_id=0)  # fmt: skip
-    return torch.stack(out.scores)
+    return greedy_scores(model, ids, press, new=6, mask=mask, chunk=16)[0]
 
 
 SPECS = ["snapkv:window_size=4", "adakv:window_size=4", "h2o", "streaming-llm", "tova", "snapkv:kv_bits=4",

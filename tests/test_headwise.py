@@ -19,7 +19,7 @@ from kvpress import (
 from kvpress.patches.headwise_attention import headwise_attention
 from kvpress.patterns import config_hash
 from kvpress.presses.head_budget import allocate
-from tiny import prompt, tiny_model
+from tiny import greedy_scores, prompt, tiny_model
 
 
 def _pattern(model, seed=0):
@@ -27,24 +27,6 @@ def _pattern(model, seed=0):
     generator = torch.Generator().manual_seed(seed)
     scores = torch.rand(config.num_hidden_layers, config.num_key_value_heads, generator=generator)
     return {"model": "tiny", "config_hash": config_hash(model), "scores": scores.tolist()}
-
-
-def _generate(model, ids, press, new=20, mask=None):
-    cache = DynamicCache(config=model.config)
-    mask = torch.ones_like(ids) if mask is None else mask
-    with press(model):
-        out = model.generate(
-            ids,
-            attention_mask=mask,
-            cache=cache,
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    return torch.stack(out.scores), cache
 
 
 # ----- storage and attention ------------------------------------------------------------------------------
@@ -170,8 +152,8 @@ def test_adakv_without_freedom_equals_the_dense_press(attn, family, inner):
     of generation (decode-time eviction included) must give the same logits through per-head storage."""
     model = tiny_model(family, attn)
     make = {"snapkv": lambda: SnapKVPress(0.5, window_size=8), "h2o": lambda: HeavyHitterPress(0.5, window=8)}[inner]
-    dense, _ = _generate(model, prompt(1, 96), make(), new=40)
-    headwise, cache = _generate(model, prompt(1, 96), AdaKVPress(make(), alpha_safeguard=1.0), new=40)
+    dense, _ = greedy_scores(model, prompt(1, 96), make(), new=40)
+    headwise, cache = greedy_scores(model, prompt(1, 96), AdaKVPress(make(), alpha_safeguard=1.0), new=40)
     assert any(isinstance(layer, HeadwiseLayer) for layer in cache.layers)
     assert (dense - headwise).nan_to_num(0.0).abs().max() <= 1e-5  # -inf - -inf: the masked EOS
 
@@ -213,7 +195,7 @@ def test_adakv_normalize_makes_heads_compete_by_shape_not_scale(inner):
     assert even == _kept(model, ids, AdaKVPress(plain, alpha_safeguard=1.0))
     # while decoding, rows over budget are re-allocated one head at a time: scaled the same way
     budget = {"window_size": 4} if inner is SnapKVPress else {}
-    runs = [_generate(model, prompt(1, 64), AdaKVPress(make(max_tokens=24, **budget), normalize=True), new=30)
+    runs = [greedy_scores(model, prompt(1, 64), AdaKVPress(make(max_tokens=24, **budget), normalize=True), new=30)
             for make in (inner, _loud_first_head(inner))]  # fmt: skip
     (plain_logits, plain_cache), (loud_logits, loud_cache) = runs
     assert torch.equal(plain_logits, loud_logits)
@@ -235,9 +217,9 @@ def test_padded_batch_rows_equal_rows_alone(make):
     a, b = prompt(1, 96, seed=1), prompt(1, 70, seed=2)
     batch = torch.cat([a, torch.cat([torch.zeros(1, 26, dtype=torch.long), b], 1)])
     mask = torch.cat([torch.ones(1, 96), torch.cat([torch.zeros(1, 26), torch.ones(1, 70)], 1)]).long()
-    together, cache = _generate(model, batch, press, mask=mask)
-    alone_a, _ = _generate(model, a, press)
-    alone_b, cache_b = _generate(model, b, press)
+    together, cache = greedy_scores(model, batch, press, mask=mask)
+    alone_a, _ = greedy_scores(model, a, press)
+    alone_b, cache_b = greedy_scores(model, b, press)
     assert (together[:, 0] - alone_a[:, 0]).nan_to_num(0.0).abs().max() <= 1e-5
     assert (together[:, 1] - alone_b[:, 0]).nan_to_num(0.0).abs().max() <= 1e-5
     for layer, layer_b in zip(cache.layers, cache_b.layers, strict=True):
@@ -274,7 +256,7 @@ def test_allocate_global_topk_with_floor():
 
 def test_adakv_wraps_per_layer_budgets():
     model = tiny_model("llama", num_hidden_layers=4)
-    _, cache = _generate(model, prompt(1, 128), AdaKVPress(PyramidKVPress(0.5, window_size=4, beta=4)), new=1)
+    _, cache = greedy_scores(model, prompt(1, 128), AdaKVPress(PyramidKVPress(0.5, window_size=4, beta=4)), new=1)
     totals = [sum(layer.lengths) for layer in cache.layers]
     assert totals == sorted(totals, reverse=True) and totals[0] > totals[-1]
 
@@ -284,7 +266,7 @@ def test_adakv_wraps_per_layer_budgets():
 def test_duo_streaming_heads_stay_bounded(attn):
     model = tiny_model("llama", attn, num_hidden_layers=4)
     press = DuoAttentionPress(retrieval_fraction=0.5, head_pattern=_pattern(model), n_sink=4, window=16)
-    _, cache = _generate(model, prompt(1, 96), press, new=50)
+    _, cache = greedy_scores(model, prompt(1, 96), press, new=50)
     streaming = retrieval = 0
     for i, layer in enumerate(cache.layers):
         rank = press.head_rank(model)[i]
@@ -306,11 +288,11 @@ def test_duo_over_a_scorer(inner):
     scorer = SnapKVPress(max_tokens=32, window_size=4) if inner == "snapkv" else HeavyHitterPress(max_tokens=32)
     press = DuoAttentionPress(retrieval_fraction=0.5, head_pattern=_pattern(model), n_sink=4, window=16, press=scorer)
     ids = prompt(1, 96)
-    _, prefilled = _generate(model, ids, press, new=1)
+    _, prefilled = greedy_scores(model, ids, press, new=1)
     dense = DynamicCache(config=model.config)
     with scorer(model):
         model(ids, cache=dense)
-    _, decoded = _generate(model, ids, press, new=50)
+    _, decoded = greedy_scores(model, ids, press, new=50)
     for i, (layer, after) in enumerate(zip(prefilled.layers, decoded.layers, strict=True)):
         for head in range(layer.heads):
             kept = sorted(layer.slot("pos", 0, head).tolist())
@@ -487,8 +469,8 @@ def test_one_auto_duo_press_serves_two_architectures_at_once(monkeypatch):
         return torch.stack(out.scores)
 
     shared = DuoAttentionPress(0.5, n_sink=2, window=8)
-    large_alone = _generate(large, ids, DuoAttentionPress(0.5, n_sink=2, window=8))[0]
+    large_alone = greedy_scores(large, ids, DuoAttentionPress(0.5, n_sink=2, window=8))[0]
     large_shared = []
-    small_shared = small_run(shared, lambda: large_shared.append(_generate(large, ids, shared)[0]))
+    small_shared = small_run(shared, lambda: large_shared.append(greedy_scores(large, ids, shared)[0]))
     assert torch.equal(large_shared[0], large_alone)
     assert torch.equal(small_shared, small_run(DuoAttentionPress(0.5, n_sink=2, window=8)))

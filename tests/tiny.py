@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DynamicCache,
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
@@ -68,6 +69,18 @@ def tiny_model(family: str = "llama", attn: str = "sdpa", **overrides) -> torch.
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
         _MODELS[key] = model.eval()
     return _MODELS[key]
+
+
+def greedy_scores(model, ids: torch.Tensor, press, new: int = 20, mask: torch.Tensor | None = None,
+                  chunk: int | None = None) -> tuple[torch.Tensor, DynamicCache]:  # fmt: skip
+    """The logits of `new` greedy steps of `model.generate` inside `press` (`[new, B, vocab]`) and its cache
+    (`chunk`: `prefill_chunk_size`)."""
+    cache = DynamicCache(config=model.config)
+    with press(model):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids) if mask is None else mask, cache=cache,
+                             max_new_tokens=new, min_new_tokens=new, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=0, prefill_chunk_size=chunk)  # fmt: skip
+    return torch.stack(out.scores), cache
 
 
 def prompt(batch: int = 1, length: int = 48, seed: int = 0) -> torch.Tensor:
