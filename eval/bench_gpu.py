@@ -19,6 +19,9 @@ activations at the same length) and `gpu.md` under `--out`. Without CUDA it meas
 summarises the rows `gpu.jsonl` already holds. `--profile` keeps each generation's top operators in its row.
 `--attn sdpa-blocked` (its own table) runs sdpa with a chunk over a compressed layer in blocks of queries on CUDA
 too, as `blocked_attention` does on the CPU: what those blocks save or cost on a GPU.
+`--no-cudnn` runs every generation, no press's too, with cuDNN's attention off (a press's forwards always run so,
+`patches/sdpa_backends.py`): the ratios then measure the press alone, not torch's choice of kernel for a plain
+cache (its own table, `<attn> without cuDNN`).
 """
 
 from __future__ import annotations
@@ -85,7 +88,9 @@ def measure(model, tokenizer, config: dict, profiled: bool = False) -> dict:
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     with torch.inference_mode(), maybe_installed(press, model, tokenizer), (
         profile(activities=activities) if profiled else contextlib.nullcontext()
-    ) as prof, blocks_on(device.type if config.get("attn") == "sdpa-blocked" else None):
+    ) as prof, blocks_on(device.type if config.get("attn") == "sdpa-blocked" else None), (
+        sdpa_backends.without_cudnn(device) if config.get("no_cudnn") else contextlib.nullcontext()
+    ):
         prefill, steps = stamped_generate(model, tokenizer, ids, cache, config["steps"], config["chunk"])
         peak = torch.cuda.max_memory_allocated() - base if cuda else None
         kept = kvpress.cache_bytes(cache)
@@ -95,7 +100,8 @@ def measure(model, tokenizer, config: dict, profiled: bool = False) -> dict:
             "prefill_seconds": prefill, "decode_step_seconds": statistics.median(steps),
             "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
             "cudnn": torch.backends.cudnn.version() if cuda else None,  # cuDNN >= 9.15.1 on sm90: its sdpa first
-            "sdpa_priority": sdpa_backends.priority()}  # fmt: skip (a press's forwards run without cuDNN's)
+            "sdpa_priority": sdpa_backends.priority(),  # outside a press's forwards (those run without cuDNN's)
+            "no_cudnn": bool(config.get("no_cudnn"))}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -143,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=1024, help="prefill_chunk_size (0: none; default 1024)")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--profile", action="store_true", help="profile each generation: its top operators")
+    parser.add_argument("--no-cudnn", action="store_true", help="no press's generations without cuDNN's sdpa too")
     parser.add_argument("--config", help="a directory with config.json and tokenizer: random weights (see above)")
     parser.add_argument("--out", default=str(RESULTS), help="directory of gpu.jsonl, gpu.json, gpu.md")
     args = parser.parse_args(argv)
@@ -169,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()] if jsonl.exists() else []
     done = {_key(r) for r in rows if "error" not in r}
     random = args.config is not None
-    todo = [(a, c) for a in attns for c in runs if _key({**c, "attn": a, "random_weights": random}) not in done]
+    mode = {"random_weights": random, "no_cudnn": args.no_cudnn}
+    todo = [(a, c) for a in attns for c in runs if _key({**c, "attn": a, **mode}) not in done]
     if todo and not torch.cuda.is_available():
         if rows:
             write(out, rows, {})
@@ -191,10 +199,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             model, tokenizer = load(args.model, args.config, attn, torch.bfloat16, "cuda")
             # kernels warmed at the longest length (warmed at 1K, the first 16K run took 1.36 s against 0.3 after)
-            warm = {"spec": "none", "ratio": 0.0, "chunk": args.chunk or None, "steps": 2}
+            warm = {"spec": "none", "ratio": 0.0, "chunk": args.chunk or None, "steps": 2, **mode}
             measure(model, tokenizer, {**warm, "length": max(plan[args.model])})
             for config in mine:
-                config = {**config, "attn": attn, "random_weights": random}
+                config = {**config, "attn": attn, **mode}
                 try:
                     row = measure(model, tokenizer, config, profiled=args.profile)
                 except Exception as error:  # kept as a row and printed: the other configurations still run
@@ -216,16 +224,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _key(row: dict) -> tuple:
-    """`bench_long`'s key of a run, and the attention implementation and weights it ran with."""
-    return (*long_key(row), row["attn"], row.get("random_weights", False))
+    """`bench_long`'s key of a run, and the attention implementation, weights and cuDNN switch it ran with."""
+    return (*long_key(row), row["attn"], row.get("random_weights", False), row.get("no_cudnn", False))
+
+
+def _table(row: dict) -> str:
+    """The table a row belongs to: its attention implementation, and whether no press ran without cuDNN too."""
+    return row["attn"] + (" without cuDNN" if row.get("no_cudnn") else "")
 
 
 def write(out: Path, rows: list[dict], skipped: dict) -> list[dict]:
     """`gpu.json` (per attention implementation, `bench_long.summary` of its rows, which pairs a press with the
     no-press run of its own configuration) and `gpu.md` from `rows`; returns the configurations that failed and
     were not measured since."""
-    attns = sorted({r["attn"] for r in rows})
-    tables = {a: [_same_length(t) for t in summary([r for r in rows if r["attn"] == a and "error" not in r])]
+    attns = sorted({_table(r) for r in rows})
+    tables = {a: [_same_length(t) for t in summary([r for r in rows if _table(r) == a and "error" not in r])]
               for a in attns}  # fmt: skip
     measured = {_key(r) for r in rows if "error" not in r}  # a failure a later run measured is no failure
     errors = [{k: r[k] for k in ("attn", "length", "press", "ratio", "error")} for r in rows

@@ -2,8 +2,8 @@
 # make bench-gpu on a lent GPU machine that reaches no network and holds no weights:
 #   eval/bench_gpu_offline.sh prepare   here: transformers' wheel and Qwen2.5-0.5B's config and tokenizer (not its
 #                                       weights) into .gpu/ (ignored by git; carry it to the machine)
-#   eval/bench_gpu_offline.sh run [ARGS]  there, in the repository root: installs both offline, then
-#                                       bench_gpu with random weights of that architecture, rows into $OUT
+#   eval/bench_gpu_offline.sh run [ARGS]  there, in the repository root: installs both offline (once), then
+#                                       bench_gpu with random weights of that architecture, rows and log into $OUT
 set -o pipefail
 case "$1" in
 prepare)
@@ -17,13 +17,15 @@ prepare)
 run)
     shift
     repo=$(pwd)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/*.whl || exit 1
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/kv . || exit 1
+    if [ ! -d /tmp/kv/kvpress ]; then  # once a machine: a second run in the same command installs nothing
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/*.whl || exit 1
+        python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/kv . || exit 1
+    fi
     export PYTHONPATH=/tmp/kv:/tmp/site PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     # outside the checkout: its kvpress/ would shadow the installed package (kvpress.eval lives in eval/)
     cd /tmp && timeout "${BENCH_TIMEOUT:-400}" python3 -m kvpress.eval.bench_gpu --config "$repo/.gpu/qwen2.5-0.5b" \
-        --out "${OUT:?set OUT to the directory that comes back}" "$@" 2>&1 | tee "$OUT/log.txt" ;;
+        --out "${OUT:?set OUT to the directory that comes back}" "$@" 2>&1 | tee -a "$OUT/log.txt" ;;
 *)
     echo "usage: $0 prepare | run [bench_gpu arguments]" >&2; exit 2 ;;
 esac

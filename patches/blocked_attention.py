@@ -10,10 +10,11 @@ the scores. Here torch shares the KV head (`enable_gqa`) and each block of queri
 see (the held ones, and the new ones up to its last query), with a mask of that block's rows: neither copy
 grows past one block's. Measured by `make bench-long` (eval/results/README.md, "Long contexts").
 
-CPU only (`DEVICES`): on CUDA, sdpa with a mask and `enable_gqa` may leave the fused kernels (torch's
-memory-efficient kernel takes both in recent versions; not measured here), so that call keeps transformers' path;
-`bench_gpu --attn sdpa-blocked` measures the blocks on CUDA. So do calls with anything this plain sdpa call does not
-express (softcapping, attention sinks, a position bias, dropout).
+CPU only (`DEVICES`): on CUDA, sdpa with a mask and `enable_gqa` leaves the fused kernels for its math one, which
+holds every weight (torch 2.11 on an H200), so a dense chunk keeps transformers' path there and a head-wise one
+runs bottom-right causal (`headwise_attention`); `bench_gpu --attn sdpa-blocked` measures the blocks on CUDA
+(H200, 16K tokens: the default press's peak 478 MB against 148 without them). So do calls with anything this
+plain sdpa call does not express (softcapping, attention sinks, a position bias, dropout).
 
 `attention_with_mass`: the attention computed from its weights, a few queries at a time, for a press that reads
 the weights themselves (H2O accumulates the attention each slot receives): the weights are computed once, for

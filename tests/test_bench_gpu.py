@@ -98,3 +98,23 @@ def test_the_blocked_variant_runs_chunks_in_blocks_on_its_device_and_puts_that_b
     assert "configurations are not measured" in capsys.readouterr().err
     assert bench_gpu.main(["--out", str(tmp_path), "--attn", "sdpa-blocks"]) == 2
     assert "not one of sdpa, flash_attention_2, sdpa-blocked" in capsys.readouterr().err
+
+
+def test_no_press_without_cudnn_is_its_own_table_and_configuration(tmp_path, capsys, monkeypatch):
+    config = {"model": "m", "length": 64, "chunk": 32, "steps": 2, "ratio": 0.5, "attn": "sdpa", "random_weights": True,
+              "peak_above_model_bytes": 100, "prefill_seconds": 1.0, "decode_step_seconds": 0.1, "weight_bytes": 10}
+    pair = [{**config, "press": "none", "spec": "none", "ratio": 0.0, "pairs_with": "snapkv@0.5", "cache_bytes": 8},
+            {**config, "press": "snapkv", "spec": "snapkv", "pairs_with": None, "cache_bytes": 4}]
+    rows = [*pair, *({**r, "no_cudnn": True, "decode_step_seconds": 0.05} for r in pair)]
+    bench_gpu.write(tmp_path, rows, {})
+    tables = json.loads((tmp_path / "gpu.json").read_text())["tables"]
+    assert set(tables) == {"sdpa", "sdpa without cuDNN"}  # each press against no press of its own switch
+    assert [len(t) for t in tables.values()] == [1, 1] and bench_gpu._key(rows[0]) != bench_gpu._key(rows[2])
+    one = {**pair[0], "length": 32, "pairs_with": "one-chunk"}
+    (tmp_path / "gpu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [one, *pair]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["--out", str(tmp_path), "--config", str(tmp_path), "--model", "m", "--lengths", "64", "--presses",
+            "snapkv", "--ratios", "0.5", "--chunk", "32", "--decode-steps", "2", "--attn", "sdpa"]  # fmt: skip
+    assert bench_gpu.main(argv) == 0  # every configuration measured: nothing to do
+    assert bench_gpu.main([*argv, "--no-cudnn"]) == 2  # those rows do not count as measured without cuDNN
+    assert "3 configurations are not measured" in capsys.readouterr().err

@@ -53,7 +53,16 @@ def test_adakv_frees_memory_per_head(family, ratio):
 @pytest.mark.parametrize("mass_block", [None, 2])
 @pytest.mark.parametrize("q_len", [1, 5])
 @pytest.mark.parametrize("softcap", [None, 20.0])
-def test_varlen_attention_equals_masked_dense(q_len, softcap, mass_block):
+@pytest.mark.parametrize("gpu_path", [False, True])  # a chunk in blocks (CPU) or bottom-right causal (CUDA)
+def test_varlen_attention_equals_masked_dense(q_len, softcap, mass_block, gpu_path, monkeypatch):
+    from kvpress.patches import blocked_attention
+    from kvpress.patches import headwise_attention as module_under_test
+
+    biases = []
+    if gpu_path:  # the CUDA branch, run on the CPU: torch materialises the bias there, the mask is the same
+        monkeypatch.setattr(blocked_attention, "DEVICES", ())
+        bias = module_under_test.causal_lower_right
+        monkeypatch.setattr(module_under_test, "causal_lower_right", lambda *a: biases.append(a) or bias(*a))
     torch.manual_seed(0)
     b, hkv, g, n, d = 2, 3, 2, 40, 16
     dense = PressedLayer()
@@ -82,6 +91,8 @@ def test_varlen_attention_equals_masked_dense(q_len, softcap, mass_block):
     ref = probs @ all_v
     assert out.shape == (b, q_len, hkv * g, d)
     assert (out - ref.transpose(1, 2)).abs().max() <= 1e-5
+    # the CUDA branch ran where it applies: a chunk, no soft-capping, no mass; once per (row, KV head)
+    assert len(biases) == (b * hkv if gpu_path and q_len > 1 and not softcap and mass_block is None else 0)
     if mass_block is None:
         assert mass is None
         return
