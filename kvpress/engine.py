@@ -176,6 +176,10 @@ class Recording:
         return self.ids.shape[1]
 
 
+# what takes a prefill in chunks, for the messages of a press that refuses one (`Installable.chunk_refusal`)
+AS_CACHED = "a press that scores tokens as they are cached (SnapKVPress, KVzapPress, AdaKVPress over one)"
+
+
 class Installable:
     """What makes a press usable as `with press(model):` (the base of `BasePress`).
 
@@ -204,6 +208,16 @@ class Installable:
     def refuses_chunks(self) -> bool:
         """Whether a prefill in chunks is refused: the press scores the whole prompt and cannot score later chunks."""
         return self.needs_whole_context and not self.scores_later_chunks
+
+    def chunk_refusal(self) -> tuple[str, str]:
+        """Where this press `refuses_chunks`: its name for a message (a wrapper's with the press it wraps), and
+        what to use instead."""
+        inner, name = getattr(self, "press", None), type(self).__name__
+        label = name if not isinstance(inner, Installable) else f"{name} over {type(inner).__name__}"
+        if not isinstance(inner, Installable) or not inner.scores_later_chunks:
+            return label, f"use KVzipPress (it scores each chunk) or {AS_CACHED}"
+        return label, (f"use {type(inner).__name__} alone (it scores each chunk, but not inside {name}: its pass "
+                       f"cannot observe head-wise layers) or {AS_CACHED}")  # fmt: skip
 
     def __call__(self, model: nn.Module, tokenizer=None) -> PressInstallation:
         """`with press(model):` installs the press for the caller; the model is restored on exit, even on error.
@@ -327,12 +341,12 @@ class PressInstallation:
             return forward(*args, **kwargs)
         if not fresh and self.press.refuses_chunks:
             seen = max(getattr(layer, "seen", 0) for layer in cache.layers)
+            name, instead = self.press.chunk_refusal()
             raise ValueError(
-                f"{type(self.press).__name__} compresses the first prompt of a cache, scored by a pass over all of it; "
-                f"this forward adds {q} tokens to a cache already holding {seen} seen (the next chunk of a chunked "
-                "prefill, or a new turn), which it cannot score, so the budget would not hold: feed the prompt in "
-                "one forward (no prefill_chunk_size), use KVzipPress or KVzapPress (they score later tokens too), or "
-                "read a new turn inside `installed.frozen()` to keep it whole"
+                f"{name} compresses the first prompt of a cache, scored by a pass over all of it; this forward adds "
+                f"{q} tokens to a cache already holding {seen} seen (the next chunk of a chunked prefill, or a new "
+                "turn), which it cannot score, so the budget would not hold: feed the prompt in one forward (no "
+                f"prefill_chunk_size), {instead}, or read a new turn inside `installed.frozen()` to keep it whole"
             )
         if not fresh and (self._scored is None or self._scored() is not cache or self._unscored is None):
             raise ValueError(

@@ -152,9 +152,9 @@ def check_chunk_size(size, press: BasePress | None = None) -> int | None:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"prefill_chunk_size must be a positive number of tokens (or None: one forward), got {size!r}")
     if press is not None and press.refuses_chunks:
-        raise ValueError(f"{type(press).__name__} scores the whole context once it is cached, in one pass: it cannot "
-                         "prefill in chunks (prefill_chunk_size=None, or a press that scores tokens as they are "
-                         "cached, such as KVzapPress, or KVzipPress, which scores each chunk)")  # fmt: skip
+        name, instead = press.chunk_refusal()
+        raise ValueError(f"{name} scores the whole context once it is cached, in one pass: it cannot prefill in "
+                         f"chunks (prefill_chunk_size=None, or {instead.removeprefix('use ')})")  # fmt: skip
     return size
 
 

@@ -48,6 +48,7 @@ def headwise_attention(
         return _one_query(query, layer, scale, mass), mass
     out = query.new_empty(b, hq, q, layer.value_dim or d)
     causal = None
+    fused = layer.window is None and query.device.type not in blocked.DEVICES  # a GPU's bottom-right causal call
     for row in range(b):
         for head in range(layer.heads):
             keys, values = layer.pair(row, head)
@@ -57,7 +58,7 @@ def headwise_attention(
             if q > 1 and layer.window is not None:
                 pos = layer.slot("pos", row, head).long()
                 mask = (pos[None] <= pos[-q:, None]) & (pos[None] > pos[-q:, None] - layer.window)
-            elif q > 1:
+            elif q > 1 and (softcap or (mass is None and not fused)):  # (the mass and that call build no mask)
                 if causal is None or causal.shape[-1] != n:
                     causal = _causal(q, n, query.device)
                 mask = causal
@@ -74,7 +75,7 @@ def headwise_attention(
                 if mask is not None:
                     logits = logits.masked_fill(~mask, float("-inf"))
                 res = logits.float().softmax(-1).to(values.dtype) @ values
-            elif layer.window is None and query.device.type not in blocked.DEVICES:  # a GPU: see above
+            elif fused:  # see above
                 res = F.scaled_dot_product_attention(group[None], keys[None, None], values[None, None],
                                                      attn_mask=causal_lower_right(q, n), scale=scale,
                                                      enable_gqa=g > 1)[0]  # fmt: skip
