@@ -44,6 +44,7 @@ class Observation:
     layer: PressedLayer
     hidden: torch.Tensor | None = None  # [B, q, d] the attention module's input hidden states of the new tokens
     kv_heads: slice = field(default_factory=lambda: slice(None))  # the KV heads `keys` holds (one: a head-wise view)
+    rows: slice = field(default_factory=lambda: slice(None))  # the rows of the batch it holds (one: a head-wise view)
     mass: torch.Tensor | None = None  # [B, Hkv, n] fp32 the attention computed with its output (`attention_mass`)
     # [B, Hkv, n] fp32 the largest weight each slot received from the new queries and the query heads of its KV head,
     # computed with the output when an observer asked (`weights_block`, see `observe`); else None
@@ -216,8 +217,8 @@ class Installable:
         label = name if not isinstance(inner, Installable) else f"{name} over {type(inner).__name__}"
         if not isinstance(inner, Installable) or not inner.scores_later_chunks:
             return label, f"use KVzipPress (it scores each chunk) or {AS_CACHED}"
-        return label, (f"use {type(inner).__name__} alone (it scores each chunk, but not inside {name}: its pass "
-                       f"cannot observe head-wise layers) or {AS_CACHED}")  # fmt: skip
+        return label, (f"use {type(inner).__name__} alone (it scores each chunk; {name} does not pass it later "
+                       f"chunks) or {AS_CACHED}")  # fmt: skip
 
     def __call__(self, model: nn.Module, tokenizer=None) -> PressInstallation:
         """`with press(model):` installs the press for the caller; the model is restored on exit, even on error.
@@ -388,7 +389,7 @@ class PressInstallation:
 
     def mass_block(self, layer: PressedLayer | HeadwiseLayer, evict_now: bool = True) -> int | None:
         """Queries a block when this forward's press or an observer reads the attention weights of a layer (see the
-        intercept): the smallest block any of them asks for. Observers see dense layers only."""
+        intercept): the smallest block any of them asks for. An observer of a head-wise layer computes them itself."""
         asked = []
         if not isinstance(layer, HeadwiseLayer):
             heads = model_access.text_config(self.model).num_attention_heads
@@ -428,8 +429,14 @@ class PressInstallation:
         if torch.is_grad_enabled():
             with torch.no_grad():
                 return self.after_headwise(module, query, layer, hidden, evict_now, ids, mass)
+        watching = self._watching()
+        if watching:  # observers read a head-wise layer as a padded dense one (a press's own pass: KVzip's)
+            dense = layer.as_dense()
+            obs = Observation(module, query, dense.keys, dense.values, dense, hidden, ids=ids)
+            for observer in watching:
+                observer(obs)
         if self.press.needs_whole_context or not (evict_now or self.press.observes_frozen):
-            return  # a whole-context press evicted once, at the end of the prefill
+            return  # a whole-context press evicts where it scores (`run_forward`)
         self.press.observe_heads(module, query, layer, hidden, ids, mass)
         if evict_now:
             self.press.evict_heads(module, query, layer)
@@ -437,8 +444,6 @@ class PressInstallation:
     def _check_headwise(self, cache: DynamicCache, args: tuple, kwargs: dict) -> None:
         """Refuse, before any layer runs, a forward that a cache with head-wise layers cannot take."""
         makers = {layer.made_by for layer in cache.layers if isinstance(layer, HeadwiseLayer)}
-        if self.observers:
-            raise ValueError("observers see dense layers only; this cache holds head-wise compressed layers")
         name = type(self.press).__name__ if self.press is not None else "an observer"
         if self.press is None or not self.press.per_head or makers != {name}:
             raise ValueError(
@@ -490,11 +495,15 @@ def compress_layers(
 ) -> list:  # fmt: skip
     """Apply `press` to every layer of a prefilled `cache`, given each layer's attention module and the queries of
     its prefill (a recording), its input hidden states where recorded and the prefill's token ids `[B, n]`: the
-    eviction a live prefill under the press would have made. Returns the layers that moved to per-head storage
-    (they replace the dense ones in `cache`)."""
+    eviction a live prefill under the press would have made (a head-wise layer: the press's `evict_heads`).
+    Returns the layers that moved to per-head storage (they replace the dense ones in `cache`)."""
     moved = []
     for idx, (module, query) in queries.items():
         layer = cache.layers[idx]
+        if isinstance(layer, HeadwiseLayer):  # a later chunk over a layer a head-wise press compressed before
+            press.evict_heads(module, query, layer)
+            layer.compact()
+            continue
         obs = Observation(module, query, *layer.held_kv(), layer, (hidden or {}).get(idx), ids=ids)
         replacement = evict(press, within_window(obs))  # what the live intercept calls after this layer's attention
         if replacement is not None:

@@ -579,7 +579,7 @@ def scratch(cache: Cache) -> Iterator[Cache]:
     """Let forwards append to `cache`, then put every layer back as it was, also when one raises. A
     `PressedLayer` of full attention drops what was appended (no copy of what it holds); any other layer
     (a sliding window, which also drops what leaves the window: bounded) is restored from a copy taken on entry."""
-    points = [layer.rewind_point() if _appends_only(layer) else copy.deepcopy(layer) for layer in cache.layers]
+    points = [layer.rewind_point() if _appends_only(layer) else _detached_copy(layer) for layer in cache.layers]
     try:
         yield cache
     finally:
@@ -589,6 +589,26 @@ def scratch(cache: Cache) -> Iterator[Cache]:
             else:
                 vars(layer).clear()
                 vars(layer).update(vars(point))
+
+
+def _detached_copy(layer):
+    """A deep copy of `layer` with its tensors detached (a forward run with autograd on leaves tensors in the cache
+    that `copy.deepcopy` refuses to copy; what a cache holds is not learned)."""
+    memo = {}
+
+    def seed(x) -> None:
+        if isinstance(x, torch.Tensor):
+            memo[id(x)] = x.detach().clone()
+        elif isinstance(x, dict):
+            for v in x.values():
+                seed(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                seed(v)
+
+    for value in vars(layer).values():
+        seed(value)
+    return copy.deepcopy(layer, memo)
 
 
 def _appends_only(layer) -> bool:

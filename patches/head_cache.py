@@ -303,6 +303,30 @@ class HeadwiseLayer(DynamicLayer):
         v.shift = v.real_seen - v.n
         return v
 
+    def as_dense(self) -> PressedLayer:
+        """The whole layer as a dense `PressedLayer` (a copy): each (row, KV head) left-padded to the longest, the
+        padding marked invalid (position 0), so every pair's newest slots are the last ones, as in a dense layer:
+        what an observer reads (a press's own pass over a head-wise cache, KVzip's)."""
+        n = max(self.lengths)
+        pairs = [self.pair(row, head) for row in range(self.batch) for head in range(self.heads)]
+        keys = pairs[0][0].new_zeros(self.batch, self.heads, n, pairs[0][0].shape[-1])
+        values = pairs[0][1].new_zeros(self.batch, self.heads, n, pairs[0][1].shape[-1])
+        pos = torch.zeros(self.batch, self.heads, n, dtype=torch.int32, device=self.device)
+        valid = torch.zeros(self.batch, self.heads, n, dtype=torch.bool, device=self.device)
+        for i, (k, v) in enumerate(pairs):
+            row, head = divmod(i, self.heads)
+            m = k.shape[0]
+            keys[row, head, n - m :], values[row, head, n - m :] = k, v
+            pos[row, head, n - m :] = self.slot("pos", row, head)
+            valid[row, head, n - m :] = True
+        dense = PressedLayer(self.window)
+        dense.keys, dense.values, dense.n, dense.seen = keys, values, n, self.seen
+        dense.device, dense.is_initialized, dense.driven = keys.device, True, True
+        dense.slots = {"pos": pos, "valid": valid}
+        dense.real_seen = self.real_seen.to(keys.device)
+        dense.shift = dense.real_seen - n
+        return dense
+
     def absorb(self, row: int, head: int, view: PressedLayer) -> None:
         """Take back per-slot state a press created (or replaced) on `view(row, head)`."""
         for name, t in view.slots.items():

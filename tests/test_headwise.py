@@ -107,6 +107,39 @@ def test_varlen_attention_equals_masked_dense(q_len, softcap, mass_block, gpu_pa
         assert torch.allclose(got, received[row, head][held[row, head]], atol=1e-5)
 
 
+def test_an_observer_reads_a_headwise_layer_as_a_padded_dense_one():
+    """`HeadwiseLayer.as_dense()`: each (row, KV head) left-padded, so every pair's newest slots are the last; the
+    attention an observer computes over it (KVzip's per-position peaks) is the real one over each head's slots."""
+    from kvpress.engine import Observation
+    from kvpress.presses.prepared import PromptAttention
+
+    torch.manual_seed(0)
+    b, hkv, g, n, d, q = 2, 3, 2, 40, 16, 5
+    dense = PressedLayer()
+    keys, values = torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
+    dense.update(keys, values)
+    keep = torch.rand(b, hkv, n) < torch.tensor([0.2, 0.5, 0.9])[None, :, None]
+    layer = HeadwiseLayer.from_dense(dense, keep)
+    new_k, new_v = torch.randn(b, hkv, q, d), torch.randn(b, hkv, q, d)
+    layer.driven = True
+    layer.update(new_k, new_v)
+    layer.commit()
+    view = layer.as_dense()
+    assert view.keys.shape == (b, hkv, max(layer.lengths), d) and view.seen == n + q
+    assert torch.equal(view.keys[:, :, -q:], new_k) and bool((view.pos[:, :, -q:] == n + torch.arange(q)).all())
+    module = torch.nn.Module()
+    module.scaling, module.attn_logit_softcapping, module.layer_idx = d**-0.5, None, 0
+    query = torch.randn(b, hkv * g, q, d)
+    observer = PromptAttention(n_prompt=n, by_position=True)
+    observer(Observation(module, query, view.keys, view.values, view))
+    all_k = torch.cat([keys, new_k], 2).repeat_interleave(g, 1)
+    causal = torch.ones(q, q, dtype=torch.bool).tril()
+    mask = torch.cat([keep[:, :, None].expand(b, hkv, q, n), causal.expand(b, hkv, q, q)], -1).repeat_interleave(g, 1)
+    probs = (query @ all_k.transpose(-1, -2) * d**-0.5).masked_fill(~mask, float("-inf")).softmax(-1)
+    expected = probs[..., :n].view(b, hkv, g, q, n).amax(dim=(2, 3))  # 0 where a head no longer holds the token
+    torch.testing.assert_close(observer.peaks[0], expected, atol=1e-5, rtol=1e-4)
+
+
 def test_packed_storage_appends_and_evicts_in_place_then_packs_tight():
     torch.manual_seed(0)
     b, hkv, g, n, d = 2, 3, 2, 200, 8

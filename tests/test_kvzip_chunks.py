@@ -116,6 +116,49 @@ def test_inside_generate_with_prefill_chunk_size_and_in_kvpress_generate(tokeniz
     assert all(layer.seen == 64 and layer.n == press.budget_of(63) + 1 for layer in cache.layers)
 
 
+def test_adakv_over_kvzip_scores_every_chunk_and_spreads_each_layers_budget_over_its_heads(tokenized):
+    """AdaKV over KVzip chunk by chunk: each later forward is scored by KVzip's pass over the head-wise layers
+    (read padded) and each layer keeps the budget of every token seen, spread over its heads by a global top-k of
+    those scores (no safeguard), plus the forward's last token in every head; inside model.generate, a chunk as
+    long as the prompt is the one-forward compression. The forwards run with autograd on, as a user may call them
+    (the pass copies the head-wise layers it appends to)."""
+    model = tiny_model("llama")
+    heads = model.config.num_key_value_heads
+    ids = prompt(1, 64)
+    press = AdaKVPress(KVzipPress(0.5, window_size=0, global_budget=0.0, reconstruction_chunk=8), alpha_safeguard=0.0)
+    cache = DynamicCache(config=model.config)
+    with press(model, tokenizer=_Tokenizer()) as installed:
+        for start in (0, 16, 32, 56):
+            if start == 56:  # a turn read frozen is kept whole, then scored with the next one
+                with installed.frozen():
+                    model(ids[:, 48:56], cache=cache)
+                assert all(sum(layer.lengths) == heads * (press.budget_of(47) + 1 + 8) for layer in cache.layers)
+            model(ids[:, start : start + 16], cache=cache)
+            seen = min(start + 16, 64)
+            budget = press.budget_of(seen - 1)
+            for idx, scores in press.press.scores.items():
+                layer = cache.layers[idx]
+                assert isinstance(layer, HeadwiseLayer) and layer.seen == seen and scores.shape == (1, heads, seen - 1)
+                held = [layer.slot("pos", 0, h).long() for h in range(heads)]
+                assert all(int(pos[-1]) == seen - 1 for pos in held)  # the forward's last token, in every head
+                kept = {(h, int(p)) for h, pos in enumerate(held) for p in pos[:-1]}
+                best = scores[0].flatten().topk(heads * budget).indices
+                assert kept == {(int(i) // (seen - 1), int(i) % (seen - 1)) for i in best}
+    model, tokenizer = tokenized
+    caches = {}
+    for chunk in (16, 64, None):
+        caches[chunk] = DynamicCache(config=model.config)
+        with AdaKVPress(KVzipPress(0.5, window_size=4))(model, tokenizer=tokenizer), torch.no_grad():
+            model.generate(ids, cache=caches[chunk], max_new_tokens=3, do_sample=False, pad_token_id=0,
+                           prefill_chunk_size=chunk)  # fmt: skip
+    for one, whole in zip(caches[64].layers, caches[None].layers, strict=True):
+        assert one.lengths == whole.lengths and torch.equal(one.store["pos"], whole.store["pos"])
+    assert all(layer.seen == 66 and sum(layer.lengths) < 2 * heads * 33 for layer in caches[16].layers)
+    text = kvpress.generate(model, tokenizer, "a b c d e f g h " * 8, "what?", press=AdaKVPress(KVzipPress(0.5)),
+                            chat_template=False, max_new_tokens=3, prefill_chunk_size=16)  # fmt: skip
+    assert isinstance(text, str)
+
+
 @pytest.mark.parametrize("adakv", [False, True])
 def test_a_live_prefill_keeps_no_queries_for_a_press_that_scores_from_its_pass(tokenized, monkeypatch, adakv):
     """KVzip (alone or under AdaKV) reads no queries: a live prefill keeps only their shape (no values, no memory),
@@ -152,13 +195,13 @@ def test_a_live_prefill_keeps_no_queries_for_a_press_that_scores_from_its_pass(t
 
 
 def test_what_cannot_be_scored_later_is_refused(tokenized):
-    """AdaKV over KVzip (head-wise layers, which a reconstruction pass cannot observe) refuses a later chunk, as
-    before; KVzip refuses one after embeddings were fed, or on a cache it did not compress in this block."""
+    """A press that scores the whole prompt and no later chunk (Lookahead, under AdaKV) refuses a later chunk;
+    KVzip refuses one after embeddings were fed, or on a cache it did not compress in this block."""
     model, tokenizer = tokenized
     ids = prompt(1, 48)
-    refused = r"AdaKVPress over KVzipPress compresses the first prompt .* adds 16 tokens.* use KVzipPress alone"
+    refused = r"AdaKVPress over LookaheadPress compresses the first prompt .* adds 16 tokens.* use KVzipPress \("
     with pytest.raises(ValueError, match=refused):
-        with AdaKVPress(KVzipPress(0.5, window_size=4))(model, tokenizer=tokenizer):
+        with AdaKVPress(kvpress.press_from_name("lookahead", compression_ratio=0.5))(model, tokenizer=tokenizer):
             model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0, prefill_chunk_size=16)
     press = KVzipPress(0.5, window_size=4)
     cache = DynamicCache(config=model.config)

@@ -116,7 +116,7 @@ def test_bad_arguments_are_refused(default_model):
     with pytest.raises(ValueError, match="with no press lm-eval's own model runs"):
         KVPressLM(pretrained=model, tokenizer=tokenizer, prefill_chunk_size="64")
     with pytest.raises(ValueError, match="cannot prefill in chunks"):
-        KVPressLM(pretrained=model, tokenizer=tokenizer, press="adakv:inner=kvzip", compression_ratio=0.5,
+        KVPressLM(pretrained=model, tokenizer=tokenizer, press="shotkv", compression_ratio=0.5,
                   prefill_chunk_size=64)  # fmt: skip
     with pytest.raises(ValueError, match="prefill_chunk_size must be a positive number of tokens, got 'x'"):
         KVPressLM(pretrained=model, tokenizer=tokenizer, press="snapkv", compression_ratio=0.5, prefill_chunk_size="x")

@@ -168,8 +168,8 @@ def test_chunked_prefill_holds_the_budget_after_every_chunk(name):
 def test_prefill_context_in_chunks_holds_the_budget_after_every_chunk_and_refuses_whole_context_presses():
     """kvpress.generate's prefill with prefill_chunk_size: each chunk's forward evicts, as inside model.generate;
     a chunk as long as the prompt is the one-forward prefill; presses scoring the whole context are refused but
-    KVzip (tests/test_kvzip_chunks.py)."""
-    from kvpress import AdaKVPress, KVzipPress
+    KVzip and AdaKV over it (tests/test_kvzip_chunks.py)."""
+    from kvpress import AdaKVPress, press_from_name
     from kvpress.pipeline import prefill_context
 
     model = _model()
@@ -188,9 +188,9 @@ def test_prefill_context_in_chunks_holds_the_budget_after_every_chunk_and_refuse
     prefill_context(model, ids, press, one, prefill_chunk_size=100)
     prefill_context(model, ids, press, whole)
     assert torch.equal(one.layers[0].keys, whole.layers[0].keys)
-    with pytest.raises(ValueError, match="AdaKVPress over KVzipPress .* cannot prefill in chunks .* KVzipPress alone"):
-        prefill_context(model, ids, AdaKVPress(KVzipPress(0.5)), DynamicCache(config=model.config),
-                        prefill_chunk_size=16)  # fmt: skip
+    with pytest.raises(ValueError, match="AdaKVPress over LookaheadPress .* cannot prefill in chunks .* KVzipPress"):
+        lookahead = AdaKVPress(press_from_name("lookahead", compression_ratio=0.5))
+        prefill_context(model, ids, lookahead, DynamicCache(config=model.config), prefill_chunk_size=16)
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="prefill_chunk_size must be a positive number"):
             prefill_context(model, ids, press, DynamicCache(config=model.config), prefill_chunk_size=bad)

@@ -73,11 +73,11 @@ def test_a_padded_batch_is_refused_by_a_reconstruction_pass(tokenized):
     assert model.config._attn_implementation == "sdpa"
 
 
-@pytest.mark.parametrize("name", ["adakv-kvzip", "lookahead"])
+@pytest.mark.parametrize("name", ["lookahead"])
 def test_a_chunked_prefill_or_a_new_turn_is_refused_and_a_frozen_turn_kept_whole(tokenized, name):
     """Nothing scores tokens fed after the compressed prompt in several-token forwards (the second chunk of
-    prefill_chunk_size, a new turn) but KVzip alone (tests/test_kvzip_chunks.py): refused by name rather than kept
-    whole past the budget; inside frozen() a new turn is kept whole, as asked."""
+    prefill_chunk_size, a new turn) but KVzip, alone or under AdaKV (tests/test_kvzip_chunks.py): refused by name
+    rather than kept whole past the budget; inside frozen() a new turn is kept whole, as asked."""
     model, tokenizer = tokenized
     ids = _prompt(tokenizer)
     cache = DynamicCache(config=model.config)

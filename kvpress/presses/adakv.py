@@ -58,6 +58,12 @@ class HeadSharePress(WrapsPress, HeadwisePress):
         super().__post_init__()
 
     scale_heads = False  # divide each head's scores by its peak before they are ranked (`ranked_scores`)
+    # a later chunk is scored by the wrapped press (KVzip's pass reads the head-wise layers padded) and each row
+    # re-allocated over its heads (`evict_heads`, from `compress_layers`)
+    scores_later_chunks = inner_flag("scores_later_chunks")
+
+    def prepare_chunk(self, model: nn.Module, cache, ids: torch.Tensor, tokenizer=None) -> None:
+        self.press.prepare_chunk(model, cache, ids, tokenizer)
 
     def allocate_heads(self, scores: torch.Tensor, per_head: torch.Tensor, query: torch.Tensor,
                        query_valid: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip

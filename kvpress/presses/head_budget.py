@@ -82,7 +82,7 @@ def head_observation(
         i = row * layer.heads + head
         mass = mass[layer.bounds[i] : layer.bounds[i] + layer.lengths[i]][None, None]
     obs = Observation(module, query[row : row + 1, head * g : (head + 1) * g], view.keys, view.values, view,
-                      hidden, slice(head, head + 1), mass=mass, ids=ids)  # fmt: skip
+                      hidden, slice(head, head + 1), slice(row, row + 1), mass=mass, ids=ids)  # fmt: skip
     return obs, view
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from kvpress.engine import observe
 from kvpress.patches.cache import scratch
+from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.presses.base import BasePress, Observation, scaled_to_peak
 from kvpress.presses.prepared import PromptAttention, at_held_slots, check_prepared
 
@@ -133,8 +134,7 @@ class KVzipPress(BasePress):
                 raise RuntimeError(f"KVzipPress scored {before.shape[-1]} tokens of this cache, and {ids.shape[1]} "
                                    f"follow them, but layer {idx} has seen {peak.shape[-1]}")  # fmt: skip
             peak[..., : before.shape[-1]] = torch.maximum(peak[..., : before.shape[-1]], before)
-            held = torch.zeros_like(peak, dtype=torch.bool).scatter_(-1, cache.layers[idx].pos.long(), True)
-            scores[idx] = peak.masked_fill_(~held, 0)
+            scores[idx] = peak.masked_fill_(~_held(cache.layers[idx], peak), 0)
         self.scores, self._lead = scores, torch.cat([self._lead, ids], dim=-1)[:, -LEAD_IN:]
         self._shares = self._layer_shares(scores, peak.shape[-1]) if self.global_budget else None
 
@@ -168,6 +168,18 @@ class KVzipPress(BasePress):
         check_prepared(self, tokens, obs, "a reconstruction pass", "kvpress.generate(..., press=...)", chunks=True)
         scores = at_held_slots(self.scores[obs.layer_idx], obs)
         return scores * obs.values.float().norm(dim=-1) if self.value_norm else scores
+
+
+def _held(layer, like: torch.Tensor) -> torch.Tensor:
+    """`[B, Hkv, seen]` bool shaped as `like`: the positions `layer` holds (each (row, KV head)'s own when the layer
+    is head-wise)."""
+    held = torch.zeros_like(like, dtype=torch.bool)
+    if not isinstance(layer, HeadwiseLayer):
+        return held.scatter_(-1, layer.pos.long(), True)
+    for row in range(layer.batch):
+        for head in range(layer.heads):
+            held[row, head, layer.slot("pos", row, head).long()] = True
+    return held
 
 
 LEAD_IN = 8  # context tokens before a pass's chunk fed again after the request, so the model knows where to resume

@@ -74,7 +74,9 @@ class PromptAttention:
 
 def at_held_slots(per_token: torch.Tensor, obs: Observation) -> torch.Tensor:
     """Scores `[B, Hkv, n_prompt]` of a prepared prompt's tokens, for the slots `obs`'s layer holds (a
-    sliding-window layer holds only the prompt's last tokens; a layer compressed by an earlier chunk, some)."""
+    sliding-window layer holds only the prompt's last tokens; a layer compressed by an earlier chunk, some; a
+    head-wise view, its own (row, KV head)'s)."""
+    per_token = per_token[obs.rows, obs.kv_heads]
     if obs.layer.window is None and obs.keys.shape[2] == per_token.shape[-1]:  # every token held, in order
         return per_token
     return per_token.gather(-1, obs.layer.pos.long().to(per_token.device))
