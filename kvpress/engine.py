@@ -236,10 +236,10 @@ class PressInstallation:
     its last, the press scores them (its own pass over the cache) and evicts, then the last token runs over the
     compressed cache and gives the forward's output; generated tokens are kept. A later forward of several tokens
     while the press evicts (a chunk of `prefill_chunk_size`, a new turn) runs the same way on a press that
-    `scores_later_chunks` (KVzip: `prepare_chunk` scores every token fed since it scored last, over the compressed
-    cache); any other is refused: nothing would score it, so the budget would not hold (read it inside `frozen()`
-    to keep it whole). This is what `kvpress.generate(..., query_aware=True)` does for a context and its
-    question."""
+    `scores_later_chunks` (KVzip, alone or under AdaKV: `prepare_chunk` scores every token fed since it scored
+    last, over the compressed cache, whose head-wise layers its observers read padded); any other is refused:
+    nothing would score it, so the budget would not hold (read it inside `frozen()` to keep it whole). This is
+    what `kvpress.generate(..., query_aware=True)` does for a context and its question."""
 
     def __init__(
         self, model: nn.Module, press: Installable | None, observers: tuple[Observer, ...] = (), tokenizer=None

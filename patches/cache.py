@@ -576,8 +576,8 @@ def draft_view(cache: DynamicCache, skip: set[int]) -> DynamicCache:
 
 @contextmanager
 def scratch(cache: Cache) -> Iterator[Cache]:
-    """Let forwards append to `cache`, then put every layer back as it was, also when one raises. A
-    `PressedLayer` of full attention drops what was appended (no copy of what it holds); any other layer
+    """Let forwards append to `cache`, then put every layer back as it was, also when one raises. A layer of full
+    attention (`PressedLayer`, `HeadwiseLayer`) drops what was appended (no copy of what it holds); any other layer
     (a sliding window, which also drops what leaves the window: bounded) is restored from a copy taken on entry."""
     points = [layer.rewind_point() if _appends_only(layer) else _detached_copy(layer) for layer in cache.layers]
     try:
@@ -612,5 +612,6 @@ def _detached_copy(layer):
 
 
 def _appends_only(layer) -> bool:
-    """Whether forwards only append to `layer` (its first slots stay as they are, so a rewind can drop the rest)."""
-    return isinstance(layer, PressedLayer) and layer.window is None
+    """Whether forwards only append to `layer` (its first slots stay as they are, so a rewind can drop the rest): a
+    layer of full attention that can rewind (`PressedLayer`, `HeadwiseLayer`)."""
+    return hasattr(layer, "rewind_point") and getattr(layer, "window", 1) is None

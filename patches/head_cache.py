@@ -303,6 +303,19 @@ class HeadwiseLayer(DynamicLayer):
         v.shift = v.real_seen - v.n
         return v
 
+    def rewind_point(self) -> dict:
+        """What `rewind` needs to drop every slot appended from now on by forwards that evict nothing (a press's own
+        pass, inside `scratch`): each pair's held slots stay the first of its segment, so its count is enough."""
+        return {"lengths": list(self.lengths), "seen": self.seen, "real_seen": self.real_seen.clone(),
+                "pending": self.pending, "torn": self.torn}  # fmt: skip
+
+    def rewind(self, point: dict) -> None:
+        """Drop the slots appended since `rewind_point` gave `point` (the room they took is packed away)."""
+        self.lengths, self.seen, self.real_seen = list(point["lengths"]), point["seen"], point["real_seen"]
+        self.pending, self.torn = point["pending"], point["torn"]
+        self._new = self._fresh = self._appended = None
+        self.compact()
+
     def as_dense(self) -> PressedLayer:
         """The whole layer as a dense `PressedLayer` (a copy): each (row, KV head) left-padded to the longest, the
         padding marked invalid (position 0), so every pair's newest slots are the last ones, as in a dense layer:

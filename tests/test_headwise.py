@@ -1,5 +1,7 @@
 """Head-wise budgets (AdaKV, DuoAttention): per-head storage that frees memory, and attention over it."""
 
+import contextlib
+
 import pytest
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
@@ -518,3 +520,35 @@ def test_one_auto_duo_press_serves_two_architectures_at_once(monkeypatch):
     small_shared = small_run(shared, lambda: large_shared.append(greedy_scores(large, ids, shared)[0]))
     assert torch.equal(large_shared[0], large_alone)
     assert torch.equal(small_shared, small_run(DuoAttentionPress(0.5, n_sink=2, window=8)))
+
+
+def test_a_scratch_pass_over_a_headwise_layer_drops_what_it_appended_without_copying_what_is_held():
+    """`scratch` (KVzip's pass over a head-wise cache) rewinds a head-wise layer of full attention: each pair's held
+    slots as they were, the appended ones dropped and their room packed away, also when a forward raises midway."""
+    from kvpress.patches.cache import _appends_only, scratch
+
+    torch.manual_seed(0)
+    dense = PressedLayer()
+    dense.update(torch.randn(1, 2, 30, 8), torch.randn(1, 2, 30, 8))
+    layer = HeadwiseLayer.from_dense(dense, torch.rand(1, 2, 30) < torch.tensor([0.3, 0.8])[None, :, None])
+    layer.driven = True
+    layer.window = 16  # a sliding window drops what leaves it: copied on entry instead
+    assert not _appends_only(layer)
+    layer.window = None
+    assert _appends_only(layer)  # rewound, not copied
+    cache = DynamicCache()
+    cache.layers = [layer]
+    before = ([t.clone() for pair in ((0, 0), (0, 1)) for t in layer.pair(*pair)], list(layer.lengths), layer.seen)
+    for fail in (False, True):
+        with pytest.raises(RuntimeError) if fail else contextlib.nullcontext(), scratch(cache):
+            for _ in range(3):  # more than the spare room: the storage grows
+                layer.update(torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8))
+                layer.commit()
+            assert layer.seen == 30 + 48 and layer.lengths == [n + 48 for n in before[1]]
+            if fail:
+                layer.update(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))  # left pending
+                raise RuntimeError("a forward raised")
+        held = [t for pair in ((0, 0), (0, 1)) for t in layer.pair(*pair)]
+        assert all(torch.equal(a, b) for a, b in zip(held, before[0], strict=True))
+        assert (layer.lengths, layer.seen, layer.pending) == (before[1], before[2], 0)
+        assert layer.store["keys"].shape[0] <= sum(layer.lengths) + 2 * sum(max(8, n // 32) for n in layer.lengths) + 2

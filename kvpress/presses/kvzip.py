@@ -64,8 +64,9 @@ class KVzipPress(BasePress):
     (`PressInstallation`). A later forward of several tokens while it evicts (the next chunk of
     `prefill_chunk_size`, a new turn) is scored the same way, over the cache compressed so far
     (`prepare_chunk`): a pass rebuilds the tokens fed since the last scoring, the budget is taken of every token
-    seen, so a chunked prefill holds at most the budget plus one chunk (and one pass while scoring). Chunks see
-    only what came before them: a cache prefilled in chunks differs from one scored whole.
+    seen, so a chunked prefill holds at most the budget plus one chunk (and one pass while scoring); under AdaKV
+    the pass reads the head-wise layers padded (`HeadwiseLayer.as_dense`) and each (row, KV head) keeps its own.
+    Chunks see only what came before them: a cache prefilled in chunks differs from one scored whole.
     Cost: one more forward of the prompt and the context over the cached context, which holds at most one
     pass more (the prompt and `reconstruction_chunk` tokens); its full-attention layers compute their weights once,
     for their output and the scores (`PromptAttention.weights_block`). The prefill's own queries are not read
