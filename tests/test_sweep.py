@@ -451,19 +451,20 @@ def test_ranking_examples_ranks_on_the_first_examples_only(tmp_path, capsys):
 
 def test_a_chunked_sweep_prefills_live_presses_in_chunks_and_says_so(tokenized, tmp_path):
     """With prefill_chunk_size a press that evicts as tokens are cached prefills the context live, chunk by chunk
-    (its cache is that of `prefill_context` with chunks), and so does KVzip, which scores each chunk; other
-    whole-context presses and no press keep the recording and their rows say so; a resume with another chunk size
-    is refused."""
+    (its cache is that of `prefill_context` with chunks), and so does KVzip, alone or under AdaKV, which scores each
+    chunk; other whole-context presses (SimLayerKV) and no press keep the recording and their rows say so; a resume with
+    another chunk size is refused."""
     from kvpress.eval.tasks import task_examples
     from kvpress.pipeline import prefill_context
 
     model, tokenizer = tokenized
     kwargs = dict(tasks=["continuation_pydoc"], out=tmp_path, examples=1, length=96, progress=False)
-    presses = ["snapkv:window_size=8", "kvzip:window_size=4", "adakv:inner=kvzip:window_size=4"]
+    presses = ["snapkv:window_size=8", "kvzip:window_size=4", "adakv:inner=kvzip:window_size=4", "simlayerkv"]
     run_sweep(model, tokenizer, presses, [0.5], prefill_chunk_size=32, **kwargs)
     rows = {r["press"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
     assert rows["snapkv:window_size=8"]["prefill_chunk_size"] == rows["kvzip:window_size=4"]["prefill_chunk_size"] == 32
-    assert rows["adakv:inner=kvzip:window_size=4"]["prefill_chunk_size"] is None
+    assert rows["adakv:inner=kvzip:window_size=4"]["prefill_chunk_size"] == 32
+    assert rows["simlayerkv"]["prefill_chunk_size"] is None
     assert rows["none"]["prefill_chunk_size"] is None
     example = task_examples("continuation_pydoc", tokenizer, 1, 96, seed=0)[0]
     press = kvpress.press_from_name("snapkv:window_size=8", compression_ratio=0.5)
@@ -476,6 +477,10 @@ def test_a_chunked_sweep_prefills_live_presses_in_chunks_and_says_so(tokenized, 
     chunked = DynamicCache(config=model.config)
     prefill_context(model, torch.tensor([example.context_ids]), kvzip, chunked, tokenizer, prefill_chunk_size=32)
     assert rows["kvzip:window_size=4"]["kept_bytes"] == kvpress.cache_bytes(chunked)
+    adakv = kvpress.press_from_name("adakv:inner=kvzip:window_size=4", compression_ratio=0.5)
+    chunked = DynamicCache(config=model.config)
+    prefill_context(model, torch.tensor([example.context_ids]), adakv, chunked, tokenizer, prefill_chunk_size=32)
+    assert rows["adakv:inner=kvzip:window_size=4"]["kept_bytes"] == kvpress.cache_bytes(chunked)
     with pytest.raises(ValueError, match="prefill_chunk_size=32, not 16"):
         run_sweep(model, tokenizer, ["snapkv:window_size=8"], [0.5], prefill_chunk_size=16, **kwargs)
     with pytest.raises(ValueError, match="already"):
