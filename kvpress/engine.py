@@ -212,13 +212,13 @@ class Installable:
 
     def chunk_refusal(self) -> tuple[str, str]:
         """Where this press `refuses_chunks`: its name for a message (a wrapper's with the press it wraps), and
-        what to use instead."""
+        the presses to use instead."""
         inner, name = getattr(self, "press", None), type(self).__name__
         label = name if not isinstance(inner, Installable) else f"{name} over {type(inner).__name__}"
         if not isinstance(inner, Installable) or not inner.scores_later_chunks:
-            return label, f"use KVzipPress (it scores each chunk) or {AS_CACHED}"
-        return label, (f"use {type(inner).__name__} alone (it scores each chunk; {name} does not pass it later "
-                       f"chunks) or {AS_CACHED}")  # fmt: skip
+            return label, f"KVzipPress (it scores each chunk) or {AS_CACHED}"
+        return label, (f"{type(inner).__name__} alone (it scores each chunk; {name} does not pass it later chunks) "
+                       f"or {AS_CACHED}")  # fmt: skip
 
     def __call__(self, model: nn.Module, tokenizer=None) -> PressInstallation:
         """`with press(model):` installs the press for the caller; the model is restored on exit, even on error.
@@ -347,7 +347,7 @@ class PressInstallation:
                 f"{name} compresses the first prompt of a cache, scored by a pass over all of it; this forward adds "
                 f"{q} tokens to a cache already holding {seen} seen (the next chunk of a chunked prefill, or a new "
                 "turn), which it cannot score, so the budget would not hold: feed the prompt in one forward (no "
-                f"prefill_chunk_size), {instead}, or read a new turn inside `installed.frozen()` to keep it whole"
+                f"prefill_chunk_size), use {instead}, or read a new turn inside `installed.frozen()` to keep it whole"
             )
         if not fresh and (self._scored is None or self._scored() is not cache or self._unscored is None):
             raise ValueError(

@@ -154,7 +154,7 @@ def check_chunk_size(size, press: BasePress | None = None) -> int | None:
     if press is not None and press.refuses_chunks:
         name, instead = press.chunk_refusal()
         raise ValueError(f"{name} scores the whole context once it is cached, in one pass: it cannot prefill in "
-                         f"chunks (prefill_chunk_size=None, or {instead.removeprefix('use ')})")  # fmt: skip
+                         f"chunks (prefill_chunk_size=None, or {instead})")  # fmt: skip
     return size
 
 

@@ -48,7 +48,8 @@ def headwise_attention(
         return _one_query(query, layer, scale, mass), mass
     out = query.new_empty(b, hq, q, layer.value_dim or d)
     causal = None
-    fused = layer.window is None and query.device.type not in blocked.DEVICES  # a GPU's bottom-right causal call
+    # a GPU's bottom-right causal call (see above): a chunk with no window, no soft-capping and no mass to return
+    fused = layer.window is None and not softcap and mass is None and query.device.type not in blocked.DEVICES
     for row in range(b):
         for head in range(layer.heads):
             keys, values = layer.pair(row, head)
@@ -58,7 +59,7 @@ def headwise_attention(
             if q > 1 and layer.window is not None:
                 pos = layer.slot("pos", row, head).long()
                 mask = (pos[None] <= pos[-q:, None]) & (pos[None] > pos[-q:, None] - layer.window)
-            elif q > 1 and (softcap or (mass is None and not fused)):  # (the mass and that call build no mask)
+            elif q > 1 and mass is None and not fused:  # (the mass and the fused call need no causal mask)
                 if causal is None or causal.shape[-1] != n:
                     causal = _causal(q, n, query.device)
                 mask = causal
@@ -75,7 +76,7 @@ def headwise_attention(
                 if mask is not None:
                     logits = logits.masked_fill(~mask, float("-inf"))
                 res = logits.float().softmax(-1).to(values.dtype) @ values
-            elif fused:  # see above
+            elif fused:
                 res = F.scaled_dot_product_attention(group[None], keys[None, None], values[None, None],
                                                      attn_mask=causal_lower_right(q, n), scale=scale,
                                                      enable_gqa=g > 1)[0]  # fmt: skip
