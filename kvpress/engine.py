@@ -576,7 +576,7 @@ def _evict_rows(press, obs: Observation) -> None:
         budget = press.budget(torch.tensor([span]), scale)
         held = torch.full_like(budget, layer.n)
     else:
-        held, budget = layer.held(), press.budget(layer.span, scale)
+        held, budget = layer.held(), press.budget(layer.span_list(), scale)  # read from the device: padded rows
         if not bool((held > budget).any()):
             return
     keep = torch.where(held > budget, press.target(budget, obs.q_len), held)
@@ -588,7 +588,7 @@ def _evict_rows(press, obs: Observation) -> None:
         index, order = scores.topk(k, dim=-1).indices.sort(dim=-1)
         ranked = None
         if layer.padded:
-            ranked = torch.arange(k, device=index.device) < keep.to(index.device)[:, None, None]
+            ranked = torch.arange(k, device=index.device) < keep.to(index.device, non_blocking=True)[:, None, None]
             ranked = ranked.expand_as(index).gather(-1, order)
         layer.keep(index, ranked, capacity=int(budget.max()))
 
@@ -603,7 +603,8 @@ def _to_headwise(press, obs: Observation) -> HeadwiseLayer | None:
         keep = keep & layer.valid
     new = HeadwiseLayer.from_dense(layer, keep)
     new.made_by = type(press).__name__  # only this press can continue the layer
-    new.head_budget = press.head_budgets(obs)
+    budgets = press.head_budgets(obs)
+    new.head_budget = None if budgets is None else budgets.cpu()  # read once: the layer keeps it on the host
     return new
 
 

@@ -247,18 +247,28 @@ class PressedLayer(DynamicLayer):
         return self.slots[name][..., : self.n]
 
     def held(self) -> torch.Tensor:
-        """`[B]` real tokens held per row: by its fullest head (heads of a row hold the same number, except
-        after a sliding-window layer's trimming, which drops per head what left the window)."""
+        """`[B]` real tokens held per row, on the host: by its fullest head (heads of a row hold the same number,
+        except after a sliding-window layer's trimming, which drops per head what left the window). Read from the
+        device only where slots may be padding or holes."""
         v = self.valid
         if v is None:
-            return torch.full((self.keys.shape[0],), self.n, dtype=torch.long, device=self.keys.device)
-        return v.sum(-1).amax(-1)
+            return torch.full((self.keys.shape[0],), self.n, dtype=torch.long)
+        return v.sum(-1).amax(-1).cpu()
 
     @property
     def span(self) -> torch.Tensor:
         """`[B]` real tokens each row would hold with no press: every one seen, or a sliding-window layer's
         last `window - 1` (what budgets are taken from)."""
         return self.real_seen if self.window is None else self.real_seen.clamp(max=self.window - 1)
+
+    def seen_list(self) -> list[int]:
+        """`real_seen` as host integers: known without reading the device while no row has seen padding (each row
+        has then seen `seen` real tokens); read from it in a padded batch."""
+        return self.real_seen.tolist() if self.padded else [self.seen] * self.keys.shape[0]
+
+    def span_list(self) -> list[int]:
+        """`span` as host integers (see `seen_list`)."""
+        return [n if self.window is None else min(n, self.window - 1) for n in self.seen_list()]
 
     def position_order(self) -> torch.Tensor:
         """`[B, H, n]` slot indices sorted by token position, padding and holes last."""

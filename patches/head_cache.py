@@ -43,6 +43,8 @@ class HeadwiseLayer(DynamicLayer):
     key_stats: torch.Tensor | None = None
     _fresh: tuple[torch.Tensor, torch.Tensor] | None = None
     _appended: torch.Tensor | None = None
+    _ends: torch.Tensor | None = None
+    padded: bool | None = None  # a layer saved before this flag existed: not known (its span is read)
 
     def __init__(self, batch: int, heads: int, like: torch.Tensor) -> None:
         super().__init__()
@@ -55,18 +57,20 @@ class HeadwiseLayer(DynamicLayer):
         self.lengths: list[int] = [0] * (batch * heads)
         self.seen = 0
         self.real_seen = torch.zeros(batch, dtype=torch.long)
+        self.padded: bool | None = False  # some row has seen padding (its first forward's): rows differ in span
         self.pending: int = 0
         self.torn = False  # a forward that raised left this cache's layers at different points
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None
         self.driven = False
         self.made_by = ""  # the class name of the press that made this layer (only it can continue it)
-        self.head_budget: torch.Tensor | None = None  # [B, H] per-head budgets a press may record (-1: none)
+        self.head_budget: torch.Tensor | None = None  # [B, H] on the host: per-head budgets of a press (-1: none)
         self.window: int | None = None  # a sliding-window layer's window
         self.kv_bits: int | None = None  # keys and values stored as codes of this width (`quantize`)
         self.key_stats: torch.Tensor | None = None
         self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None  # the last commit's tokens, exact
         # [B, H, q] where this forward's commit put its slots: until `keep` moves slots or the forward ends (`settle`)
         self._appended: torch.Tensor | None = None
+        self._ends: torch.Tensor | None = None  # [B * H] on the device: where each pair appends next (`_where`)
 
     @property
     def is_sliding(self) -> bool:
@@ -76,6 +80,15 @@ class HeadwiseLayer(DynamicLayer):
     def span(self) -> torch.Tensor:
         """`[B]` real tokens each row would hold with no press (see `PressedLayer.span`)."""
         return self.real_seen if self.window is None else self.real_seen.clamp(max=self.window - 1)
+
+    def seen_list(self) -> list[int]:
+        """`real_seen` as host integers (see `PressedLayer.seen_list`): read from the device only for padded rows
+        (or a layer saved before `padded` was recorded)."""
+        return self.real_seen.tolist() if self.padded is not False else [self.seen] * self.batch
+
+    def span_list(self) -> list[int]:
+        """`span` as host integers (see `seen_list`)."""
+        return [n if self.window is None else min(n, self.window - 1) for n in self.seen_list()]
 
     # ----- construction -------------------------------------------------------------------------------
     @classmethod
@@ -100,6 +113,7 @@ class HeadwiseLayer(DynamicLayer):
         new.bounds = _bounds(new.lengths)
         new.seen = layer.seen
         new.real_seen = layer.real_seen.clone()
+        new.padded = layer.padded
         new.window = layer.window
         return new
 
@@ -135,7 +149,8 @@ class HeadwiseLayer(DynamicLayer):
                       if name in ("keys", "values", "pos")}  # fmt: skip
         self.bounds = [0] * (len(self.lengths) + 1)
         self.lengths = [0] * len(self.lengths)
-        self.seen, self.pending, self._new, self.torn, self._fresh = 0, 0, None, False, None
+        self.seen, self.pending, self._new, self.torn, self._fresh, self._ends = 0, 0, None, False, None, None
+        self.padded = False
         self.key_stats = None  # a quantized layer fits the next prompt's ranges on its first commit
         self.real_seen = torch.zeros(self.batch, dtype=torch.long, device=self.device)
 
@@ -214,14 +229,21 @@ class HeadwiseLayer(DynamicLayer):
         holds at least `q`: the tokens a forward appended to all of them)."""
         if self._appended is not None and self._appended.shape[-1] == q:
             return self._appended
-        ends = torch.tensor([a + n for a, n in zip(self.bounds, self.lengths, strict=False)], device=self.device)
         if min(self.lengths, default=q) < q:
             raise ValueError(f"a (row, KV head) of this layer holds fewer than the {q} slots asked for")
-        return (ends[:, None] - q + torch.arange(q, device=self.device)).view(self.batch, self.heads, q)
+        return (self._where()[:, None] - q + torch.arange(q, device=self.device)).view(self.batch, self.heads, q)
 
     def held(self) -> torch.Tensor:
-        """`[B, H]` tokens held per (row, KV head)."""
-        return torch.tensor(self.lengths, dtype=torch.long, device=self.real_seen.device).view(self.batch, self.heads)
+        """`[B, H]` tokens held per (row, KV head), on the host."""
+        return torch.tensor(self.lengths, dtype=torch.long).view(self.batch, self.heads)
+
+    def _where(self) -> torch.Tensor:
+        """`[B * H]` on the device: the slot after each pair's held ones (kept between commits, so that a decoding
+        step copies nothing from the host; anything that moves slots drops it)."""
+        if self._ends is None or self._ends.shape[0] != len(self.lengths):
+            ends = [a + n for a, n in zip(self.bounds, self.lengths, strict=False)]
+            self._ends = torch.tensor(ends, dtype=torch.long).to(self.device, non_blocking=True)
+        return self._ends
 
     def commit(self) -> None:
         """Append the pending keys/values (all real tokens) to every head."""
@@ -240,7 +262,8 @@ class HeadwiseLayer(DynamicLayer):
                           "pos": torch.zeros(0, dtype=torch.int32, device=keys.device)}  # fmt: skip
         if any(b - a - n < q for a, b, n in zip(self.bounds, self.bounds[1:], self.lengths, strict=False)):
             self._repack([n + q + max(8, n // 32) for n in self.lengths])  # decoding reserves a little room (~3%)
-        where = torch.tensor([a + n for a, n in zip(self.bounds, self.lengths, strict=False)], device=self.device)
+        where = self._where()
+        self._ends = where + q
         pos = self.real_seen.to(self.device, torch.int32)
         if q == 1:  # a decoding step: one slot a pair (the fewest ops: this runs every step in every layer)
             pos = pos.repeat_interleave(self.heads)
@@ -272,6 +295,7 @@ class HeadwiseLayer(DynamicLayer):
         for name, t in self.store.items():
             t[start : start + k] = self.slot(name, row, head).index_select(0, index)
         self.lengths[i] = k
+        self._ends = None
 
     def compact(self) -> None:
         """Pack the layer tight when evictions left more spare room than twice what decoding reserves."""
@@ -296,7 +320,7 @@ class HeadwiseLayer(DynamicLayer):
         keys, values = self.pair(row, head)
         v.keys, v.values = keys[None, None], values[None, None]
         v.device, v.is_initialized, v.driven = keys.device, True, True
-        v.n, v.seen = keys.shape[0], int(self.real_seen[row])
+        v.n, v.seen = keys.shape[0], self.seen_list()[row]
         names = [name for name in self.store if name not in ("keys", "values")]
         v.slots = {name: self.slot(name, row, head)[None, None] for name in names}
         v.real_seen = self.real_seen[row : row + 1].to(keys.device)
@@ -313,7 +337,7 @@ class HeadwiseLayer(DynamicLayer):
         """Drop the slots appended since `rewind_point` gave `point` (the room they took is packed away)."""
         self.lengths, self.seen, self.real_seen = list(point["lengths"]), point["seen"], point["real_seen"]
         self.pending, self.torn = point["pending"], point["torn"]
-        self._new = self._fresh = self._appended = None
+        self._new = self._fresh = self._appended = self._ends = None
         self.compact()
 
     def as_dense(self) -> PressedLayer:
@@ -352,24 +376,23 @@ class HeadwiseLayer(DynamicLayer):
     # ----- helpers ----------------------------------------------------------------------------------------
     def _repack(self, sizes: list[int]) -> None:
         """Give pair `i` a segment of `sizes[i]` slots (at least its held ones), its held slots first."""
-        held = torch.tensor(self.lengths, device=self.device)
-        old = torch.tensor(self.bounds[:-1], device=self.device)
+        held = torch.tensor(self.lengths)  # the indices are built on the host and sent once (nothing read back)
         bounds = _bounds(sizes)
-        new = torch.tensor(bounds[:-1], device=self.device)
-        offset = torch.arange(int(held.sum()), device=self.device) - torch.repeat_interleave(
-            torch.tensor(_bounds(self.lengths)[:-1], device=self.device), held)  # fmt: skip
-        source, target = torch.repeat_interleave(old, held) + offset, torch.repeat_interleave(new, held) + offset
+        offset = torch.arange(sum(self.lengths)) - torch.tensor(_bounds(self.lengths)[:-1]).repeat_interleave(held)
+        source = torch.tensor(self.bounds[:-1]).repeat_interleave(held) + offset
+        target = torch.tensor(bounds[:-1]).repeat_interleave(held) + offset
+        source, target = (t.to(self.device, non_blocking=True) for t in (source, target))
         self.store = {name: t.new_zeros(bounds[-1], *t.shape[1:]).index_copy_(0, target, t.index_select(0, source))
                       for name, t in self.store.items()}  # fmt: skip
-        self.bounds = bounds
+        self.bounds, self._ends = bounds, None
 
     def _select_rows(self, rows: list[int]) -> None:
         pairs = [r * self.heads + h for r in rows for h in range(self.heads)]
         index = torch.cat([torch.arange(self.bounds[i], self.bounds[i] + self.lengths[i]) for i in pairs])
-        index = index.to(self.device)
+        index = index.to(self.device, non_blocking=True)
         self.store = {name: t.index_select(0, index) for name, t in self.store.items()}
         self.lengths = [self.lengths[i] for i in pairs]
-        self.bounds = _bounds(self.lengths)
+        self.bounds, self._ends = _bounds(self.lengths), None
         self.real_seen = self.real_seen[rows]
         for name in ("head_budget", "key_stats"):
             if getattr(self, name) is not None:

@@ -357,6 +357,7 @@ class MaskInfo:
     build: Callable[..., torch.Tensor | None]
     kwargs: dict
     _standard: list = field(default_factory=list)
+    _new_valid: dict = field(default_factory=dict)
 
     @property
     def padding(self) -> torch.Tensor | None:
@@ -364,12 +365,15 @@ class MaskInfo:
         return mask if mask is not None and mask.dim() == 2 else None
 
     def new_valid(self, q_len: int) -> torch.Tensor | None:
-        """`[B, q]` True for the real tokens among the last `q_len`, or None when none is padding."""
+        """`[B, q]` True for the real tokens among the last `q_len`, or None when none is padding (read from the
+        device once per forward, not once per layer)."""
         padding = self.padding
         if padding is None:
             return None
-        new = padding[:, -q_len:].bool()
-        return None if bool(new.all()) else new
+        if q_len not in self._new_valid:
+            new = padding[:, -q_len:].bool()
+            self._new_valid[q_len] = None if bool(new.all()) else new
+        return self._new_valid[q_len]
 
     def standard(self) -> torch.Tensor | None:
         """transformers' own mask for these arguments (built once)."""

@@ -19,16 +19,8 @@ from kvpress import (
     press_from_name,
 )
 from kvpress.patches.headwise_attention import headwise_attention
-from kvpress.patterns import config_hash
 from kvpress.presses.head_budget import allocate
-from tiny import greedy_scores, prompt, tiny_model
-
-
-def _pattern(model, seed=0):
-    config = model.config.get_text_config(decoder=True)
-    generator = torch.Generator().manual_seed(seed)
-    scores = torch.rand(config.num_hidden_layers, config.num_key_value_heads, generator=generator)
-    return {"model": "tiny", "config_hash": config_hash(model), "scores": scores.tolist()}
+from tiny import greedy_scores, prompt, tiny_model, tiny_pattern
 
 
 # ----- storage and attention ------------------------------------------------------------------------------
@@ -256,9 +248,9 @@ def test_padded_batch_rows_equal_rows_alone(make):
     if make == "adakv":
         press = AdaKVPress(SnapKVPress(0.5, window_size=8))
     elif make == "duo":
-        press = DuoAttentionPress(compression_ratio=0.6, head_pattern=_pattern(model), window=8)
+        press = DuoAttentionPress(compression_ratio=0.6, head_pattern=tiny_pattern(model), window=8)
     else:
-        press = DuoAttentionPress(retrieval_fraction=0.5, head_pattern=_pattern(model), window=8,
+        press = DuoAttentionPress(retrieval_fraction=0.5, head_pattern=tiny_pattern(model), window=8,
                                   press=SnapKVPress(0.5, window_size=8))  # fmt: skip
     a, b = prompt(1, 96, seed=1), prompt(1, 70, seed=2)
     batch = torch.cat([a, torch.cat([torch.zeros(1, 26, dtype=torch.long), b], 1)])
@@ -311,7 +303,7 @@ def test_adakv_wraps_per_layer_budgets():
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_duo_streaming_heads_stay_bounded(attn):
     model = tiny_model("llama", attn, num_hidden_layers=4)
-    press = DuoAttentionPress(retrieval_fraction=0.5, head_pattern=_pattern(model), n_sink=4, window=16)
+    press = DuoAttentionPress(retrieval_fraction=0.5, head_pattern=tiny_pattern(model), n_sink=4, window=16)
     _, cache = greedy_scores(model, prompt(1, 96), press, new=50)
     streaming = retrieval = 0
     for i, layer in enumerate(cache.layers):
@@ -332,7 +324,8 @@ def test_duo_over_a_scorer(inner):
     """With press=, retrieval heads keep what that press keeps of them, at its budget, while decoding too."""
     model = tiny_model("llama", num_hidden_layers=4)
     scorer = SnapKVPress(max_tokens=32, window_size=4) if inner == "snapkv" else HeavyHitterPress(max_tokens=32)
-    press = DuoAttentionPress(retrieval_fraction=0.5, head_pattern=_pattern(model), n_sink=4, window=16, press=scorer)
+    press = DuoAttentionPress(retrieval_fraction=0.5, head_pattern=tiny_pattern(model), n_sink=4, window=16,
+                              press=scorer)
     ids = prompt(1, 96)
     _, prefilled = greedy_scores(model, ids, press, new=1)
     dense = DynamicCache(config=model.config)
@@ -360,7 +353,7 @@ def test_duo_compression_ratio_sets_the_bytes():
     model(ids, cache=full)
     for ratio in (0.5, 0.75):
         cache = DynamicCache(config=model.config)
-        with DuoAttentionPress(compression_ratio=ratio, head_pattern=_pattern(model), window=16)(model):
+        with DuoAttentionPress(compression_ratio=ratio, head_pattern=tiny_pattern(model), window=16)(model):
             model(ids, cache=cache)
         kept = cache_bytes(cache) / cache_bytes(full)
         assert abs(kept - (1 - ratio)) < 1 / 8 + 0.02, kept  # one (layer, head) pair of 8 is the granularity
@@ -372,7 +365,7 @@ def test_duo_fed_in_chunks_splits_heads_once_the_budget_allows():
     full = DynamicCache(config=model.config)
     model(ids, cache=full)
     cache = DynamicCache(config=model.config)
-    with DuoAttentionPress(compression_ratio=0.5, head_pattern=_pattern(model), window=16)(model):
+    with DuoAttentionPress(compression_ratio=0.5, head_pattern=tiny_pattern(model), window=16)(model):
         for start in range(0, 400, 32):  # the first chunk's budget (16) is below a streaming head's 20
             model(ids[:, start : start + 32], cache=cache)
     kept = cache_bytes(cache) / cache_bytes(full)
@@ -381,7 +374,7 @@ def test_duo_fed_in_chunks_splits_heads_once_the_budget_allows():
 
 def test_head_pattern_for_another_model_is_refused():
     llama, qwen = tiny_model("llama"), tiny_model("qwen2", num_hidden_layers=3)
-    press = DuoAttentionPress(compression_ratio=0.5, head_pattern=_pattern(qwen))
+    press = DuoAttentionPress(compression_ratio=0.5, head_pattern=tiny_pattern(qwen))
     with pytest.raises(ValueError, match="made for 'tiny'.*not for this LlamaForCausalLM"):
         press(llama)
     assert llama.config._attn_implementation == "sdpa"
@@ -483,7 +476,7 @@ def test_headwise_cache_refuses_another_headwise_press_and_resets():
     with ada(model):
         model(ids, cache=cache)
     assert not any(layer.is_croppable for layer in cache.layers)
-    duo = DuoAttentionPress(compression_ratio=0.5, head_pattern=_pattern(model), window=8)
+    duo = DuoAttentionPress(compression_ratio=0.5, head_pattern=tiny_pattern(model), window=8)
     with duo(model), pytest.raises(ValueError, match="made by AdaKVPress; DuoAttentionPress cannot continue it"):
         model(ids[:, :1], cache=cache)
     cache.reset()  # an emptied head-wise cache takes a new prompt: the same logits as a fresh cache
@@ -501,7 +494,7 @@ def test_one_auto_duo_press_serves_two_architectures_at_once(monkeypatch):
     import kvpress.presses.duo_attention as duo
 
     small, large = tiny_model("llama"), tiny_model("llama", num_hidden_layers=4, num_key_value_heads=4)
-    monkeypatch.setattr(duo, "find_pattern", lambda model: _pattern(model, seed=model.config.num_hidden_layers))
+    monkeypatch.setattr(duo, "find_pattern", lambda model: tiny_pattern(model, seed=model.config.num_hidden_layers))
     ids = prompt(1, 96)
 
     def small_run(press, meanwhile=None):

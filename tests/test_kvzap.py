@@ -15,7 +15,7 @@ from kvpress.presses.base import BasePress
 from kvpress.recording import compress_recording, record_prefill
 from kvpress.scorers import Scorer, find_scorer, load_scorer, packaged, save_scorer
 from kvpress.train_scorer import train_scorer
-from tiny import attention_inputs, prompt, tiny_model, tiny_scorer
+from tiny import attention_inputs, join_low_ids, prompt, tiny_model, tiny_scorer
 
 
 def test_keeps_the_top_predicted_scores_of_each_head():
@@ -287,9 +287,7 @@ def test_head_wise_layers_are_observed_whole_as_head_by_head(arch, budget):
     the head-wise attention computed; on sliding-window layers computed per head) leaves the same state and keeps
     the same tokens as observing each head's view with the mass computed again, over a chunk and while decoding."""
     model = tiny_model(arch)
-    scorer = _mass_scorer(model, seed=4)
-    scorer.word_edges = torch.zeros(model.get_input_embeddings().num_embeddings, 2, dtype=torch.uint8)
-    scorer.word_edges[:64] = 1  # ids below 64 join into words
+    scorer = join_low_ids(_mass_scorer(model, seed=4), model)  # ids below 64 join into words
 
     class HeadByHead(KVzapPress):
         observe_headwise = BasePress.observe_headwise  # not defined: observed one view at a time

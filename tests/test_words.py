@@ -9,7 +9,7 @@ import kvpress
 from kvpress import AdaKVPress, KVzapPress
 from kvpress.recording import compress_recording, record_prefill
 from kvpress.words import max_over_words, word_edges, word_starts
-from tiny import attention_inputs, prompt, tiny_model, tiny_scorer
+from tiny import attention_inputs, join_low_ids, prompt, tiny_model, tiny_scorer
 
 
 class _Pieces:
@@ -66,11 +66,7 @@ def test_each_slot_scores_as_the_best_valid_slot_of_its_word():
 
 def _word_scorer(model):
     """A tiny scorer whose word table joins every token id below 64 to an id below 64 before it."""
-    scorer = tiny_scorer(model)
-    edges = torch.zeros(model.get_input_embeddings().num_embeddings, 2, dtype=torch.uint8)
-    edges[:64] = 1
-    scorer.word_edges = edges
-    return scorer
+    return join_low_ids(tiny_scorer(model), model)
 
 
 def _expected_starts(ids: list[int]) -> list[int]:

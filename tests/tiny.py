@@ -121,6 +121,23 @@ def attention_inputs(model: torch.nn.Module, ids: torch.Tensor) -> dict:
     return seen
 
 
+def join_low_ids(scorer, model: torch.nn.Module):
+    """`scorer` with a word table that joins every token id below 64 to an id below 64 before it (whole words)."""
+    scorer.word_edges = torch.zeros(model.get_input_embeddings().num_embeddings, 2, dtype=torch.uint8)
+    scorer.word_edges[:64] = 1
+    return scorer
+
+
+def tiny_pattern(model: torch.nn.Module, seed: int = 0) -> dict:
+    """A random DuoAttention head pattern for `model`'s architecture."""
+    from kvpress.patterns import config_hash
+
+    config = model.config.get_text_config(decoder=True)
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(config.num_hidden_layers, config.num_key_value_heads, generator=generator)
+    return {"model": "tiny", "config_hash": config_hash(model), "scores": scores.tolist()}
+
+
 def tiny_gates(model: torch.nn.Module, seed: int = 0, window: int = 4):
     """Random NAtS gates trained on nothing, for `model`'s architecture."""
     from kvpress.gates import Gates

@@ -79,7 +79,7 @@ class HeadSharePress(WrapsPress, HeadwisePress):
     def select(self, obs: Observation) -> torch.Tensor | None:
         layer = obs.layer
         scale = self.layer_scale(obs.layer_idx, obs.n_layers)
-        budget = self.budget(layer.span, scale)
+        budget = self.budget(layer.span_list(), scale)
         held = layer.held()
         if not bool((held > budget).any()):
             return None
@@ -96,15 +96,13 @@ class HeadSharePress(WrapsPress, HeadwisePress):
 
     def evict_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
         scale = self.layer_scale(model_access.layer_index(module), model_access.layer_count(module))
-        if layer.batch == 1 and sum(layer.lengths) <= layer.heads * self.budget_of(int(layer.span[0]), scale):
-            return  # the common decoding step: under budget, decided on plain integers
-        budget = self.budget(layer.span, scale)
-        held = layer.held()
-        over = held.sum(-1) > budget * layer.heads
-        if not bool(over.any()):
-            return
+        budgets, h = [self.budget_of(n, scale) for n in layer.span_list()], layer.heads
+        over = [row for row, b in enumerate(budgets) if sum(layer.lengths[row * h : (row + 1) * h]) > b * h]
+        if not over:
+            return  # the common decoding step: under budget, decided on plain integers (nothing read back)
+        budget = torch.tensor(budgets)
         target = self.target(budget, query.shape[2])
-        for row in over.nonzero().flatten().tolist():
+        for row in over:
             per_head = []
             for head in range(layer.heads):
                 obs, _ = head_observation(module, query, layer, row, head)

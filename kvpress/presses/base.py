@@ -216,9 +216,11 @@ class BasePress(Installable):
         return self.layer_scales[layer_idx] * len(self.layer_scales) / sum(self.layer_scales)
 
     # ----- budgets ------------------------------------------------------------------------------------
-    def budget(self, seen: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        """Tokens each row may keep, `[B]`, given the real tokens each row has seen (`scale`: the layer's share)."""
-        return torch.tensor([self.budget_of(n, scale) for n in seen.tolist()], device=seen.device)
+    def budget(self, seen: list[int] | torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """Tokens each row may keep, `[B]` on the host, given the real tokens each row has seen (host integers, as
+        `layer.span_list()` gives them; a tensor is read) and `scale`, the layer's share."""
+        seen = seen.tolist() if isinstance(seen, torch.Tensor) else seen
+        return torch.tensor([self.budget_of(n, scale) for n in seen], dtype=torch.long)
 
     def budget_of(self, seen: int, scale: float = 1.0) -> int:
         """`budget` for one row (plain integers: the per-step check of unpadded batches uses it directly)."""
@@ -260,11 +262,15 @@ class BasePress(Installable):
         valid = layer.valid
         if per_head_scale:
             scores = scaled_to_peak(scores, valid)
-        scores = scores.masked_fill(self._protected(layer, budgets.to(scores.device)), math.inf)
+        scores = scores.masked_fill(self._protected(layer, budgets), math.inf)
         return scores if valid is None else scores.masked_fill(~valid, -math.inf)
 
     def _protected(self, layer: PressedLayer, budgets: torch.Tensor) -> torch.Tensor:
-        """`[B, H, n]` True for the sinks and the recent window of each row."""
+        """`[B, H, n]` True for the sinks and the recent window of each row (`budgets` `[B]` on the host)."""
         pos = layer.pos
-        recent_start = layer.real_seen - torch.as_tensor(self.recent_count(budgets), device=pos.device)
+        recent = self.recent_count(budgets.cpu())
+        if isinstance(recent, torch.Tensor):  # a window that depends on the budget (H2O's half)
+            same = recent.numel() == 1 or bool((recent == recent[0]).all())
+            recent = int(recent[0]) if same else recent.to(pos.device, non_blocking=True)
+        recent_start = layer.real_seen - recent
         return (pos < self.sink_count()) | (pos >= recent_start[:, None, None])

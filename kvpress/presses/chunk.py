@@ -41,18 +41,21 @@ class ChunkPress(WrapsPress, BasePress):
         super().__post_init__()
 
     def score(self, obs: Observation) -> torch.Tensor:
-        return segment_mean(self.press.score(obs), obs.layer.pos.long() // self.chunk_size, obs.layer.valid)
+        segment = obs.layer.pos.long() // self.chunk_size
+        return segment_mean(self.press.score(obs), segment, obs.layer.valid, obs.layer.seen // self.chunk_size + 1)
 
 
-def segment_mean(scores: torch.Tensor, segment: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+def segment_mean(scores: torch.Tensor, segment: torch.Tensor, valid: torch.Tensor | None = None,
+                 n_segments: int | None = None) -> torch.Tensor:  # fmt: skip
     """`[B, H, n]` each slot's score replaced by the mean over the held (`valid`) slots of its segment (`segment`
-    `[B, H, n]`, ids >= 0), plus 1e-6 of its own: whole segments first, the tokens' own order within each."""
+    `[B, H, n]`, ids >= 0), plus 1e-6 of its own: whole segments first, the tokens' own order within each.
+    `n_segments`: more than the largest id, where the caller knows it (else it is read from the device)."""
     # float64: the tokens' own order within a segment (1e-6 of their scores) must survive the segment's mean,
     # which float32 rounds away (ties then fall to slot order, and a padded batch would differ from a row alone)
     scores = scores.double()
     weight = torch.ones_like(scores) if valid is None else valid.double()
     scores = scores.masked_fill(weight == 0, 0.0)
-    n_segments = int(segment.max()) + 1
+    n_segments = int(segment.max()) + 1 if n_segments is None else n_segments
     total = scores.new_zeros(*scores.shape[:2], n_segments).scatter_add_(-1, segment, scores)
     count = scores.new_zeros(*scores.shape[:2], n_segments).scatter_add_(-1, segment, weight)
     mean = total / count.clamp_min(1.0)

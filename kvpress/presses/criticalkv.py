@@ -66,13 +66,16 @@ class CriticalKVPress(WrapsPress, BasePress):
         attention = self._attention(obs)
         first = self.protect(obs, attention, budgets)  # the wrapped press's own ranking
         ranked = self.protect(obs, self._weighted(obs, attention), budgets, per_head_scale)
-        quota = (budgets.to(first.device).double() * self.first_stage_ratio).long()  # [B]
+        quota = (budgets.to(first.device, non_blocking=True).double() * self.first_stage_ratio).long()  # [B]
         rank = first.argsort(dim=-1, descending=True).argsort(dim=-1)
         chosen = (rank < quota[:, None, None]) & ranked.isfinite()  # protected (+inf) tokens rank first anyway
         return ranked.masked_fill(chosen, torch.finfo(ranked.dtype).max)  # below the protected ones' +inf
 
     def _attention(self, obs: Observation) -> torch.Tensor:
         scores = self.press.score(obs).float()
+        if self.__dict__.get("_signs_checked"):  # the first scores tell (a read of the device, once)
+            return scores
+        self.__dict__["_signs_checked"] = True
         valid = obs.layer.valid
         counted = scores if valid is None else scores[valid[..., : scores.shape[-1]]]
         if bool((counted < 0).any()):

@@ -55,6 +55,9 @@ class CURPress(BasePress):
         return pool_by_position(scores, obs.layer, self.kernel_size)
 
 
+RIDGES = (1e-9, 1e-8, 1e-7, 1e-6)  # tried in turn for each head's Gram matrix (`leverage_scores`)
+
+
 def leverage_scores(rows: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """`[B, H, n]` the leverage of each row of `rows` `[B, H, n, d]` among the `valid` ones (others score 0):
     r_i^T (R^T R)^-1 r_i, by a Cholesky solve on the Gram matrix. Real keys have a few channels thousands of times
@@ -67,13 +70,11 @@ def leverage_scores(rows: torch.Tensor, valid: torch.Tensor | None = None) -> to
     x = x / x.norm(dim=-2, keepdim=True).clamp_min(1e-30)
     gram = x.transpose(-1, -2) @ x
     eye = torch.eye(x.shape[-1], device=x.device, dtype=x.dtype)
-    ridge = torch.full(gram.shape[:-2], 1e-9, device=x.device, dtype=x.dtype)
-    for _ in range(4):
-        factor, info = torch.linalg.cholesky_ex(gram + ridge[..., None, None] * eye)
-        if not bool(info.any()):
-            break
-        ridge = torch.where(info > 0, ridge * 10, ridge)  # only the heads still singular
-    else:
-        raise torch.linalg.LinAlgError(f"the Gram matrix of {tuple(rows.shape)} rows stayed singular with a ridge")
+    # every ridge in one call, each head taking the smallest that factors (nothing read back from the device);
+    # the largest always does for finite rows: the Gram matrix of unit columns plus 1e-6 I is positive definite
+    ridges = torch.tensor(RIDGES, dtype=x.dtype).to(x.device, non_blocking=True)
+    factors, info = torch.linalg.cholesky_ex(gram + ridges.view(-1, *[1] * gram.dim()) * eye)
+    first = (info != 0).long().cumprod(0).sum(0).clamp(max=len(RIDGES) - 1)  # [B, H] the first that factors
+    factor = factors.gather(0, first[None, ..., None, None].expand(1, *gram.shape))[0]
     solved = torch.cholesky_solve(x.transpose(-1, -2), factor)  # [B, H, d, n]
     return (x * solved.transpose(-1, -2)).sum(-1).float()

@@ -124,43 +124,52 @@ class DuoAttentionPress(HeadwisePress):
     def recent_count(self, budget):
         return self.window
 
-    def retrieval_heads(self, real_seen: torch.Tensor, total: int) -> torch.Tensor:
-        """`[B]` how many of the `total` (layer, KV head) pairs keep the whole context for rows of these lengths."""
+    def retrieval_heads(self, real_seen: list[int], total: int) -> torch.Tensor:
+        """`[B]` on the host: how many of the `total` (layer, KV head) pairs keep the whole context for rows that
+        have seen `real_seen` real tokens."""
         if self.retrieval_fraction is not None:
-            return torch.full_like(real_seen, round(self.retrieval_fraction * total))
+            return torch.full((len(real_seen),), round(self.retrieval_fraction * total))
         stream = self.n_sink + self.window
         counts = []
-        for n in real_seen.tolist():
+        for n in real_seen:
             kept = n - math.floor(n * self.compression_ratio)
             share = 1.0 if n <= stream else min(1.0, max(0.0, (kept - stream) / (n - stream)))
             counts.append(round(share * total))
-        return torch.tensor(counts, device=real_seen.device)
+        return torch.tensor(counts)
 
     def select(self, obs: Observation) -> torch.Tensor | None:
         layer = obs.layer
         stream = self.n_sink + self.window
-        if self.press is None and not bool((layer.held() > stream).any()):
+        held = layer.held()  # on the host, as every count below: a step that changes nothing reads nothing back
+        if self.press is None and not bool((held > stream).any()):
             return None
-        if self.compression_ratio is not None and any(
-            n - math.floor(n * self.compression_ratio) <= stream for n in layer.real_seen.tolist()
-        ):  # the split is decided once: wait until every row's budget holds more than a streaming head
-            return None
-        retrieval = self._retrieval(obs.module, layer.real_seen)
+        seen = layer.seen_list()
+        if self.compression_ratio is not None and any(n - math.floor(n * self.compression_ratio) <= stream
+                                                      for n in seen):  # fmt: skip
+            return None  # the split is decided once: wait until every row's budget holds more than a streaming head
+        retrieval = self._retrieval(obs.module, seen)
+        budget, target = self._targets(obs) if self.press is not None else (None, held)
+        # per row: its streaming heads keep all they hold (no more than a stream's), its retrieval heads too
+        keeps_all = ((held <= stream) | retrieval.all(-1)) & (~retrieval.any(-1) | (target >= held))
+        if layer.valid is None and bool(keeps_all.all()):
+            return None  # nothing evicted: the layer stays dense
         pos = layer.pos
         streaming = (pos < self.n_sink) | (pos >= (layer.real_seen - self.window)[:, None, None])
-        whole = torch.ones_like(streaming) if self.press is None else self._scored(obs)
-        keep = torch.where(retrieval[:, :, None], whole, streaming)
-        if layer.valid is None and bool(keep.all()):
-            return None
-        return keep
+        whole = torch.ones_like(streaming) if self.press is None else self._scored(obs, budget, target)
+        return torch.where(retrieval.to(pos.device, non_blocking=True)[:, :, None], whole, streaming)
 
-    def _scored(self, obs: Observation) -> torch.Tensor:
+    def _targets(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[B]` on the host: the press's budget for each row of `obs`, and what a head over it is cut to."""
+        budget = self.press.budget(obs.layer.span_list(), self.press.layer_scale(obs.layer_idx, obs.n_layers))
+        return budget, torch.minimum(obs.layer.held(), self.press.target(budget, obs.q_len))
+
+    def _scored(self, obs: Observation, budget=None, target=None) -> torch.Tensor:
         """`[B, H, n]` what `press` keeps of every head at its budget (each head its own top-k)."""
-        budget = self.press.budget(obs.layer.span, self.press.layer_scale(obs.layer_idx, obs.n_layers))
-        target = torch.minimum(obs.layer.held(), self.press.target(budget, obs.q_len))
+        if budget is None:
+            budget, target = self._targets(obs)
         scores = self.press.ranked_scores(obs, budget)
         rank = scores.argsort(dim=-1, descending=True).argsort(dim=-1)
-        return (rank < target.to(rank.device)[:, None, None]) & (scores > -math.inf)
+        return (rank < target.to(rank.device, non_blocking=True)[:, None, None]) & (scores > -math.inf)
 
     def observe(self, obs: Observation) -> None:
         if self.press is not None:
@@ -175,7 +184,7 @@ class DuoAttentionPress(HeadwisePress):
 
     def head_budgets(self, obs: Observation) -> torch.Tensor:
         """Streaming heads stay bounded from now on; -1: a retrieval head."""
-        retrieval = self._retrieval(obs.module, obs.layer.real_seen)
+        retrieval = self._retrieval(obs.module, obs.layer.seen_list())
         return torch.where(retrieval, -1, self.n_sink + self.window)
 
     def head_rank(self, model: nn.Module) -> torch.Tensor:
@@ -184,23 +193,23 @@ class DuoAttentionPress(HeadwisePress):
         rank, _ = self._plans[model_access.attention_modules(model)[model_access.compressible_layers(model)[0]]]
         return rank
 
-    def _retrieval(self, module: nn.Module, real_seen: torch.Tensor) -> torch.Tensor:
-        """`[B, H]` True for the retrieval heads of the layer of attention module `module`."""
+    def _retrieval(self, module: nn.Module, real_seen: list[int]) -> torch.Tensor:
+        """`[B, H]` on the host: True for the retrieval heads of the layer of attention module `module`, for rows
+        that have seen `real_seen` real tokens."""
         rank, total = self._plans[module]
-        layer = rank[model_access.layer_index(module)].to(real_seen.device)
-        return layer[None] < self.retrieval_heads(real_seen, total)[:, None]
+        return rank[model_access.layer_index(module)][None] < self.retrieval_heads(real_seen, total)[:, None]
 
     def evict_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
         if self.press is not None:  # retrieval heads over the press's budget: its top-k of each head
             scale = self.press.layer_scale(model_access.layer_index(module), model_access.layer_count(module))
+            spans = layer.span_list()
             for row, head in (layer.head_budget < 0).nonzero().tolist():
-                if layer.lengths[row * layer.heads + head] > self.press.budget_of(int(layer.span[row]), scale):
+                if layer.lengths[row * layer.heads + head] > self.press.budget_of(spans[row], scale):
                     obs, _ = head_observation(module, query, layer, row, head)
                     layer.keep(row, head, self._scored(obs)[0, 0].nonzero().flatten())
         stream = self.n_sink + self.window
         for row, head in (layer.head_budget >= 0).nonzero().tolist():
             n = layer.lengths[row * layer.heads + head]
-            if n > stream:
-                pos = layer.slot("pos", row, head)
-                keep = (pos < self.n_sink) | (torch.arange(n, device=pos.device) >= n - self.window)
-                layer.keep(row, head, keep.nonzero().flatten())
+            if n > stream:  # its sinks are its first n_sink slots (held since the split, the first positions)
+                ahead = torch.arange(self.n_sink, device=layer.device)
+                layer.keep(row, head, torch.cat([ahead, torch.arange(n - self.window, n, device=layer.device)]))

@@ -95,10 +95,10 @@ def allocate(scores: torch.Tensor, total: torch.Tensor, floor: torch.Tensor) -> 
     b, h, n = scores.shape
     available = scores > -math.inf
     rank = scores.argsort(dim=-1, descending=True).argsort(dim=-1)
-    floor = floor.to(scores.device)
+    floor = floor.to(scores.device, non_blocking=True)
     chosen = (rank < floor[:, None, None]) & available
     rest = scores.masked_fill(chosen, -math.inf).reshape(b, h * n)
-    remaining = total.to(scores.device) - chosen.reshape(b, -1).sum(-1)
+    remaining = total.to(scores.device, non_blocking=True) - chosen.reshape(b, -1).sum(-1)
     flat_rank = rest.argsort(dim=-1, descending=True).argsort(dim=-1)
     extra = (flat_rank < remaining[:, None]) & (rest > -math.inf)
     return chosen | extra.view(b, h, n)

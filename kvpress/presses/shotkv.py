@@ -69,7 +69,7 @@ class ShotKVPress(WrapsPress, BasePress):
         pos = obs.layer.pos.long()
         shots = self.shots.to(pos.device)
         segment = shots[pos.clamp(max=shots.numel() - 1)]  # slots past the prompt (none at the prefill): the last
-        return segment_mean(self.press.score(obs), segment, obs.layer.valid)
+        return segment_mean(self.press.score(obs), segment, obs.layer.valid, shots.numel() + 1)
 
 
 def shot_ids(ids: torch.Tensor, tokenizer, marker: str) -> torch.Tensor:

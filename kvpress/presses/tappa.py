@@ -49,6 +49,7 @@ class TAPPAPress(HeadSharePress):
 
     def allocate_heads(self, scores, per_head, query, query_valid=None) -> torch.Tensor:
         h = scores.shape[1]
+        per_head = per_head.to(scores.device, non_blocking=True)
         held = (scores > -math.inf).sum(-1)  # [B, H]
         if query.shape[2] >= 2:
             w = self.similarity_window

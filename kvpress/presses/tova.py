@@ -38,6 +38,5 @@ class TOVAPress(BasePress):
     def score(self, obs: Observation) -> torch.Tensor:
         scores = obs.attention_probs(obs.q_len - 1, obs.q_len)[..., 0, :].mean(dim=2)  # [B, Hkv, n]
         pos = obs.layer.pos[..., : scores.shape[-1]]
-        if bool((pos == pos[:, :1]).all()):  # every head holds the same tokens in the same slots
-            scores = scores.mean(dim=1, keepdim=True).expand_as(scores)
-        return scores
+        same = (pos == pos[:, :1]).all(dim=-1).all(dim=-1)[:, None, None]  # a row's heads hold the same tokens
+        return torch.where(same, scores.mean(dim=1, keepdim=True), scores)

@@ -1,0 +1,166 @@
+"""A decoding step reads nothing back from the device: on a GPU each such read (`.item()`, `bool(t)`, `.tolist()`,
+`nonzero`) waits for every kernel queued before it, so the host stops feeding the device once per layer. Here the
+cache and the model move to torch's meta device after the prefill, where reading any value raises, and the press
+decodes on: through steps that append and steps that evict."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from kvpress import HeadwiseLayer
+from kvpress.presses import defaults, kvzap, press_from_name, press_names, press_parameters
+from tiny import CONFIGS, join_low_ids, prompt, tiny_model, tiny_pattern, tiny_scorer
+
+# a prompt of few-shot questions (ShotKV's marker), about 250 tokens
+TEXT = " ".join(f"Question: what is {i} plus {i}? Answer: {2 * i}." for i in range(20))
+SMALL = {"window_size": 4, "window": 8, "n_sink": 2, "chunk": 16, "lag_size": 16, "span_size": 8,
+         "similarity_window": 8, "query_window": 8}  # fmt: skip
+REAL_STEPS, META_STEPS = 3, 24
+
+
+# the packaged defaults too (a packaged scorer does not fit the tiny model: the tiny one stands in, conftest.py)
+DEFAULTS = {f"default-{model}": re.sub(r":scorer=[^:]+", "", spec) for model, spec in
+            [("any", defaults.DEFAULT_PRESS), *((m, e["press"]) for m, e in defaults._table()["models"].items())]}
+
+
+def _press(name: str, model):
+    """`name` at r = 0.5 with small windows. A press with budgets per head (AdaKV, TAPPA) decides how many slots
+    each head keeps from its scores, which the host must read, so it evicts on the CPU only: its decode_slack lets
+    the meta steps run under budget."""
+    if name in DEFAULTS:
+        probe = press_from_name(DEFAULTS[name], compression_ratio=0.5)
+        evicts_per_head = probe.per_head and not probe.needs_whole_context
+        return press_from_name(DEFAULTS[name], compression_ratio=0.5, **({"decode_slack": 0.5} if evicts_per_head
+                                                                          else {}))  # fmt: skip
+    params = press_parameters(name)
+    settings = {k: v for k, v in SMALL.items() if k in params and params[k] is not None}
+    if name == "duo-attention":
+        settings["head_pattern"] = tiny_pattern(model)
+    elif press_from_name(name, compression_ratio=0.5).per_head:  # (AdaKV over KVzip evicts once, at the prefill)
+        settings["decode_slack"] = 0.5
+    return press_from_name(name, compression_ratio=0.5, **settings)
+
+
+HOST = {"head_budget"}  # what a layer keeps on the host by design
+
+
+def _to_meta(layer) -> None:
+    """Every tensor a cache layer holds on the device (in attributes, or in dicts of them) moved to the meta one."""
+    for name, value in list(vars(layer).items()):
+        if name in HOST:
+            continue
+        if isinstance(value, torch.Tensor):
+            setattr(layer, name, value.to("meta"))
+        elif isinstance(value, dict) and any(isinstance(t, torch.Tensor) for t in value.values()):
+            setattr(layer, name, {k: t.to("meta") if isinstance(t, torch.Tensor) else t for k, t in value.items()})
+        elif isinstance(value, torch.device):
+            setattr(layer, name, torch.device("meta"))
+
+
+class _NoCopyIn(TorchDispatchMode):
+    """Raises on a blocking copy from the host to the device: CUDA waits for the queued kernels first, as for a
+    read (a `non_blocking` one from pageable memory is staged and returns at once)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and not kwargs.get("non_blocking"):
+            copy = func is torch.ops.aten.copy_.default
+            source, target = (args[1], args[0].device) if copy else (args[0], kwargs.get("device"))
+            if source.device.type == "cpu" and target is not None and torch.device(target).type == "meta":
+                raise RuntimeError(f"{func} copies a host tensor {tuple(source.shape)} to the device")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _no_host_tensors():
+    """`torch.tensor` / `torch.as_tensor` of host data onto the device raise (a copy in, not dispatched)."""
+    made = {"tensor": torch.tensor, "as_tensor": torch.as_tensor}
+
+    def guard(name):
+        def make(data, *args, device=None, **kwargs):
+            on_device = device is not None and torch.device(device).type == "meta"
+            if on_device and not (isinstance(data, torch.Tensor) and data.device.type == "meta"):
+                raise RuntimeError(f"torch.{name} copies host data {data!r:.60} to the device")
+            return made[name](data, *args, device=device, **kwargs)
+
+        return make
+
+    try:
+        for name in made:
+            setattr(torch, name, guard(name))
+        with _NoCopyIn():
+            yield
+    finally:
+        for name, fn in made.items():
+            setattr(torch, name, fn)
+
+
+def _held(cache: DynamicCache) -> list[int]:
+    """Slots held per layer: a dense layer's per head, a head-wise layer's over every (row, KV head)."""
+    return [sum(layer.lengths) if isinstance(layer, HeadwiseLayer) else layer.n for layer in cache.layers]
+
+
+def _growth(cache: DynamicCache) -> list[int]:
+    """Slots a decoding step adds to each layer when it evicts nothing."""
+    return [len(layer.lengths) if isinstance(layer, HeadwiseLayer) else 1 for layer in cache.layers]
+
+
+@pytest.mark.parametrize("name", [*press_names(), *DEFAULTS])
+def test_decoding_reads_nothing_back(name, tokenized, monkeypatch):
+    _, tokenizer = tokenized
+    torch.manual_seed(0)
+    config = CONFIGS["llama"](num_hidden_layers=3, vocab_size=len(tokenizer))
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    monkeypatch.setattr(kvzap, "find_scorer", lambda model: join_low_ids(tiny_scorer(model), model))  # words too
+    press = _press(name, model)
+    ids = tokenizer(TEXT, return_tensors="pt").input_ids
+    cache = DynamicCache(config=model.config)
+    with press(model, tokenizer=tokenizer):
+        model(input_ids=ids, cache=cache)
+        for step in range(REAL_STEPS):
+            model(input_ids=ids[:, step : step + 1], cache=cache)
+        before = _held(cache)
+        model.to("meta")
+        for layer in cache.layers:
+            _to_meta(layer)
+        with _no_host_tensors():
+            for step in range(META_STEPS):  # raises where a step reads a value
+                model(input_ids=ids[:, step : step + 1].to("meta"), cache=cache)
+    grown = [b + META_STEPS * g for b, g in zip(before, _growth(cache), strict=True)]
+    assert cache.get_seq_length() == ids.shape[1] + REAL_STEPS + META_STEPS
+    if press.needs_whole_context or (press.per_head and "duo-attention" not in name):
+        assert _held(cache) == grown  # it evicted before (a pass over the prompt, or on the CPU), not on meta
+    else:
+        assert sum(_held(cache)) < sum(grown), "no step evicted on the meta device"
+
+
+class _Reads(TorchDispatchMode):
+    """Counts the reads of a tensor's value on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_padding_mask_is_read_once_a_forward():
+    """With a 2D attention mask, whether a step's token is padding is read once per forward, not once per layer."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    ids = prompt(length=40)
+    cache = DynamicCache(config=model.config)
+    # outside inference mode: a dispatch mode does not see the reads of inference tensors
+    with torch.inference_mode(False), torch.no_grad(), press_from_name("knorm", compression_ratio=0.5)(model):
+        model(input_ids=ids.clone(), attention_mask=torch.ones_like(ids), cache=cache)
+        mask = torch.ones(1, ids.shape[1] + 1, dtype=torch.long)
+        with _Reads() as reads:  # the step fills the budget (21 of 41 tokens): nothing is evicted
+            model(input_ids=ids[:, :1].clone(), attention_mask=mask, cache=cache)
+    assert reads.count == 1
