@@ -496,7 +496,8 @@ class PressedLayer(DynamicLayer):
     # ----- helpers ----------------------------------------------------------------------------------
     def _count_evicted(self) -> None:
         """`shift`: the real tokens each row no longer holds (by its fullest head)."""
-        self.shift = self.real_seen - self.held().to(self.real_seen.device)
+        v = self.valid  # counted on the device (`held()` is the host's copy)
+        self.shift = self.real_seen - (self.n if v is None else v.sum(-1).amax(-1).to(self.real_seen.device))
 
     def _append_slot(self, name: str, new: torch.Tensor) -> None:
         t = self.slots.get(name)
