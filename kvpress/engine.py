@@ -556,29 +556,29 @@ def evict(press, obs: Observation, rerank: Callable[[PressedLayer], None] | None
         if press.kv_bits is not None:
             (replacement or obs.layer).quantize(press.kv_bits)
         return replacement
-    _evict_rows(press, obs)
+    evicted = _evict_rows(press, obs)
     press.after_eviction(obs)
-    if rerank is not None:
+    if rerank is not None and (evicted or not obs.layer.rotated):  # a step that evicted nothing moved no rank
         rerank(obs.layer)
     if press.kv_bits is not None:
         obs.layer.quantize(press.kv_bits)
     return None
 
 
-def _evict_rows(press, obs: Observation) -> None:
-    """Every head of a row keeps the row's budget: the best-ranked slots stay, the rest is freed."""
+def _evict_rows(press, obs: Observation) -> bool:
+    """Every head of a row keeps the row's budget: the best-ranked slots stay, the rest is freed. Whether any was."""
     layer = obs.layer
     scale = press.layer_scale(obs.layer_idx, obs.n_layers)
     if not layer.padded:  # every row holds n of the same tokens: decide on one row, cheaply
         span = layer.seen if layer.window is None else min(layer.seen, layer.window - 1)
         if layer.n <= press.budget_of(span, scale):
-            return
-        budget = press.budget(torch.tensor([span]), scale)
+            return False
+        budget = press.budget([span], scale)
         held = torch.full_like(budget, layer.n)
     else:
         held, budget = layer.held(), press.budget(layer.span_list(), scale)  # read from the device: padded rows
         if not bool((held > budget).any()):
-            return
+            return False
     keep = torch.where(held > budget, press.target(budget, obs.q_len), held)
     scores = press.ranked_scores(obs, budget)
     k = int(keep.max())
@@ -591,6 +591,7 @@ def _evict_rows(press, obs: Observation) -> None:
             ranked = torch.arange(k, device=index.device) < keep.to(index.device, non_blocking=True)[:, None, None]
             ranked = ranked.expand_as(index).gather(-1, order)
         layer.keep(index, ranked, capacity=int(budget.max()))
+    return True
 
 
 def _to_headwise(press, obs: Observation) -> HeadwiseLayer | None:

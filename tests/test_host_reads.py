@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from kvpress import HeadwiseLayer
+from kvpress import DuoAttentionPress, HeadwiseLayer
 from kvpress.presses import defaults, kvzap, press_from_name, press_names, press_parameters
 from tiny import CONFIGS, join_low_ids, prompt, tiny_model, tiny_pattern, tiny_scorer
 
@@ -24,25 +24,32 @@ SMALL = {"window_size": 4, "window": 8, "n_sink": 2, "chunk": 16, "lag_size": 16
 REAL_STEPS, META_STEPS = 3, 24
 
 
-# the packaged defaults too (a packaged scorer does not fit the tiny model: the tiny one stands in, conftest.py)
-DEFAULTS = {f"default-{model}": re.sub(r":scorer=[^:]+", "", spec) for model, spec in
-            [("any", defaults.DEFAULT_PRESS), *((m, e["press"]) for m, e in defaults._table()["models"].items())]}
+# the packaged defaults too (a packaged scorer does not fit the tiny model: the tiny one stands in, conftest.py),
+# and StreamingLLM's re-rotated keys
+SPECS = {f"default-{model}": re.sub(r":scorer=[^:]+", "", spec) for model, spec in
+         [("any", defaults.DEFAULT_PRESS), *((m, e["press"]) for m, e in defaults._table()["models"].items())]}
+SPECS["rerotated"] = "sink-window:n_sink=2:rerotate=true"
+
+
+def _reads_to_evict(press) -> bool:
+    """Whether a decoding step that evicts reads the device: budgets per head (AdaKV, TAPPA) decide how many slots
+    each head keeps from its scores, and re-rotated keys (`rerotate=True`) are rotated by how far each moved."""
+    return (press.per_head and not press.needs_whole_context and not isinstance(press, DuoAttentionPress)) \
+        or press.rerotate  # fmt: skip
 
 
 def _press(name: str, model):
-    """`name` at r = 0.5 with small windows. A press with budgets per head (AdaKV, TAPPA) decides how many slots
-    each head keeps from its scores, which the host must read, so it evicts on the CPU only: its decode_slack lets
-    the meta steps run under budget."""
-    if name in DEFAULTS:
-        probe = press_from_name(DEFAULTS[name], compression_ratio=0.5)
-        evicts_per_head = probe.per_head and not probe.needs_whole_context
-        return press_from_name(DEFAULTS[name], compression_ratio=0.5, **({"decode_slack": 0.5} if evicts_per_head
-                                                                          else {}))  # fmt: skip
+    """`name` at r = 0.5 with small windows; a press that reads to evict evicts on the CPU only: its decode_slack
+    lets the meta steps run under budget."""
+    if name in SPECS:
+        probe = press_from_name(SPECS[name], compression_ratio=0.5)
+        return press_from_name(SPECS[name], compression_ratio=0.5,
+                               **({"decode_slack": 0.5} if _reads_to_evict(probe) else {}))  # fmt: skip
     params = press_parameters(name)
     settings = {k: v for k, v in SMALL.items() if k in params and params[k] is not None}
     if name == "duo-attention":
         settings["head_pattern"] = tiny_pattern(model)
-    elif press_from_name(name, compression_ratio=0.5).per_head:  # (AdaKV over KVzip evicts once, at the prefill)
+    elif _reads_to_evict(press_from_name(name, compression_ratio=0.5)):
         settings["decode_slack"] = 0.5
     return press_from_name(name, compression_ratio=0.5, **settings)
 
@@ -111,7 +118,7 @@ def _growth(cache: DynamicCache) -> list[int]:
     return [len(layer.lengths) if isinstance(layer, HeadwiseLayer) else 1 for layer in cache.layers]
 
 
-@pytest.mark.parametrize("name", [*press_names(), *DEFAULTS])
+@pytest.mark.parametrize("name", [*press_names(), *SPECS])
 def test_decoding_reads_nothing_back(name, tokenized, monkeypatch):
     _, tokenizer = tokenized
     torch.manual_seed(0)
@@ -136,7 +143,7 @@ def test_decoding_reads_nothing_back(name, tokenized, monkeypatch):
                 model(input_ids=ids[:, step : step + 1].to("meta"), cache=cache)
     grown = [b + META_STEPS * g for b, g in zip(before, _growth(cache), strict=True)]
     assert cache.get_seq_length() == ids.shape[1] + REAL_STEPS + META_STEPS
-    if press.needs_whole_context or (press.per_head and "duo-attention" not in name):
+    if press.needs_whole_context or _reads_to_evict(press):
         assert _held(cache) == grown  # it evicted before (a pass over the prompt, or on the CPU), not on meta
     else:
         assert sum(_held(cache)) < sum(grown), "no step evicted on the meta device"
