@@ -20,16 +20,14 @@ def rerotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) ->
     With partial rotary embeddings only the first `2 * len(inv_freq)` features rotate.
     """
     rot_dim = 2 * inv_freq.shape[-1]
-    inv_freq = inv_freq.to(device=keys.device, dtype=torch.float64)
-    if delta.numel() <= FEW:  # a decoding step's queries: angles of each (no `unique`, which reads the device)
-        angles = delta.to(torch.float64)[..., None] * inv_freq
-        angles = torch.cat((angles, angles), dim=-1)
-        cos, sin = angles.cos().to(keys.dtype), angles.sin().to(keys.dtype)
-    else:  # few distinct shifts in practice: the angles once per distinct shift, in float64
-        shifts, which = torch.unique(delta, return_inverse=True)
-        angles = shifts.to(torch.float64)[:, None] * inv_freq
-        angles = torch.cat((angles, angles), dim=-1)
-        cos, sin = angles.cos().to(keys.dtype)[which], angles.sin().to(keys.dtype)[which]
+    # the angles in float64: of each shift where there are few (a decoding step's queries: no `unique`, which reads
+    # the device), else once per distinct shift (few distinct ones in practice)
+    shifts, which = (delta, None) if delta.numel() <= FEW else torch.unique(delta, return_inverse=True)
+    angles = shifts.to(torch.float64)[..., None] * inv_freq.to(device=keys.device, dtype=torch.float64)
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(keys.dtype), angles.sin().to(keys.dtype)
+    if which is not None:
+        cos, sin = cos[which], sin[which]
     k_rot, k_pass = keys[..., :rot_dim], keys[..., rot_dim:]
     k_rot = k_rot * cos + rotate_half(k_rot) * sin
     return torch.cat((k_rot, k_pass), dim=-1) if k_pass.shape[-1] else k_rot
