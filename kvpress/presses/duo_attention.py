@@ -206,7 +206,10 @@ class DuoAttentionPress(HeadwisePress):
             for row, head in (layer.head_budget < 0).nonzero().tolist():
                 if layer.lengths[row * layer.heads + head] > self.press.budget_of(spans[row], scale):
                     obs, _ = head_observation(module, query, layer, row, head)
-                    layer.keep(row, head, self._scored(obs)[0, 0].nonzero().flatten())
+                    budget, target = self._targets(obs)  # a head holds no padding: it keeps exactly `target`
+                    kept = self._scored(obs, budget, target)[0, 0]
+                    order = (~kept).to(torch.uint8).argsort(stable=True)  # the kept slots first, in order
+                    layer.keep(row, head, order[: int(target[0])])
         stream = self.n_sink + self.window
         for row, head in (layer.head_budget >= 0).nonzero().tolist():
             n = layer.lengths[row * layer.heads + head]
