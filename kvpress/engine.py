@@ -570,7 +570,7 @@ def _evict_rows(press, obs: Observation) -> bool:
     layer = obs.layer
     scale = press.layer_scale(obs.layer_idx, obs.n_layers)
     if not layer.padded:  # every row holds n of the same tokens: decide on one row, cheaply
-        span = layer.seen if layer.window is None else min(layer.seen, layer.window - 1)
+        span = layer.span_list()[0]  # (no read of the device: no row has seen padding)
         if layer.n <= press.budget_of(span, scale):
             return False
         budget = press.budget([span], scale)

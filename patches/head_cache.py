@@ -360,6 +360,7 @@ class HeadwiseLayer(DynamicLayer):
         dense.keys, dense.values, dense.n, dense.seen = keys, values, n, self.seen
         dense.device, dense.is_initialized, dense.driven = keys.device, True, True
         dense.slots = {"pos": pos, "valid": valid}
+        dense.padded = True  # its rows hold padding: no row holds `n` real tokens of each head
         dense.real_seen = self.real_seen.to(keys.device)
         dense.shift = dense.real_seen - n
         return dense
