@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from kvpress.patches import intercept as intercept_module
 from kvpress.patches import kv_quantization as quant
 from kvpress.patches import model_access, rope
 from kvpress.patches.cache import PressedLayer
@@ -450,9 +451,7 @@ class PressInstallation:
                 f"this cache holds head-wise compressed layers made by {', '.join(sorted(makers))}; "
                 f"{name} cannot continue it (use the press that made it)"
             )
-        q = new_tokens(args, kwargs).shape[1]
-        mask = kwargs.get("attention_mask")
-        if mask is not None and mask.dim() == 2 and not bool(mask[:, -q:].all()):
+        if intercept_module.new_padding(kwargs.get("attention_mask"), new_tokens(args, kwargs).shape[1]) is not None:
             raise ValueError(
                 "a head-wise compressed cache takes padding only in its first forward (left padding of the prompt); "
                 "this forward has padding tokens among its new tokens"
@@ -576,7 +575,7 @@ def _evict_rows(press, obs: Observation) -> bool:
         budget = press.budget([span], scale)
         held = torch.full_like(budget, layer.n)
     else:
-        held, budget = layer.held(), press.budget(layer.span_list(), scale)  # read from the device: padded rows
+        held, budget = layer.held(), press.budget(layer.span_list(), scale)  # host copies of padded rows' counts
         if not bool((held > budget).any()):
             return False
     keep = torch.where(held > budget, press.target(budget, obs.q_len), held)
@@ -586,11 +585,12 @@ def _evict_rows(press, obs: Observation) -> bool:
         layer.remove_one(scores.argmin(dim=-1))  # one slot per head, overwritten in place
     else:
         index, order = scores.topk(k, dim=-1).indices.sort(dim=-1)
-        ranked = None
-        if layer.padded:
+        ranked = held_after = None
+        if layer.padded:  # each row's fullest head keeps its `keep` best, all real (padding and holes rank last)
             ranked = torch.arange(k, device=index.device) < keep.to(index.device, non_blocking=True)[:, None, None]
             ranked = ranked.expand_as(index).gather(-1, order)
-        layer.keep(index, ranked, capacity=int(budget.max()))
+            held_after = keep.tolist()
+        layer.keep(index, ranked, capacity=int(budget.max()), held=held_after)
     return True
 
 

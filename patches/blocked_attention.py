@@ -97,9 +97,11 @@ def attention_with_mass(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             logits.view(b, hkv, g, w, width)[..., width - w :].masked_fill_(corner, float("-inf"))
         else:
             hidden = ~rows_mask(rows=(s, e))
-            hidden_cols = hidden.flatten(0, -2).any(dim=0).nonzero()  # the columns with something hidden
-            if len(hidden_cols):  # masked from the first of them on
-                c = int(hidden_cols[0])
+            c = 0  # a decoding step's one row is masked whole (finding where to start would read the device)
+            if w > 1:  # a block of a chunk: masked from the first column with something hidden on
+                hidden_cols = hidden.flatten(0, -2).any(dim=0).nonzero()
+                c = int(hidden_cols[0]) if len(hidden_cols) else None
+            if c is not None:
                 logits.view(b, hkv, g, w, width)[..., c:].masked_fill_(hidden[:, :, None, :, c:], float("-inf"))
         weights = torch.softmax(logits, dim=-1, dtype=torch.float32, out=weights_buffer[:used].view(shape))
         mass[..., :width] += weights.sum(dim=-2)

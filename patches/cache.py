@@ -52,6 +52,8 @@ class PressedLayer(DynamicLayer):
     key_stats: torch.Tensor | None = None
     key_channels: torch.Tensor | None = None  # and one saved before thinner keys existed, with every channel
     offloaded = None  # slots a press keeps outside the working cache (RecallPress's store): not in its bytes
+    _seen_rows: list[int] | None = None  # (and one saved before the host's copies of the per-row counts existed)
+    _held_rows: list[int] | None = None
 
     @property
     def is_croppable(self) -> bool:
@@ -75,6 +77,10 @@ class PressedLayer(DynamicLayer):
         self.kv_bits: int | None = None  # set by `quantize`: keys and values are stored as codes of this width
         self.key_stats: torch.Tensor | None = None  # each key channel's centre and half-range (`kv_quantization`)
         self.key_channels: torch.Tensor | None = None  # `[B, H, d']` the key channels kept (`prune_key_channels`)
+        # the host's copies of `real_seen` and of `held()` in a padded batch: read once, then kept up to date by
+        # what changes them (a commit, an eviction that knows what each row keeps); None: read again when asked
+        self._seen_rows: list[int] | None = None
+        self._held_rows: list[int] | None = None
 
     @property
     def is_sliding(self) -> bool:
@@ -169,6 +175,7 @@ class PressedLayer(DynamicLayer):
         super().crop(tokens_to_remove)
         self.seen = self.n = self.keys.shape[-2]
         self._truncate_slots(self.n)
+        self._forget_rows()
 
     def reset(self) -> None:
         super().reset()
@@ -178,6 +185,7 @@ class PressedLayer(DynamicLayer):
         self.kv_bits, self.key_stats = None, None  # dense again until a press quantizes the next prompt
         self.key_channels = None  # every channel again until a press thins the next prompt's keys
         self.offloaded = None  # the next prompt's spans are its own
+        self._forget_rows()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -248,12 +256,14 @@ class PressedLayer(DynamicLayer):
 
     def held(self) -> torch.Tensor:
         """`[B]` real tokens held per row, on the host: by its fullest head (heads of a row hold the same number,
-        except after a sliding-window layer's trimming, which drops per head what left the window). Read from the
-        device only where slots may be padding or holes."""
+        except after a sliding-window layer's trimming, which drops per head what left the window). Where slots may
+        be padding or holes, read from the device once and then kept up to date on the host (`_held_rows`)."""
         v = self.valid
         if v is None:
             return torch.full((self.keys.shape[0],), self.n, dtype=torch.long)
-        return v.sum(-1).amax(-1).cpu()
+        if self._held_rows is None:
+            self._held_rows = v.sum(-1).amax(-1).tolist()
+        return torch.tensor(self._held_rows, dtype=torch.long)
 
     @property
     def span(self) -> torch.Tensor:
@@ -263,8 +273,12 @@ class PressedLayer(DynamicLayer):
 
     def seen_list(self) -> list[int]:
         """`real_seen` as host integers: known without reading the device while no row has seen padding (each row
-        has then seen `seen` real tokens); read from it in a padded batch."""
-        return self.real_seen.tolist() if self.padded else [self.seen] * self.keys.shape[0]
+        has then seen `seen` real tokens); in a padded batch read once, then kept up to date (`_seen_rows`)."""
+        if not self.padded:
+            return [self.seen] * self.keys.shape[0]
+        if self._seen_rows is None:
+            self._seen_rows = self.real_seen.tolist()
+        return list(self._seen_rows)
 
     def span_list(self) -> list[int]:
         """`span` as host integers (see `seen_list`)."""
@@ -290,6 +304,11 @@ class PressedLayer(DynamicLayer):
         if self.real_seen is None:
             self.real_seen = torch.zeros(b, dtype=torch.long, device=device)
             self.shift = torch.zeros(b, dtype=torch.long, device=device)
+        if new_valid is None:  # q real tokens a row, appended to every head
+            self._seen_rows = None if self._seen_rows is None else [n + q for n in self._seen_rows]
+            self._held_rows = None if self._held_rows is None else [n + q for n in self._held_rows]
+        else:  # how many are real is on the device
+            self._forget_rows()
         if new_valid is None and not self.padded:  # every row has seen `seen` real tokens
             pos = torch.arange(self.seen - q, self.seen, device=device).expand(b, q)
             self.real_seen += q
@@ -323,14 +342,17 @@ class PressedLayer(DynamicLayer):
         history = history.to(device=self.keys.device, dtype=torch.bool)
         counts = history.long().cumsum(-1)
         self.padded = True
+        self._forget_rows()
         self.slots["pos"] = (counts - 1).clamp_min(0).to(torch.int32)[:, None].expand(b, h, -1).contiguous()
         self.slots["valid"] = history[:, None].expand(b, h, -1).contiguous()
         self.real_seen = counts[:, -1]
 
-    def keep(self, index: torch.Tensor, keep_valid: torch.Tensor | None = None, capacity: int | None = None) -> None:
+    def keep(self, index: torch.Tensor, keep_valid: torch.Tensor | None = None, capacity: int | None = None,
+             held: list[int] | None = None) -> None:  # fmt: skip
         """Keep the slots `index` `[B, H, k]` (per head, in the order they are to be held: sorted, so that the
         newest stay last) in new tensors of `capacity` slots (>= k); `keep_valid` marks the real ones (a slot
-        held as not valid stays so)."""
+        held as not valid stays so). `held`: the real slots each row then holds by its fullest head, where the
+        caller knows them (`held()` then reads nothing)."""
         k = index.shape[-1]
         capacity = max(k, capacity or k)
 
@@ -350,7 +372,8 @@ class PressedLayer(DynamicLayer):
         self.n = k
         if keep_valid is not None:
             self.slots["valid"][..., :k] &= keep_valid
-        if "valid" in self.slots and bool(self.valid.all()):
+        self._held_rows = None if held is None else list(held)
+        if "valid" in self.slots and self._all_valid(k, held):
             del self.slots["valid"]
         self._count_evicted()
 
@@ -390,6 +413,7 @@ class PressedLayer(DynamicLayer):
         added = extra["keys"].shape[2]
         self.n += added
         self.shift = self.shift - added
+        self._forget_rows()
 
     def replace(self, index: torch.Tensor, held: dict[str, torch.Tensor], where: torch.Tensor) -> None:
         """Exchange held slots for slots copied earlier (tokens seen before, as `copy_slots` gives them): slot
@@ -407,6 +431,7 @@ class PressedLayer(DynamicLayer):
             mask = where if t.dim() == 3 else where[..., None]
             view = t[:, :, : self.n]
             view.scatter_(2, idx, torch.where(mask, held[name].to(t.device, t.dtype), view.gather(2, idx)))
+        self._forget_rows()
 
     def _chosen(self, chosen: torch.Tensor) -> torch.Tensor:
         if not isinstance(chosen, torch.Tensor) or chosen.dtype != torch.bool or tuple(chosen.shape) != (self.n,):
@@ -424,6 +449,7 @@ class PressedLayer(DynamicLayer):
         for t in self.slots.values():
             t.scatter_(2, index[..., None], t[:, :, last : last + 1].clone())
         self.n = last
+        self._forget_rows()
         self._count_evicted()
 
     def trim_window(self) -> None:
@@ -494,6 +520,17 @@ class PressedLayer(DynamicLayer):
         self.slots["rot"] = rot.to(torch.int32)
 
     # ----- helpers ----------------------------------------------------------------------------------
+    def _forget_rows(self) -> None:
+        """The host's copies of the per-row counts are no longer known (read again when asked)."""
+        self._seen_rows = self._held_rows = None
+
+    def _all_valid(self, k: int, held: list[int] | None) -> bool:
+        """Whether each of the `k` slots now held is a real token in every head: known on the host from `held` (the
+        real slots of each row's fullest head) where every head of a row holds as many (no window trimmed them)."""
+        if held is not None and self.window is None:
+            return min(held) == k
+        return bool(self.valid.all())
+
     def _count_evicted(self) -> None:
         """`shift`: the real tokens each row no longer holds (by its fullest head)."""
         v = self.valid  # counted on the device (`held()` is the host's copy)
@@ -534,6 +571,7 @@ class PressedLayer(DynamicLayer):
         self._map_all(fn)
         if self.real_seen is not None:
             self.real_seen, self.shift = fn(self.real_seen), fn(self.shift)
+        self._forget_rows()
 
     def _map_all(self, fn) -> None:
         self.keys, self.values = fn(self.keys), fn(self.values)

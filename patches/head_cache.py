@@ -45,6 +45,7 @@ class HeadwiseLayer(DynamicLayer):
     _appended: torch.Tensor | None = None
     _ends: torch.Tensor | None = None
     padded: bool | None = None  # a layer saved before this flag existed: not known (its span is read)
+    _seen_rows: list[int] | None = None
 
     def __init__(self, batch: int, heads: int, like: torch.Tensor) -> None:
         super().__init__()
@@ -58,6 +59,7 @@ class HeadwiseLayer(DynamicLayer):
         self.seen = 0
         self.real_seen = torch.zeros(batch, dtype=torch.long)
         self.padded: bool | None = False  # some row has seen padding (its first forward's): rows differ in span
+        self._seen_rows: list[int] | None = None  # `real_seen` on the host where rows differ (read once, then kept)
         self.pending: int = 0
         self.torn = False  # a forward that raised left this cache's layers at different points
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -82,9 +84,13 @@ class HeadwiseLayer(DynamicLayer):
         return self.real_seen if self.window is None else self.real_seen.clamp(max=self.window - 1)
 
     def seen_list(self) -> list[int]:
-        """`real_seen` as host integers (see `PressedLayer.seen_list`): read from the device only for padded rows
-        (or a layer saved before `padded` was recorded)."""
-        return self.real_seen.tolist() if self.padded is not False else [self.seen] * self.batch
+        """`real_seen` as host integers (see `PressedLayer.seen_list`): for padded rows (or a layer saved before
+        `padded` was recorded) read from the device once, then kept up to date by each commit."""
+        if self.padded is False:
+            return [self.seen] * self.batch
+        if self._seen_rows is None:
+            self._seen_rows = self.real_seen.tolist()
+        return list(self._seen_rows)
 
     def span_list(self) -> list[int]:
         """`span` as host integers (see `seen_list`)."""
@@ -114,6 +120,7 @@ class HeadwiseLayer(DynamicLayer):
         new.seen = layer.seen
         new.real_seen = layer.real_seen.clone()
         new.padded = layer.padded
+        new._seen_rows = None if layer._seen_rows is None else list(layer._seen_rows)
         new.window = layer.window
         return new
 
@@ -150,7 +157,7 @@ class HeadwiseLayer(DynamicLayer):
         self.bounds = [0] * (len(self.lengths) + 1)
         self.lengths = [0] * len(self.lengths)
         self.seen, self.pending, self._new, self.torn, self._fresh, self._ends = 0, 0, None, False, None, None
-        self.padded = False
+        self.padded, self._seen_rows = False, None
         self.key_stats = None  # a quantized layer fits the next prompt's ranges on its first commit
         self.real_seen = torch.zeros(self.batch, dtype=torch.long, device=self.device)
 
@@ -272,6 +279,7 @@ class HeadwiseLayer(DynamicLayer):
             pos = pos[:, None, None] + torch.arange(q, dtype=torch.int32, device=self.device)
             pos = pos.expand(-1, self.heads, -1)
         self.real_seen = self.real_seen + q
+        self._seen_rows = None if self._seen_rows is None else [n + q for n in self._seen_rows]
         for name, t in self.store.items():
             if name in ("keys", "values"):
                 t.index_copy_(0, where, (keys if name == "keys" else values).reshape(where.shape[0], -1))
@@ -307,7 +315,7 @@ class HeadwiseLayer(DynamicLayer):
         """A sliding-window layer drops, per head, the slots older than the last `window - 1` real tokens."""
         if self.window is None or self.seen < self.window:  # every token seen is in the window
             return
-        low = (self.real_seen - (self.window - 1)).tolist()
+        low = [n - (self.window - 1) for n in self.seen_list()]
         for i, n in enumerate(self.lengths):
             pos = self.slot("pos", i // self.heads, i % self.heads)
             if n and int(pos[0]) < low[i // self.heads]:  # slots are in position order
@@ -331,11 +339,13 @@ class HeadwiseLayer(DynamicLayer):
         """What `rewind` needs to drop every slot appended from now on by forwards that evict nothing (a press's own
         pass, inside `scratch`): each pair's held slots stay the first of its segment, so its count is enough."""
         return {"lengths": list(self.lengths), "seen": self.seen, "real_seen": self.real_seen.clone(),
+                "seen_rows": None if self._seen_rows is None else list(self._seen_rows),
                 "pending": self.pending, "torn": self.torn}  # fmt: skip
 
     def rewind(self, point: dict) -> None:
         """Drop the slots appended since `rewind_point` gave `point` (the room they took is packed away)."""
         self.lengths, self.seen, self.real_seen = list(point["lengths"]), point["seen"], point["real_seen"]
+        self._seen_rows = point.get("seen_rows")
         self.pending, self.torn = point["pending"], point["torn"]
         self._new = self._fresh = self._appended = self._ends = None
         self.compact()
@@ -395,6 +405,7 @@ class HeadwiseLayer(DynamicLayer):
         self.lengths = [self.lengths[i] for i in pairs]
         self.bounds, self._ends = _bounds(self.lengths), None
         self.real_seen = self.real_seen[rows]
+        self._seen_rows = None if self._seen_rows is None else [self._seen_rows[r] for r in rows]
         for name in ("head_budget", "key_stats"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[rows])

@@ -367,12 +367,8 @@ class MaskInfo:
     def new_valid(self, q_len: int) -> torch.Tensor | None:
         """`[B, q]` True for the real tokens among the last `q_len`, or None when none is padding (read from the
         device once per forward, not once per layer)."""
-        padding = self.padding
-        if padding is None:
-            return None
         if q_len not in self._new_valid:
-            new = padding[:, -q_len:].bool()
-            self._new_valid[q_len] = None if bool(new.all()) else new
+            self._new_valid[q_len] = new_padding(self.kwargs.get("attention_mask"), q_len)
         return self._new_valid[q_len]
 
     def standard(self) -> torch.Tensor | None:
@@ -461,6 +457,15 @@ def unregister(name: str) -> None:
 
 def original_mask_function(implementation: str) -> Callable:
     return AttentionMaskInterface._global_mapping[implementation]
+
+
+def new_padding(mask: torch.Tensor | None, q: int) -> torch.Tensor | None:
+    """`[B, q]` True for the real tokens among a forward's `q` new ones by its 2D attention `mask`, or None when
+    every one is real (or the mask is not 2D): the one read of the device a forward makes for its padding."""
+    if mask is None or mask.dim() != 2:
+        return None
+    new = mask[:, -q:].bool()
+    return None if bool(new.all()) else new
 
 
 def new_tokens(args: tuple, kwargs: dict) -> torch.Tensor:

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from kvpress import DuoAttentionPress, HeadwiseLayer
+from kvpress.patches import intercept
 from kvpress.presses import defaults, kvzap, press_from_name, press_names, press_parameters
 from tiny import CONFIGS, join_low_ids, prompt, tiny_model, tiny_pattern, tiny_scorer
 
@@ -118,35 +119,63 @@ def _growth(cache: DynamicCache) -> list[int]:
     return [len(layer.lengths) if isinstance(layer, HeadwiseLayer) else 1 for layer in cache.layers]
 
 
-@pytest.mark.parametrize("name", [*press_names(), *SPECS])
-def test_decoding_reads_nothing_back(name, tokenized, monkeypatch):
-    _, tokenizer = tokenized
+def _decode_on_meta(name: str, tokenizer, monkeypatch, padded: bool) -> None:
+    """Prefill and 3 steps on the CPU, then 24 steps on the meta device (see the module docstring); `padded`: a
+    batch of two rows, the second left-padded, with its 2D attention mask."""
     torch.manual_seed(0)
     config = CONFIGS["llama"](num_hidden_layers=3, vocab_size=len(tokenizer))
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
     monkeypatch.setattr(kvzap, "find_scorer", lambda model: join_low_ids(tiny_scorer(model), model))  # words too
     press = _press(name, model)
     ids = tokenizer(TEXT, return_tensors="pt").input_ids
+    mask = None
+    if padded:
+        ids = torch.cat([ids, ids])
+        mask = torch.ones_like(ids)
+        mask[1, :7] = 0
+
+    def step_mask(step: int, device: str = "cpu"):  # the mask of decoding step `step`: every new token real
+        return None if mask is None else torch.cat([mask, torch.ones(2, step + 1, dtype=torch.long)], 1).to(device)
+
     cache = DynamicCache(config=model.config)
     # outside inference mode: a dispatch mode does not see the copies and reads of inference tensors
     with torch.inference_mode(False), torch.no_grad(), press(model, tokenizer=tokenizer):
-        model(input_ids=ids, cache=cache)
+        try:
+            model(input_ids=ids, attention_mask=mask, cache=cache)
+        except ValueError as error:  # a press that scores a prompt whole, or one at a time, refuses padded rows
+            if not padded:
+                raise
+            pytest.skip(f"{name} takes no padded batch: {error}")
         for step in range(REAL_STEPS):
-            model(input_ids=ids[:, step : step + 1], cache=cache)
+            model(input_ids=ids[:, step : step + 1], attention_mask=step_mask(step), cache=cache)
+        if padded:  # the one read a forward, of its mask (whether a new token is padding), stood in: none is
+            monkeypatch.setattr(intercept, "new_padding", lambda mask, q: None)
         before = _held(cache)
         model.to("meta")
         for layer in cache.layers:
             _to_meta(layer)
         for step in range(META_STEPS):  # raises where a step reads a value
+            new, step_mask_meta = ids[:, step : step + 1].to("meta"), step_mask(REAL_STEPS + step, "meta")
             # the first step may copy in once what a press keeps of the model (KVzap's scorer on the new device)
             with _no_host_tensors() if step else contextlib.nullcontext():
-                model(input_ids=ids[:, step : step + 1].to("meta"), cache=cache)
+                model(input_ids=new, attention_mask=step_mask_meta, cache=cache)
     grown = [b + META_STEPS * g for b, g in zip(before, _growth(cache), strict=True)]
     assert cache.get_seq_length() == ids.shape[1] + REAL_STEPS + META_STEPS
     if press.needs_whole_context or _reads_to_evict(press):
         assert _held(cache) == grown  # it evicted before (a pass over the prompt, or on the CPU), not on meta
     else:
         assert sum(_held(cache)) < sum(grown), "no step evicted on the meta device"
+
+
+@pytest.mark.parametrize("name", [*press_names(), *SPECS])
+def test_decoding_reads_nothing_back(name, tokenized, monkeypatch):
+    _decode_on_meta(name, tokenized[1], monkeypatch, padded=False)
+
+
+@pytest.mark.parametrize("name", [*press_names(), *SPECS])
+def test_a_padded_batch_decodes_without_reads(name, tokenized, monkeypatch):
+    """A left-padded batch too: each row's counts are read once and then kept on the host (`seen_list`, `held`)."""
+    _decode_on_meta(name, tokenized[1], monkeypatch, padded=True)
 
 
 class _Reads(TorchDispatchMode):
@@ -173,3 +202,49 @@ def test_a_padding_mask_is_read_once_a_forward():
         with _Reads() as reads:  # the step fills the budget (21 of 41 tokens): nothing is evicted
             model(input_ids=ids[:, :1].clone(), attention_mask=mask, cache=cache)
     assert reads.count == 1
+
+
+def _check_host_counts(cache: DynamicCache) -> int:
+    """Assert each padded layer's host counts (`seen_list`, `held`) equal the device's; how many layers had them."""
+    checked = 0
+    for layer in cache.layers:
+        if isinstance(layer, HeadwiseLayer):
+            if layer.padded and layer._seen_rows is not None:
+                assert layer._seen_rows == layer.real_seen.tolist()
+                checked += 1
+        elif getattr(layer, "padded", False):
+            if layer._seen_rows is not None:
+                assert layer._seen_rows == layer.real_seen.tolist()
+                checked += 1
+            if layer._held_rows is not None:
+                valid = layer.valid
+                device_held = [layer.n] * layer.keys.shape[0] if valid is None else valid.sum(-1).amax(-1).tolist()
+                assert layer._held_rows == device_held
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-window", "gemma3"])
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "sink-window", "pyramidkv", "adakv", "duo-attention", "think"])
+def test_a_padded_batch_keeps_its_counts_on_the_host_right(family, name):
+    """The host's copies of a padded batch's per-row counts follow the device's through a chunked prefill, steps
+    that evict and a sliding window's trimming (rows of different lengths, so every path of `_evict_rows` runs)."""
+    model = tiny_model(family)
+    settings = {"window_size": 2} if name in ("snapkv", "adakv", "think", "pyramidkv") else {}
+    if name == "duo-attention":
+        settings = {"head_pattern": tiny_pattern(model), "window": 8, "n_sink": 2}
+    press = press_from_name(name, compression_ratio=0.5, **settings)
+    ids = prompt(batch=3, length=40)
+    mask = torch.ones_like(ids)
+    mask[1, :9], mask[2, :3] = 0, 0
+    cache = DynamicCache(config=model.config)
+    checked = 0
+    with press(model):
+        for start in range(0, 40, 16):  # the prompt in chunks, as prefill_chunk_size does
+            model(input_ids=ids[:, start : start + 16], attention_mask=mask[:, : start + 16], cache=cache)
+            checked += _check_host_counts(cache)
+        for step in range(12):
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+            model(input_ids=ids[:, step : step + 1], attention_mask=mask, cache=cache)
+            checked += _check_host_counts(cache)
+    assert checked > 0, "no layer kept its counts on the host"
