@@ -36,9 +36,9 @@ class DuoAttentionPress(HeadwisePress):
     Parameters:
         compression_ratio: fraction of the context's cache removed; the number of retrieval heads is
             chosen per row so that the kept bytes match it (given the context length), once: at the first
-            forward where every row's budget holds more than a streaming head's `n_sink + window`
-            (before that nothing is evicted). A context fed in chunks keeps that split, so later
-            chunks are kept at the first split's share (below 1 - r). Or:
+            forward where the row's budget holds more than a streaming head's `n_sink + window` (before that
+            the row keeps everything; each row of a padded batch splits when it would alone). A context fed
+            in chunks keeps that split, so later chunks are kept at the first split's share (below 1 - r). Or:
         retrieval_fraction: a fixed fraction of the (layer, KV head) pairs kept whole. Exactly one of the two.
         head_pattern: "auto" (default: the packaged pattern made for the model's architecture), a packaged
             pattern's model name ("smollm2-135m", "qwen2.5-0.5b"), a JSON path, or a dict; a pattern made
@@ -115,6 +115,8 @@ class DuoAttentionPress(HeadwisePress):
         for module in model_access.attention_modules(model).values():  # one press may serve several models
             self._plans[module] = plan
 
+    UNDECIDED = -2  # the head budget of every head of a row whose split waits for a longer context (keeps all)
+
     needs_hidden = inner_flag("needs_hidden")  # its retrieval heads' press's
     observes_frozen = inner_flag("observes_frozen")
 
@@ -144,19 +146,28 @@ class DuoAttentionPress(HeadwisePress):
         if self.press is None and not bool((held > stream).any()):
             return None
         seen = layer.seen_list()
-        if self.compression_ratio is not None and any(n - math.floor(n * self.compression_ratio) <= stream
-                                                      for n in seen):  # fmt: skip
-            return None  # the split is decided once: wait until every row's budget holds more than a streaming head
+        ready = torch.tensor(self._ready(seen))
+        if not bool(ready.any()):
+            return None  # the split is decided once per row: wait until a row's budget holds more than a stream
         retrieval = self._retrieval(obs.module, seen)
         budget, target = self._targets(obs) if self.press is not None else (None, held)
         # per row: its streaming heads keep all they hold (no more than a stream's), its retrieval heads too
-        keeps_all = ((held <= stream) | retrieval.all(-1)) & (~retrieval.any(-1) | (target >= held))
+        keeps_all = (((held <= stream) | retrieval.all(-1)) & (~retrieval.any(-1) | (target >= held))) | ~ready
         if layer.valid is None and bool(keeps_all.all()):
             return None  # nothing evicted: the layer stays dense
         pos = layer.pos
         streaming = (pos < self.n_sink) | (pos >= (layer.real_seen - self.window)[:, None, None])
         whole = torch.ones_like(streaming) if self.press is None else self._scored(obs, budget, target)
+        # a row not ready yet keeps every head whole (its split comes later, in `evict_heads`)
+        retrieval = retrieval | ~ready[:, None]
         return torch.where(retrieval.to(pos.device, non_blocking=True)[:, :, None], whole, streaming)
+
+    def _ready(self, seen: list[int]) -> list[bool]:
+        """Per row that has seen `seen` real tokens: whether its heads split now (with `compression_ratio`, once
+        its budget holds more than a streaming head's `n_sink + window`; with `retrieval_fraction`, always)."""
+        if self.compression_ratio is None:
+            return [True] * len(seen)
+        return [n - math.floor(n * self.compression_ratio) > self.n_sink + self.window for n in seen]
 
     def _targets(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
         """`[B]` on the host: the press's budget for each row of `obs`, and what a head over it is cut to."""
@@ -183,9 +194,13 @@ class DuoAttentionPress(HeadwisePress):
             observe_every_head(self.press, module, query, layer, hidden, ids, mass, retrieval)
 
     def head_budgets(self, obs: Observation) -> torch.Tensor:
-        """Streaming heads stay bounded from now on; -1: a retrieval head."""
-        retrieval = self._retrieval(obs.module, obs.layer.seen_list())
-        return torch.where(retrieval, -1, self.n_sink + self.window)
+        """Streaming heads stay bounded from now on; -1: a retrieval head; `UNDECIDED`: a row not split yet."""
+        return self._budgets(obs.module, obs.layer.seen_list())
+
+    def _budgets(self, module: nn.Module, seen: list[int]) -> torch.Tensor:
+        """`[B, H]` on the host: the head budgets (see `head_budgets`) of rows that have seen `seen` real tokens."""
+        budgets = torch.where(self._retrieval(module, seen), -1, self.n_sink + self.window)
+        return torch.where(torch.tensor(self._ready(seen))[:, None], budgets, self.UNDECIDED)
 
     def head_rank(self, model: nn.Module) -> torch.Tensor:
         """`[layers, KV heads]` each head's rank for `model` (0: the first to be a retrieval head), once the
@@ -200,10 +215,16 @@ class DuoAttentionPress(HeadwisePress):
         return rank[model_access.layer_index(module)][None] < self.retrieval_heads(real_seen, total)[:, None]
 
     def evict_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
+        undecided = [row for row in range(layer.batch) if int(layer.head_budget[row, 0]) == self.UNDECIDED]
+        if undecided:  # (on the host) a row that waited for a longer context splits its heads when it is ready
+            seen = layer.seen_list()
+            for row in undecided:
+                if self._ready([seen[row]])[0]:
+                    layer.head_budget[row] = self._budgets(module, [seen[row]])[0]
         if self.press is not None:  # retrieval heads over the press's budget: its top-k of each head
             scale = self.press.layer_scale(model_access.layer_index(module), model_access.layer_count(module))
             spans = layer.span_list()
-            for row, head in (layer.head_budget < 0).nonzero().tolist():
+            for row, head in (layer.head_budget == -1).nonzero().tolist():
                 if layer.lengths[row * layer.heads + head] > self.press.budget_of(spans[row], scale):
                     obs, _ = head_observation(module, query, layer, row, head)
                     budget, target = self._targets(obs)  # a head holds no padding: it keeps exactly `target`
