@@ -1,6 +1,7 @@
 """Lookahead: the observation window plus a greedy draft of the answer, drafted from the full cache."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -69,3 +70,26 @@ def test_generate_query_aware_keeps_the_needle():
     assert "71432" in answer
     with pytest.raises(ValueError, match="LookaheadPress scores by the question: it needs query_aware=True"):
         kvpress.generate(model, tokenizer, context, question, press=LookaheadPress(0.75), chat_template=False)
+
+
+@pytest.mark.parametrize("name", ["lookahead", "specattn"])
+@pytest.mark.parametrize("ends", [False, True])
+def test_a_padded_batch_drafts_each_row_as_it_would_alone(name, ends):
+    """Each row of a left-padded batch drafts from the position after its own real tokens, and until its own
+    end-of-sequence (`ends`: the short row drafts it at its second step, the long row drafts on): each row gets
+    what it gets alone. Before, the draft took its positions from the padded length and stopped only when every
+    row had ended."""
+    model = tiny_model("llama")
+    rows = [prompt(1, 40, seed=1)[0], prompt(1, 25, seed=2)[0]]
+    ids = torch.zeros(2, 40, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, 40 - len(row) :], mask[i, 40 - len(row) :] = row, 1
+    greedy = model.generate(rows[1][None], max_new_tokens=2, do_sample=False, pad_token_id=0)[0, -1]
+    ender = SimpleNamespace(eos_token_id=int(greedy) if ends else model.config.eos_token_id)  # (what the draft reads)
+    press = kvpress.press_from_name(name, compression_ratio=0.5, window_size=4)
+    settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    with press(model, tokenizer=ender):
+        together = model.generate(ids, attention_mask=mask, **settings)[:, 40:]
+        alone = [model.generate(row[None], **settings)[0, len(row) :] for row in rows]
+    assert torch.equal(together[0], alone[0]) and torch.equal(together[1], alone[1])

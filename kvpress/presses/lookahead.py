@@ -43,7 +43,7 @@ class LookaheadPress(SnapKVPress):
         compression_ratio / max_tokens: the budget (see `BasePress`).
         lookahead: answer tokens drafted greedily from the full cache (default 8); their queries, the
             prompt's last token's and the window's are averaged alike. The draft stops early at
-            end-of-sequence.
+            end-of-sequence (each row of a batch at its own).
         window_size: last prompt tokens in the observation window, always kept (default 16: the question).
         kernel_size: average pooling over neighbouring tokens (default 5), as in SnapKV.
         n_sink: leading tokens always kept (default 0).
@@ -86,26 +86,31 @@ class LookaheadPress(SnapKVPress):
         total, count = self.draft[obs.layer_idx]
         w = min(self.window_size, obs.q_len)
         window = obs.attention_probs(obs.q_len - w, obs.q_len)  # [B, Hkv, g, w, n]
-        mean = (window.sum(dim=(2, 3)) + at_held_slots(total, obs)) / (window.shape[2] * w + count)
+        mean = (window.sum(dim=(2, 3)) + at_held_slots(total, obs)) / (window.shape[2] * w + count[obs.rows])
         return pool_by_position(mean, obs.layer, self.kernel_size)
 
 
 @torch.no_grad()
 def draft_attention(model: nn.Module, recording, steps: int, tokenizer=None,
-                    skip: frozenset[int] = frozenset()) -> dict[int, tuple[torch.Tensor, int]]:  # fmt: skip
+                    skip: frozenset[int] = frozenset()) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
     """Feed `recording.next_ids`, then up to `steps` greedy tokens, over the recorded cache (which drops them
-    after: no copy); per compressible layer, the attention those queries paid the recorded tokens, summed
-    (`PromptAttention.sums`). `skip`: decoder layers the draft does not run (a layer-skipped draft of the model
-    itself, `model_access.skipped_layers`): they have no entry."""
-    observer = PromptAttention(n_prompt=recording.tokens)
-    eos = tokenizer.eos_token_id if tokenizer is not None else model.config.eos_token_id
-    eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+    after: no copy); per compressible layer, the attention those queries paid the recorded tokens, summed, and
+    per row how many (query, head) pairs paid it (`PromptAttention.sums`, counts `[B, 1, 1]`). Each row of a
+    padded batch drafts as it would alone: from the position after its real tokens, and until its own
+    end-of-sequence (a row that ended adds nothing more). `skip`: decoder layers the draft does not run (a
+    layer-skipped draft of the model itself, `model_access.skipped_layers`): they have no entry."""
     fed = recording.next_ids
+    observer = PromptAttention(n_prompt=recording.tokens, live=torch.ones(fed.shape[0], dtype=torch.bool))
+    eos = tokenizer.eos_token_id if tokenizer is not None else model.config.eos_token_id
+    eos = torch.tensor(sorted(set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}), dtype=torch.long)
+    held = next(layer for layer in recording.cache.layers if getattr(layer, "real_seen", None) is not None)
+    first = held.real_seen[:, None].to(fed.device, copy=True)  # each row's next position (a copy: commits add)
     cache = draft_view(recording.cache, set(skip)) if skip else recording.cache
     with observe(model, observer), scratch(cache) as work, model_access.skipped_layers(model, skip):
         for step in range(steps + 1):
-            logits = model(fed, cache=work, use_cache=True, logits_to_keep=1).logits[:, -1]
-            fed = logits.argmax(dim=-1, keepdim=True)
-            if step == steps or all(int(t) in eos for t in fed.flatten()):
+            logits = model(fed, cache=work, use_cache=True, logits_to_keep=1, position_ids=first + step).logits
+            fed = logits[:, -1].argmax(dim=-1, keepdim=True)
+            observer.live = observer.live & ~torch.isin(fed.flatten().cpu(), eos)  # (read: a draft is a prefill's)
+            if step == steps or not bool(observer.live.any()):
                 break
     return observer.sums

@@ -22,13 +22,15 @@ class PromptAttention:
     `by_position`: per position of the prompt's first `n_prompt` tokens instead, 0 where a layer no longer holds
     the token (a cache a press compressed before: KVzip scoring a later chunk). `from_output`: read them from the
     weights the attention computed its output with, where it can (`weights_block`); False: compute them again here,
-    as for the layers where it cannot (what `make bench` compares against)."""
+    as for the layers where it cannot (what `make bench` compares against). `live`: `[B]` bool, the rows whose
+    queries count now (a draft's rows that have not ended); with it the counts are per row (`[B, 1, 1]`)."""
 
     n_prompt: int
     by_position: bool = False
     from_output: bool = True
     peaks: dict[int, torch.Tensor] = field(default_factory=dict)
-    sums: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    sums: dict[int, tuple[torch.Tensor, int | torch.Tensor]] = field(default_factory=dict)
+    live: torch.Tensor | None = None
 
     def weights_block(self, layer, query_heads: int) -> int | None:
         """Queries a block whose weights fit in `BLOCK_FLOATS`: the attention computes the weights with its output
@@ -55,6 +57,9 @@ class PromptAttention:
 
     def _add(self, obs: Observation, peak: torch.Tensor, total: torch.Tensor, count: int) -> None:
         """Fold one forward's peak, sum and (query, head) count per prompt token into the layer's."""
+        if self.live is not None:  # a row that is not live adds nothing
+            live = self.live.to(total.device)[:, None, None]
+            peak, total, count = peak * live, total * live, count * live.long()
         if obs.layer_idx in self.peaks:
             peak = torch.maximum(self.peaks[obs.layer_idx], peak)
             total, count = total + self.sums[obs.layer_idx][0], count + self.sums[obs.layer_idx][1]
