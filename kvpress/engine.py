@@ -567,29 +567,30 @@ def evict(press, obs: Observation, rerank: Callable[[PressedLayer], None] | None
 def _evict_rows(press, obs: Observation) -> bool:
     """Every head of a row keeps the row's budget: the best-ranked slots stay, the rest is freed. Whether any was."""
     layer = obs.layer
-    scale = press.layer_scale(obs.layer_idx, obs.n_layers)
-    if not layer.padded:  # every row holds n of the same tokens: decide on one row, cheaply
-        span = layer.span_list()[0]  # (no read of the device: no row has seen padding)
-        if layer.n <= press.budget_of(span, scale):
+    budgets = press.row_budgets(obs.layer_idx, obs.n_layers, layer.span_list())  # (host integers: nothing read)
+    if not layer.padded:  # every row holds n of the same tokens
+        if layer.n <= min(budgets):
             return False
-        budget = press.budget([span], scale)
-        held = torch.full_like(budget, layer.n)
+        held = torch.full((len(budgets),), layer.n, dtype=torch.long)
     else:
-        held, budget = layer.held(), press.budget(layer.span_list(), scale)  # host copies of padded rows' counts
-        if not bool((held > budget).any()):
+        held = layer.held()  # the host's copy of padded rows' counts
+        if all(n <= b for n, b in zip(held.tolist(), budgets, strict=True)):
             return False
+    budget = torch.tensor(budgets, dtype=torch.long)
     keep = torch.where(held > budget, press.target(budget, obs.q_len), held)
     scores = press.ranked_scores(obs, budget)
     k = int(keep.max())
-    if layer.valid is None and not layer.padded and k == layer.n - 1:
+    uneven = bool((keep != k).any())  # rows keep different numbers (padded rows, or a plan per row)
+    if layer.valid is None and not layer.padded and not uneven and k == layer.n - 1:
         layer.remove_one(scores.argmin(dim=-1))  # one slot per head, overwritten in place
     else:
         index, order = scores.topk(k, dim=-1).indices.sort(dim=-1)
         ranked = held_after = None
-        if layer.padded:  # each row's fullest head keeps its `keep` best, all real (padding and holes rank last)
+        if layer.padded or uneven:  # each row's fullest head keeps its `keep` best (padding and holes rank last)
             ranked = torch.arange(k, device=index.device) < keep.to(index.device, non_blocking=True)[:, None, None]
             ranked = ranked.expand_as(index).gather(-1, order)
-            held_after = keep.tolist()
+            # all real where the row's fullest head held as many real ones (`held`, or n where nothing is a hole)
+            held_after = keep.tolist() if layer.padded or layer.valid is None else None
         layer.keep(index, ranked, capacity=int(budget.max()), held=held_after)
     return True
 

@@ -33,7 +33,7 @@ def test_the_laziest_layers_keep_sinks_and_window_until_the_budget_holds(ratio):
     order = sorted(laziness, key=lambda i: -laziness[i])
     budget = 4 * (80 - int(80 * ratio))
     k = next(k for k in range(5) if (4 - k) * 80 + k * 8 <= budget)  # the fewest lazy layers that fit
-    assert sorted(i for i, lazy in press.lazy.items() if lazy) == sorted(order[:k])
+    assert sorted(i for i, lazy in press.lazy.items() if lazy[0]) == sorted(order[:k])
     for idx, layer in enumerate(cache.layers):
         expected = [0, 1, *range(74, 80)] if idx in order[:k] else list(range(80))
         for head in range(layer.keys.shape[1]):
@@ -47,9 +47,35 @@ def test_inside_generate_without_a_tokenizer_lazy_layers_grow_from_their_window(
     press = SimLayerKVPress(compression_ratio=0.5, n_sink=2, window_size=6)
     with press(model):
         model.generate(prompt(1, 60), cache=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    lazy = [idx for idx, is_lazy in press.lazy.items() if is_lazy]
+    lazy = [idx for idx, is_lazy in press.lazy.items() if is_lazy[0]]
     assert lazy and all(cache.layers[idx].n == 8 + 1 + 4 for idx in lazy)  # + the last prompt token, 4 generated
     assert all(cache.layers[idx].n == 64 for idx in range(4) if idx not in lazy)
+
+
+def test_each_row_of_a_batch_has_the_plan_it_has_alone():
+    """Lazy layers are chosen per row (by that row's attention and budget): a left-padded batch and an unpadded one
+    give each row the tokens it gets alone (one plan for the whole batch, from every row's attention averaged and
+    the longest row's span, gave the rows other layers)."""
+    model = tiny_model("llama", num_hidden_layers=6)
+    press = SimLayerKVPress(compression_ratio=0.3, n_sink=2, window_size=6)
+    settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    rows = [prompt(1, 96, seed=1)[0], prompt(1, 40, seed=2)[0], prompt(1, 60, seed=3)[0]]
+    with press(model):
+        alone = [model.generate(row[None], **settings)[0, len(row) :] for row in rows]
+        plans = []
+        for row in rows:
+            model.generate(row[None], **{**settings, "max_new_tokens": 1})
+            plans.append(sorted(idx for idx, lazy in press.lazy.items() if lazy[0]))
+        ids = torch.zeros(3, 96, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, 96 - len(row) :], mask[i, 96 - len(row) :] = row, 1
+        padded = model.generate(ids, attention_mask=mask, **settings)[:, 96:]
+        assert [sorted(idx for idx, lazy in press.lazy.items() if lazy[i]) for i in range(3)] == plans
+        even = model.generate(torch.stack([rows[0], prompt(1, 96, seed=4)[0]]), **settings)[:, 96:]
+    assert len({tuple(plan) for plan in plans}) > 1, "every row chose the same layers: the test shows nothing"
+    assert all(torch.equal(padded[i], alone[i]) for i in range(3))
+    assert torch.equal(even[0], alone[0])
 
 
 def test_bad_parameters_are_refused_by_name():

@@ -222,6 +222,15 @@ class BasePress(Installable):
         seen = seen.tolist() if isinstance(seen, torch.Tensor) else seen
         return torch.tensor([self.budget_of(n, scale) for n in seen], dtype=torch.long)
 
+    def row_budgets(self, layer_idx: int, n_layers: int, spans: list[int]) -> list[int]:
+        """Tokens each row may keep in layer `layer_idx` of `n_layers`, for rows that would hold `spans` tokens
+        with no press (host integers): `budget_of` at the layer's share (`layer_scale`). A press whose plan differs
+        between rows (SimLayerKV's lazy layers, chosen per prompt) gives its own."""
+        scale = self.layer_scale(layer_idx, n_layers)
+        if len(set(spans)) == 1:  # (an unpadded batch: one budget for every row, the per-step check's case)
+            return [self.budget_of(spans[0], scale)] * len(spans)
+        return [self.budget_of(n, scale) for n in spans]
+
     def budget_of(self, seen: int, scale: float = 1.0) -> int:
         """`budget` for one row (plain integers: the per-step check of unpadded batches uses it directly)."""
         if self.max_tokens is not None:

@@ -7,9 +7,10 @@ marks a layer lazy when that attention mass passes a per-model threshold (0.65-0
 outcome; with 4-bit KIVI, 5x compression at a 1.2% drop on LongBench (LLaMA2-7B, LLaMA3-8B, Mistral-7B).
 
 Here the budget decides instead: once the prompt is cached, every layer's laziness (the last `n_last` queries'
-attention on the `n_sink` first and `window_size` most recent tokens, averaged over heads, queries and rows) ranks
+attention on the `n_sink` first and `window_size` most recent tokens, averaged over heads and queries) ranks
 the layers, and the laziest become lazy, one after the other, until the cache fits the budget (the total of the
-layers' budgets); a lazy layer keeps its sinks and window, the others everything. If the budget is below every
+layers' budgets); a lazy layer keeps its sinks and window, the others everything. Each row of a batch has its own
+plan, as it would alone (a layer lazy in one row may keep everything in another). If the budget is below every
 layer's sinks and window, every layer keeps those (over budget, with the warning every press gives). As in the
 paper, nothing is evicted while decoding: lazy layers grow from their window, and the kept fraction falls.
 """
@@ -45,7 +46,7 @@ class SimLayerKVPress(BasePress):
     n_sink: int = 4
     window_size: int = 64
     n_last: int = 1
-    lazy: dict[int, bool] | None = field(default=None, init=False, repr=False, compare=False)
+    lazy: dict[int, list[bool]] | None = field(default=None, init=False, repr=False, compare=False)  # per row
 
     def __post_init__(self) -> None:
         if isinstance(self.n_last, bool) or not isinstance(self.n_last, int) or self.n_last < 1:
@@ -55,43 +56,46 @@ class SimLayerKVPress(BasePress):
         super().__post_init__()
 
     def prepare(self, model: nn.Module, recording, tokenizer=None) -> None:
-        """Rank the recorded layers by laziness and make the laziest lazy until the budget holds."""
+        """Per row, rank the recorded layers by laziness and make the laziest lazy until the row's budget holds."""
         laziness, spans = {}, {}
         for idx, (module, query) in recording.queries.items():
             layer = recording.cache.layers[idx]
             obs = Observation(module, query, *layer.held_kv(), layer)
             laziness[idx] = self._laziness(obs)
-            spans[idx] = int(layer.span.max())
-        budget = sum(self.budget_of(n) for n in spans.values())
-        floor = {idx: min(n, self.n_sink + self.window_size) for idx, n in spans.items()}
-        kept = sum(spans.values())
-        self.lazy = dict.fromkeys(spans, False)
-        for idx in sorted(spans, key=lambda i: -laziness[i]):
-            if kept <= budget:
-                break
-            self.lazy[idx] = True
-            kept -= spans[idx] - floor[idx]
-        if kept > budget:
-            warnings.warn(f"SimLayerKVPress keeps {kept} tokens over all layers where its budget allows {budget}: "
-                          f"every layer is lazy and keeps its {self.n_sink} sinks and window of {self.window_size}",
-                          stacklevel=2)  # fmt: skip
+            spans[idx] = layer.span_list()
+        rows = len(next(iter(spans.values()), []))
+        self.lazy = {idx: [False] * rows for idx in spans}
+        for row in range(rows):
+            span = {idx: n[row] for idx, n in spans.items()}
+            budget = sum(self.budget_of(n) for n in span.values())
+            kept = sum(span.values())
+            for idx in sorted(span, key=lambda i: -laziness[i][row]):
+                if kept <= budget:
+                    break
+                self.lazy[idx][row] = True
+                kept -= span[idx] - min(span[idx], self.n_sink + self.window_size)
+            if kept > budget:
+                warnings.warn(f"SimLayerKVPress keeps {kept} tokens over all layers where its budget allows "
+                              f"{budget}: every layer is lazy and keeps its {self.n_sink} sinks and window of "
+                              f"{self.window_size}", stacklevel=2)  # fmt: skip
 
-    def _laziness(self, obs: Observation) -> float:
-        """The last `n_last` queries' attention mass on the sinks and the recent window, averaged."""
+    def _laziness(self, obs: Observation) -> list[float]:
+        """Per row, the last `n_last` queries' attention mass on the sinks and the recent window, averaged."""
         w = min(self.n_last, obs.q_len)
         probs = obs.attention_probs(obs.q_len - w, obs.q_len)  # [B, Hkv, g, w, m]
         pos = obs.layer.pos[..., : probs.shape[-1]].long()
         start = (obs.layer.real_seen - self.window_size)[:, None, None].to(pos.device)
         local = ((pos < self.n_sink) | (pos >= start))[:, :, None, None, :]
-        return float((probs * local).sum(-1).mean())
+        return (probs * local).sum(-1).mean(dim=(1, 2, 3)).tolist()
 
     def score(self, obs: Observation) -> torch.Tensor:
         return torch.zeros(obs.keys.shape[:3], device=obs.keys.device)  # a lazy layer keeps its protected tokens
 
-    def layer_scale(self, layer_idx: int, n_layers: int) -> float:
-        if self.lazy is None:  # not planned yet (the install's check): every layer alike
-            return 1.0
-        return 0.0 if self.lazy.get(layer_idx, False) else math.inf
+    def row_budgets(self, layer_idx: int, n_layers: int, spans: list[int]) -> list[int]:
+        lazy = (self.lazy or {}).get(layer_idx)
+        if lazy is None:  # not planned (a layer the recording did not see): as any press
+            return super().row_budgets(layer_idx, n_layers, spans)
+        return [self.budget_of(n, 0.0 if is_lazy else math.inf) for n, is_lazy in zip(spans, lazy, strict=True)]
 
     def budget_of(self, seen: int, scale: float = 1.0) -> int:
         if scale == math.inf:  # a layer that is not lazy keeps everything
