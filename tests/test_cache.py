@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from kvpress import KnormPress, PressedLayer, SinkWindowPress, SnapKVPress
-from tiny import prompt, tiny_model
+from tiny import left_padded, prompt, tiny_model
 
 
 @pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
@@ -107,10 +107,7 @@ def test_adopted_padded_conversation_matches_rows_alone():
     """A padded first turn made without a press: the press learns its padding from the 2D mask."""
     model = tiny_model("llama")
     rows = [prompt(1, 30, seed=1)[0], prompt(1, 22, seed=2)[0]]
-    ids = torch.zeros(2, 30, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, 30 - len(r) :], mask[i, 30 - len(r) :] = r, 1
+    ids, mask = left_padded(rows)
     press = SinkWindowPress(n_sink=2, window=12)
     cache = DynamicCache(config=model.config)
     model(ids[:, :20], attention_mask=mask[:, :20], cache=cache)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvpress import SinkWindowPress, SnapKVPress
-from tiny import live_presses, prompt, tiny_model
+from tiny import left_padded, live_presses, prompt, tiny_model
 
 # every press of the registry that evicts inside a forward, with windows that fit tiny prompts
 PRESSES = {
@@ -41,23 +41,13 @@ def test_ratio_zero_is_identity_per_backend(attn, name):
     assert torch.equal(_generate(model, ids, PRESSES[name](compression_ratio=0.0)), _generate(model, ids))
 
 
-def _left_padded(rows):
-    length = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), length, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, length - len(r) :] = r
-        mask[i, length - len(r) :] = 1
-    return ids, mask
-
-
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("budget", [{"compression_ratio": 0.5}, {"max_tokens": 12}])
 @pytest.mark.parametrize("name", list(PRESSES))
 def test_padded_batch_equals_rows_alone(attn, budget, name):
     model = tiny_model("llama", attn)
     rows = [prompt(1, n, seed=s)[0] for n, s in ((40, 1), (25, 2), (33, 3))]
-    ids, mask = _left_padded(rows)
+    ids, mask = left_padded(rows)
     press = PRESSES[name](**budget)
     if name == "recall":  # it exchanges slots by position across a row's heads: padded rows are refused, by name
         with pytest.raises(ValueError, match="without padding"):

@@ -20,7 +20,7 @@ from kvpress import (
 )
 from kvpress.patches.headwise_attention import headwise_attention
 from kvpress.presses.head_budget import allocate
-from tiny import greedy_scores, prompt, tiny_model, tiny_pattern
+from tiny import greedy_scores, left_padded, prompt, tiny_model, tiny_pattern
 
 
 # ----- storage and attention ------------------------------------------------------------------------------
@@ -257,8 +257,7 @@ def test_padded_batch_rows_equal_rows_alone(make):
                                   press=SnapKVPress(0.5, window_size=8))  # fmt: skip
     length = 20 if make == "duo-short" else 70
     a, b = prompt(1, 96, seed=1), prompt(1, length, seed=2)
-    batch = torch.cat([a, torch.cat([torch.zeros(1, 96 - length, dtype=torch.long), b], 1)])
-    mask = torch.cat([torch.ones(1, 96), torch.cat([torch.zeros(1, 96 - length), torch.ones(1, length)], 1)]).long()
+    batch, mask = left_padded([a[0], b[0]])
     together, cache = greedy_scores(model, batch, press, mask=mask)
     alone_a, _ = greedy_scores(model, a, press)
     alone_b, cache_b = greedy_scores(model, b, press)

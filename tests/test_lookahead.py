@@ -13,7 +13,7 @@ from kvpress.eval.lm_eval_bridge import KVPressLM
 from kvpress.eval.sweep import run_sweep
 from kvpress.pipeline import split_prompt
 from kvpress.recording import compress_recording, record_prefill
-from tiny import prompt, tiny_model
+from tiny import left_padded, prompt, tiny_model
 
 
 def test_scores_average_the_window_and_the_drafted_answer():
@@ -81,10 +81,7 @@ def test_a_padded_batch_drafts_each_row_as_it_would_alone(name, ends):
     row had ended."""
     model = tiny_model("llama")
     rows = [prompt(1, 40, seed=1)[0], prompt(1, 25, seed=2)[0]]
-    ids = torch.zeros(2, 40, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, 40 - len(row) :], mask[i, 40 - len(row) :] = row, 1
+    ids, mask = left_padded(rows)
     greedy = model.generate(rows[1][None], max_new_tokens=2, do_sample=False, pad_token_id=0)[0, -1]
     ender = SimpleNamespace(eos_token_id=int(greedy) if ends else model.config.eos_token_id)  # (what the draft reads)
     press = kvpress.press_from_name(name, compression_ratio=0.5, window_size=4)

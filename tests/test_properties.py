@@ -15,14 +15,13 @@ import random
 
 import pytest
 import torch
-from test_equivalence import _left_padded
 from transformers import DynamicCache
 
 from kvpress.patches.cache import PressedLayer
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.patterns import config_hash
 from kvpress.presses import BUDGET_PARAMETERS, press_from_name, press_names, press_parameters
-from tiny import prompt, tiny_model
+from tiny import left_padded, prompt, tiny_model
 
 SEED = 18_000
 CASES = 120
@@ -77,7 +76,7 @@ def _case(i: int) -> dict:
 
 def _inputs(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of these lengths, left-padded to the longest."""
-    return _left_padded([prompt(1, n, seed=seed + row)[0] for row, n in enumerate(lengths)])
+    return left_padded([prompt(1, n, seed=seed + row)[0] for row, n in enumerate(lengths)])
 
 
 def _generate(model, ids, mask, press=None, cache=None):

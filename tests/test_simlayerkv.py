@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from kvpress import SimLayerKVPress
 from kvpress.recording import compress_recording, record_prefill
-from tiny import prompt, tiny_model
+from tiny import left_padded, prompt, tiny_model
 
 
 def _laziness(model, ids, n_sink, window):
@@ -66,10 +66,7 @@ def test_each_row_of_a_batch_has_the_plan_it_has_alone():
         for row in rows:
             model.generate(row[None], **{**settings, "max_new_tokens": 1})
             plans.append(sorted(idx for idx, lazy in press.lazy.items() if lazy[0]))
-        ids = torch.zeros(3, 96, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, row in enumerate(rows):
-            ids[i, 96 - len(row) :], mask[i, 96 - len(row) :] = row, 1
+        ids, mask = left_padded(rows)
         padded = model.generate(ids, attention_mask=mask, **settings)[:, 96:]
         assert [sorted(idx for idx, lazy in press.lazy.items() if lazy[i]) for i in range(3)] == plans
         even = model.generate(torch.stack([rows[0], prompt(1, 96, seed=4)[0]]), **settings)[:, 96:]

@@ -83,6 +83,17 @@ def greedy_scores(model, ids: torch.Tensor, press, new: int = 20, mask: torch.Te
     return torch.stack(out.scores), cache
 
 
+def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` of token ids (1D, of any lengths) as one left-padded batch: `(ids, attention_mask)`, padding id 0."""
+    length = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, length - len(r) :] = r
+        mask[i, length - len(r) :] = 1
+    return ids, mask
+
+
 def prompt(batch: int = 1, length: int = 48, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 128, (batch, length), generator=g)

@@ -103,8 +103,8 @@ def draft_attention(model: nn.Module, recording, steps: int, tokenizer=None,
     observer = PromptAttention(n_prompt=recording.tokens, live=torch.ones(fed.shape[0], dtype=torch.bool))
     eos = tokenizer.eos_token_id if tokenizer is not None else model.config.eos_token_id
     eos = torch.tensor(sorted(set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}), dtype=torch.long)
-    held = next(layer for layer in recording.cache.layers if getattr(layer, "real_seen", None) is not None)
-    first = held.real_seen[:, None].to(fed.device, copy=True)  # each row's next position (a copy: commits add)
+    counted = next(layer for layer in recording.cache.layers if getattr(layer, "real_seen", None) is not None)
+    first = counted.real_seen[:, None].to(fed.device, copy=True)  # each row's next position (a copy: commits add)
     cache = draft_view(recording.cache, set(skip)) if skip else recording.cache
     with observe(model, observer), scratch(cache) as work, model_access.skipped_layers(model, skip):
         for step in range(steps + 1):
