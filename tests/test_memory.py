@@ -140,7 +140,7 @@ def test_decode_slack_validated():
 )
 def test_budget_values(press, seen, expected):
     scale = press.layer_scale(0, 2) if press.layer_scales else 1.0
-    assert press.budget(torch.tensor(seen), scale).tolist() == expected
+    assert press.row_budgets(0, 2, seen) == expected
     assert [press.budget_of(n, scale) for n in seen] == expected
 
 

@@ -104,7 +104,7 @@ def _check_layers(press, model, cache, lengths: list[int]) -> None:
             assert int(layer.held().max()) <= layer.window - 1, f"sliding layer {idx} holds past its window"
         if type(press).__name__ == "DuoAttentionPress":
             continue  # its budget is a split of whole and streaming heads, checked in test_headwise
-        budget = press.budget(layer.span, press.layer_scale(idx, n_layers))
+        budget = torch.tensor(press.row_budgets(idx, n_layers, layer.span_list()))
         assert bool((held.to(budget.device) <= budget).all()), f"layer {idx} holds {held.tolist()} > {budget.tolist()}"
 
 

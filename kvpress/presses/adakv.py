@@ -78,8 +78,7 @@ class HeadSharePress(WrapsPress, HeadwisePress):
     # ----- prefill: a dense layer becomes head-wise ---------------------------------------------------
     def select(self, obs: Observation) -> torch.Tensor | None:
         layer = obs.layer
-        scale = self.layer_scale(obs.layer_idx, obs.n_layers)
-        budget = self.budget(layer.span_list(), scale)
+        budget = torch.tensor(self.row_budgets(obs.layer_idx, obs.n_layers, layer.span_list()))
         held = layer.held()
         if not bool((held > budget).any()):
             return None
@@ -95,8 +94,8 @@ class HeadSharePress(WrapsPress, HeadwisePress):
         observe_every_head(self.press, module, query, layer, hidden, ids, mass)
 
     def evict_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
-        scale = self.layer_scale(model_access.layer_index(module), model_access.layer_count(module))
-        budgets, h = [self.budget_of(n, scale) for n in layer.span_list()], layer.heads
+        h, where = layer.heads, (model_access.layer_index(module), model_access.layer_count(module))
+        budgets = self.row_budgets(*where, layer.span_list())
         over = [row for row, b in enumerate(budgets) if sum(layer.lengths[row * h : (row + 1) * h]) > b * h]
         if not over:
             return  # the common decoding step: under budget, decided on plain integers (nothing read back)

@@ -216,12 +216,6 @@ class BasePress(Installable):
         return self.layer_scales[layer_idx] * len(self.layer_scales) / sum(self.layer_scales)
 
     # ----- budgets ------------------------------------------------------------------------------------
-    def budget(self, seen: list[int] | torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        """Tokens each row may keep, `[B]` on the host, given the real tokens each row has seen (host integers, as
-        `layer.span_list()` gives them; a tensor is read) and `scale`, the layer's share."""
-        seen = seen.tolist() if isinstance(seen, torch.Tensor) else seen
-        return torch.tensor([self.budget_of(n, scale) for n in seen], dtype=torch.long)
-
     def row_budgets(self, layer_idx: int, n_layers: int, spans: list[int]) -> list[int]:
         """Tokens each row may keep in layer `layer_idx` of `n_layers`, for rows that would hold `spans` tokens
         with no press (host integers): `budget_of` at the layer's share (`layer_scale`). A press whose plan differs
@@ -232,7 +226,7 @@ class BasePress(Installable):
         return [self.budget_of(n, scale) for n in spans]
 
     def budget_of(self, seen: int, scale: float = 1.0) -> int:
-        """`budget` for one row (plain integers: the per-step check of unpadded batches uses it directly)."""
+        """Tokens a row that would hold `seen` tokens with no press may keep in a layer of share `scale`."""
         if self.max_tokens is not None:
             keep = min(seen, math.floor(self.max_tokens * scale))
         else:

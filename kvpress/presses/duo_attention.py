@@ -171,7 +171,7 @@ class DuoAttentionPress(HeadwisePress):
 
     def _targets(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
         """`[B]` on the host: the press's budget for each row of `obs`, and what a head over it is cut to."""
-        budget = self.press.budget(obs.layer.span_list(), self.press.layer_scale(obs.layer_idx, obs.n_layers))
+        budget = torch.tensor(self.press.row_budgets(obs.layer_idx, obs.n_layers, obs.layer.span_list()))
         return budget, torch.minimum(obs.layer.held(), self.press.target(budget, obs.q_len))
 
     def _scored(self, obs: Observation, budget=None, target=None) -> torch.Tensor:
@@ -222,10 +222,10 @@ class DuoAttentionPress(HeadwisePress):
                 if self._ready([seen[row]])[0]:
                     layer.head_budget[row] = self._budgets(module, [seen[row]])[0]
         if self.press is not None:  # retrieval heads over the press's budget: its top-k of each head
-            scale = self.press.layer_scale(model_access.layer_index(module), model_access.layer_count(module))
-            spans = layer.span_list()
+            budgets = self.press.row_budgets(model_access.layer_index(module), model_access.layer_count(module),
+                                             layer.span_list())  # fmt: skip
             for row, head in (layer.head_budget == -1).nonzero().tolist():
-                if layer.lengths[row * layer.heads + head] > self.press.budget_of(spans[row], scale):
+                if layer.lengths[row * layer.heads + head] > budgets[row]:
                     obs, _ = head_observation(module, query, layer, row, head)
                     budget, target = self._targets(obs)  # a head holds no padding: it keeps exactly `target`
                     kept = self._scored(obs, budget, target)[0, 0]
