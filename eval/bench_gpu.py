@@ -22,6 +22,11 @@ too, as `blocked_attention` does on the CPU: what those blocks save or cost on a
 `--no-cudnn` runs every generation, no press's too, with cuDNN's attention off (a press's forwards always run so,
 `patches/sdpa_backends.py`): the ratios then measure the press alone, not torch's choice of kernel for a plain
 cache (its own table, `<attn> without cuDNN`).
+`--cpu-stand-in` (no GPU lent): the same runs on the CPU with the GPU's attention paths (`gpu_paths`: no blocks of
+queries; bottom-right causal calls) and, for the peak, the most tensor bytes alive at once (`memory.TensorPeak`)
+instead of CUDA's allocator: its own table (`<attn> (CPU stand-in)`), whose times are the CPU's, slowed by the
+counting (read its memory columns only). On the H200's rows of stop 47 CUDA's peaks ran 36-44 MB above the
+stand-in's for the same runs (cuBLAS's workspace and the allocator's blocks; eval/results/README.md, "On a GPU").
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from kvpress.engine import maybe_installed
 from kvpress.eval.bench_core import long_ids
 from kvpress.eval.bench_long import _key as long_key
 from kvpress.eval.bench_long import configurations, markdown, stamped_generate, summary
+from kvpress.eval.memory import TensorPeak
 from kvpress.patches import blocked_attention as blocked
 from kvpress.patches import sdpa_backends
 
@@ -76,6 +82,7 @@ def measure(model, tokenizer, config: dict, profiled: bool = False) -> dict:
     `profile` holds its top operators (`_top`)."""
     device = model.device
     cuda = device.type == "cuda"
+    stand_in = bool(config.get("stand_in"))
     ids = long_ids(tokenizer, config["length"]).to(device)
     spec = config["spec"]
     press = None if spec == "none" else kvpress.press_from_name(spec, compression_ratio=config["ratio"])
@@ -88,20 +95,34 @@ def measure(model, tokenizer, config: dict, profiled: bool = False) -> dict:
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     with torch.inference_mode(), maybe_installed(press, model, tokenizer), (
         profile(activities=activities) if profiled else contextlib.nullcontext()
-    ) as prof, blocks_on(device.type if config.get("attn") == "sdpa-blocked" else None), (
+    ) as prof, gpu_paths(stand_in), blocks_on(device.type if config.get("attn") == "sdpa-blocked" else None), (
         sdpa_backends.without_cudnn(device) if config.get("no_cudnn") else contextlib.nullcontext()
-    ):
+    ), (TensorPeak() if stand_in else contextlib.nullcontext()) as counted:
         prefill, steps = stamped_generate(model, tokenizer, ids, cache, config["steps"], config["chunk"])
-        peak = torch.cuda.max_memory_allocated() - base if cuda else None
+        peak = torch.cuda.max_memory_allocated() - base if cuda else counted.peak if stand_in else None
         kept = kvpress.cache_bytes(cache)
     return {**config, "peak_above_model_bytes": peak, "cache_bytes": kept,
             "profile": _top(prof, cuda) if profiled else None,
             "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "prefill_seconds": prefill, "decode_step_seconds": statistics.median(steps),
-            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu (stand-in)" if stand_in else "cpu",
+            "torch": torch.__version__,
             "cudnn": torch.backends.cudnn.version() if cuda else None,  # cuDNN >= 9.15.1 on sm90: its sdpa first
             "sdpa_priority": sdpa_backends.priority(),  # outside a press's forwards (those run without cuDNN's)
             "no_cudnn": bool(config.get("no_cudnn"))}  # fmt: skip
+
+
+@contextlib.contextmanager
+def gpu_paths(on: bool = True):
+    """Inside (when `on`): the attention takes on every device the paths it takes on a GPU (`blocked_attention`
+    runs no chunk in blocks; chunks over slots all visible are bottom-right causal calls); put back after."""
+    before = blocked.DEVICES
+    if on:
+        blocked.DEVICES = ()
+    try:
+        yield
+    finally:
+        blocked.DEVICES = before
 
 
 @contextlib.contextmanager
@@ -150,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--profile", action="store_true", help="profile each generation: its top operators")
     parser.add_argument("--no-cudnn", action="store_true", help="no press's generations without cuDNN's sdpa too")
+    parser.add_argument("--cpu-stand-in", action="store_true",
+                        help="no GPU: the GPU's paths on the CPU, tensor bytes counted (see above)")
     parser.add_argument("--config", help="a directory with config.json and tokenizer: random weights (see above)")
     parser.add_argument("--out", default=str(RESULTS), help="directory of gpu.jsonl, gpu.json, gpu.md")
     args = parser.parse_args(argv)
@@ -158,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [a for a in attns if a not in (*IMPLEMENTATIONS, *VARIANTS)]
         if unknown:
             raise ValueError(f"--attn {','.join(unknown)} is not one of {', '.join((*IMPLEMENTATIONS, *VARIANTS))}")
+        if args.cpu_stand_in and args.no_cudnn:
+            raise ValueError("--no-cudnn is a CUDA switch: a --cpu-stand-in run has no cuDNN to leave out")
         if args.decode_steps < 2 or args.chunk < 0:
             raise ValueError("--decode-steps must be >= 2 and --chunk >= 0")
         if not all(n.isdigit() for n in args.lengths.split(",")):
@@ -176,14 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()] if jsonl.exists() else []
     done = {_key(r) for r in rows if "error" not in r}
     random = args.config is not None
-    mode = {"random_weights": random, "no_cudnn": args.no_cudnn}
+    mode = {"random_weights": random, "no_cudnn": args.no_cudnn, "stand_in": args.cpu_stand_in}
     todo = [(a, c) for a in attns for c in runs if _key({**c, "attn": a, **mode}) not in done]
-    if todo and not torch.cuda.is_available():
+    if todo and not torch.cuda.is_available() and not args.cpu_stand_in:
         if rows:
             write(out, rows, {})
         summarised = f"; {out / 'gpu.json'} summarises gpu.jsonl" if rows else ""
         print(f"kvpress bench-gpu: no CUDA device here; {len(todo)} configurations are not measured (it measures "
-              f"CUDA memory; on CPUs: make bench-long){summarised}", file=sys.stderr)  # fmt: skip
+              f"CUDA memory; on CPUs: make bench-long, or --cpu-stand-in){summarised}", file=sys.stderr)  # fmt: skip
         return 2
     out.mkdir(parents=True, exist_ok=True)
     skipped = {}
@@ -197,10 +222,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if not mine:
                 continue
-            model, tokenizer = load(args.model, args.config, attn, torch.bfloat16, "cuda")
-            # kernels warmed at the longest length (warmed at 1K, the first 16K run took 1.36 s against 0.3 after)
-            warm = {"spec": "none", "ratio": 0.0, "chunk": args.chunk or None, "steps": 2, **mode}
-            measure(model, tokenizer, {**warm, "length": max(plan[args.model])})
+            device = "cpu" if args.cpu_stand_in else "cuda"
+            model, tokenizer = load(args.model, args.config, attn, torch.bfloat16, device)
+            if not args.cpu_stand_in:  # kernels warmed at the longest length (warmed at 1K, the first 16K run took
+                # 1.36 s against 0.3 after)
+                warm = {"spec": "none", "ratio": 0.0, "chunk": args.chunk or None, "steps": 2, **mode}
+                measure(model, tokenizer, {**warm, "length": max(plan[args.model])})
             for config in mine:
                 config = {**config, "attn": attn, **mode}
                 try:
@@ -224,13 +251,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _key(row: dict) -> tuple:
-    """`bench_long`'s key of a run, and the attention implementation, weights and cuDNN switch it ran with."""
-    return (*long_key(row), row["attn"], row.get("random_weights", False), row.get("no_cudnn", False))
+    """`bench_long`'s key of a run, and the attention implementation, weights, cuDNN switch and device (a CPU
+    standing in) it ran with."""
+    return (*long_key(row), row["attn"], row.get("random_weights", False), row.get("no_cudnn", False),
+            row.get("stand_in", False))
 
 
 def _table(row: dict) -> str:
-    """The table a row belongs to: its attention implementation, and whether no press ran without cuDNN too."""
-    return row["attn"] + (" without cuDNN" if row.get("no_cudnn") else "")
+    """The table a row belongs to: its attention implementation, whether no press ran without cuDNN too, and
+    whether a CPU stood in for the GPU."""
+    return row["attn"] + (" without cuDNN" if row.get("no_cudnn") else "") + (" (CPU stand-in)" if row.get(
+        "stand_in") else "")
 
 
 def write(out: Path, rows: list[dict], skipped: dict) -> list[dict]:

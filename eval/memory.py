@@ -1,6 +1,7 @@
 """Memory recorded next to every result: peak resident memory of this process, on a GPU the peak
 allocated CUDA memory (reset per measurement with `reset_cuda_peak`), and the bytes a full KV cache
-would hold (`full_cache_bytes`); `page_in` makes a memory-mapped model's weights resident first."""
+would hold (`full_cache_bytes`); `page_in` makes a memory-mapped model's weights resident first.
+`TensorPeak` counts the most tensor bytes alive at once on any device: a CPU's stand-in for CUDA's peak."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ import sys
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
 
+from kvpress.patches import blocked_attention
 from kvpress.patches.model_access import layer_types
 
 
@@ -46,3 +51,52 @@ def full_cache_bytes(model, tokens: int) -> int:
     types = layer_types(model)
     window = getattr(config, "sliding_window", None) or tokens
     return sum(per_token * (tokens if t == "full_attention" else min(tokens, window)) for t in types)
+
+
+class TensorPeak(TorchDispatchMode):
+    """Inside: `peak`, the most bytes of tensor storage alive at once among the storages created inside (each
+    counted once, however many views share it): what CUDA's allocator reports as `max_memory_allocated` above what
+    was allocated before, without its rounding to blocks, its cached free blocks or a library's workspace (cuBLAS
+    allocates its own through it). On the CPU, with the GPU's attention paths (`gpu_paths`), it stands in for a
+    GPU's peak where none is lent. Every operator runs through it (several times slower)."""
+
+    SWEEP_EVERY = 8  # operators between two sweeps of the storages freed since (and before any new peak)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = self.peak = self._ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
+                storage = tensor.untyped_storage()
+                ptr, known = storage.data_ptr(), self.live.get(storage.data_ptr())
+                if ptr and (known is None or known[0].expired()):  # new (an address freed and given out again too)
+                    self.current += storage.nbytes() - (known[1] if known else 0)
+                    self.live[ptr] = (StorageWeakRef(storage), storage.nbytes())
+        self._ops += 1
+        if self.current > self.peak or self._ops % self.SWEEP_EVERY == 0:
+            for ptr in [p for p, (ref, _) in self.live.items() if ref.expired()]:
+                self.current -= self.live.pop(ptr)[1]
+            self.peak = max(self.peak, self.current)
+        return out
+
+    def __enter__(self):
+        # torch's causal biases are tensor subclasses, which cannot be made inside a dispatch mode: made outside it
+        self._bias = blocked_attention.causal_lower_right
+        blocked_attention.causal_lower_right = _outside_modes(self._bias)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        blocked_attention.causal_lower_right = self._bias
+        return super().__exit__(*exc)
+
+
+def _outside_modes(make):
+    def made(*args):
+        with _disable_current_modes():
+            return make(*args)
+
+    return made

@@ -16,6 +16,13 @@ runs bottom-right causal (`headwise_attention`); `bench_gpu --attn sdpa-blocked`
 (H200, 16K tokens: the default press's peak 478 MB against 148 without them). So do calls with anything this
 plain sdpa call does not express (softcapping, attention sinks, a position bias, dropout).
 
+`bottom_right_attention`: the same chunk where blocks are left out (a GPU): one sdpa call with torch's bottom-right
+causal bias (`causal_lower_right`: every held slot visible, the new ones causal) and the KV head shared, which torch
+runs in its flash kernel with no mask and no copy of the keys. It needs a layer whose held slots are all visible
+(no padding, no holes, no sliding window); transformers' path over such a chunk repeats each KV head g times over
+every held slot and builds a `[q, n]` mask (a layer the press left whole: as much as no press's own call, DuoAttention's
+peak on an H200 at 16K tokens).
+
 `attention_with_mass`: the attention computed from its weights, a few queries at a time, for a press that reads
 the weights themselves (H2O accumulates the attention each slot receives): the weights are computed once, for
 the output and the press, instead of once by sdpa and again by the press. Any device; softcapping included.
@@ -28,6 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 QUERY_BLOCK = 256  # queries a call: 128 saved 1 MB more at 5,120 slots and took 16% longer
 DEVICES = ("cpu",)  # the device types a chunk runs in blocks on (see above)
@@ -44,6 +52,22 @@ def applies(module: nn.Module, query: torch.Tensor, kwargs: dict) -> bool:
     """Whether a chunk of `query` can run in `blocked_attention` instead of transformers' sdpa path."""
     return (query.device.type in DEVICES and query.shape[2] > 1 and kwargs.get("softcap") is None
             and weighable(module, kwargs))  # fmt: skip
+
+
+def fuses(module: nn.Module, query: torch.Tensor, kwargs: dict) -> bool:
+    """Whether a chunk of `query` over slots all visible to it runs as `bottom_right_attention` (a device that
+    `DEVICES` leaves out, nothing the plain sdpa call does not express)."""
+    return (query.device.type not in DEVICES and query.shape[2] > 1 and kwargs.get("softcap") is None
+            and weighable(module, kwargs))  # fmt: skip
+
+
+def bottom_right_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           scaling: float | None = None) -> torch.Tensor:  # fmt: skip
+    """Attention of `query` `[B, Hq, q, D]` (the newest `q` slots of `key`/`value` `[B, Hkv, n, D]`): every older
+    slot visible, the new ones causal, the KV heads shared; `[B, Hq, q, Dv]` (sdpa's layout)."""
+    q, n = query.shape[2], key.shape[2]
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(q, n), scale=scaling,
+                                          enable_gqa=query.shape[1] != key.shape[1])  # fmt: skip
 
 
 def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

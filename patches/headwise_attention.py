@@ -24,9 +24,7 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from kvpress.patches import blocked_attention as blocked
 from kvpress.patches.head_cache import HeadwiseLayer
@@ -77,9 +75,7 @@ def headwise_attention(
                     logits = logits.masked_fill(~mask, float("-inf"))
                 res = logits.float().softmax(-1).to(values.dtype) @ values
             elif fused:
-                res = F.scaled_dot_product_attention(group[None], keys[None, None], values[None, None],
-                                                     attn_mask=causal_lower_right(q, n), scale=scale,
-                                                     enable_gqa=g > 1)[0]  # fmt: skip
+                res = blocked.bottom_right_attention(group[None], keys[None, None], values[None, None], scale)[0]
             else:  # a chunk: g heads sharing one KV head and one [q, n] mask (folding would repeat the mask g times
                 # and, on the CPU, leave the fused kernel for one that holds every g * q x n weight), in blocks of
                 # queries, each over the slots it can see (torch's CPU kernel copies the mask as floats)

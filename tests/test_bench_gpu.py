@@ -64,6 +64,7 @@ def test_random_weights_from_a_config_directory(tmp_path, tokenized):
     (["--decode-steps", "1"], "--decode-steps must be >= 2"),
     (["--lengths", "16k"], "--lengths must be token counts separated by commas, got '16k'"),
     (["--ratios", "0.5,half"], "--ratios must be fractions separated by commas, got '0.5,half'"),
+    (["--cpu-stand-in", "--no-cudnn"], "--no-cudnn is a CUDA switch"),
 ])  # fmt: skip
 def test_bad_arguments_are_refused_before_a_model_loads(argv, said, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(kvpress, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
@@ -118,3 +119,41 @@ def test_no_press_without_cudnn_is_its_own_table_and_configuration(tmp_path, cap
     assert bench_gpu.main(argv) == 0  # every configuration measured: nothing to do
     assert bench_gpu.main([*argv, "--no-cudnn"]) == 2  # those rows do not count as measured without cuDNN
     assert "3 configurations are not measured" in capsys.readouterr().err
+
+
+def test_tensor_peak_counts_storages_alive_at_once_and_builds_causal_biases():
+    from kvpress.eval.memory import TensorPeak
+    from kvpress.patches import blocked_attention as blocked
+
+    bias = blocked.causal_lower_right
+    with torch.inference_mode(), TensorPeak() as counted:
+        a = torch.zeros(1000)  # 4,000 bytes
+        view = a[10:].view(-1, 2)  # a view: no new storage
+        b = torch.zeros(500)  # 2,000
+        del a, view
+        c = torch.zeros(3000)  # 12,000, with b alive: 14,000 (a's 4,000 freed before)
+        del c
+        d = torch.zeros(100)  # (c's address may be given out again: counted anew)
+        assert counted.current == b.nbytes + d.nbytes
+        # a bottom-right causal call (a tensor subclass for its bias) runs inside
+        q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 7, 8)
+        out = blocked.bottom_right_attention(q, k, k)
+    assert out.shape == (1, 4, 3, 8) and counted.peak == 14_000  # (the attention's tensors were fewer bytes)
+    assert blocked.causal_lower_right is bias  # put back
+
+
+def test_a_cpu_stands_in_for_a_gpu_with_its_paths_and_a_counted_peak(tokenized, monkeypatch):
+    from kvpress.patches import blocked_attention as blocked
+
+    model, tokenizer = tokenized
+    calls = []
+    original = blocked.bottom_right_attention
+    monkeypatch.setattr(blocked, "bottom_right_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    runs = configurations({"tiny": (96,)}, ["adakv:window_size=8"], [0.5], 32, 3)  # head-wise: fused on a GPU
+    rows = [bench_gpu.measure(model, tokenizer, {**c, "stand_in": True}) for c in runs]
+    one, none, pressed = rows
+    assert calls and blocked.DEVICES == ("cpu",)  # chunks over held slots ran the GPU's call; the CPU's paths back
+    assert pressed["device"] == "cpu (stand-in)"
+    assert none["peak_above_model_bytes"] > none["cache_bytes"]  # the cache and the activations on top of it
+    assert pressed["cache_bytes"] < pressed["peak_above_model_bytes"] < none["peak_above_model_bytes"]
+    assert one["peak_above_model_bytes"] < none["peak_above_model_bytes"]  # one chunk: less of everything

@@ -50,13 +50,12 @@ def test_adakv_frees_memory_per_head(family, ratio):
 @pytest.mark.parametrize("gpu_path", [False, True])  # a chunk in blocks (CPU) or bottom-right causal (CUDA)
 def test_varlen_attention_equals_masked_dense(q_len, softcap, mass_block, gpu_path, monkeypatch):
     from kvpress.patches import blocked_attention
-    from kvpress.patches import headwise_attention as module_under_test
 
     biases = []
     if gpu_path:  # the CUDA branch, run on the CPU: torch materialises the bias there, the mask is the same
         monkeypatch.setattr(blocked_attention, "DEVICES", ())
-        bias = module_under_test.causal_lower_right
-        monkeypatch.setattr(module_under_test, "causal_lower_right", lambda *a: biases.append(a) or bias(*a))
+        bias = blocked_attention.causal_lower_right
+        monkeypatch.setattr(blocked_attention, "causal_lower_right", lambda *a: biases.append(a) or bias(*a))
     torch.manual_seed(0)
     b, hkv, g, n, d = 2, 3, 2, 40, 16
     dense = PressedLayer()
