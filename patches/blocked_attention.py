@@ -11,17 +11,17 @@ see (the held ones, and the new ones up to its last query), with a mask of that 
 grows past one block's. Measured by `make bench-long` (eval/results/README.md, "Long contexts").
 
 CPU only (`DEVICES`): on CUDA, sdpa with a mask and `enable_gqa` leaves the fused kernels for its math one, which
-holds every weight (torch 2.11 on an H200), so a dense chunk keeps transformers' path there and a head-wise one
-runs bottom-right causal (`headwise_attention`); `bench_gpu --attn sdpa-blocked` measures the blocks on CUDA
-(H200, 16K tokens: the default press's peak 478 MB against 148 without them). So do calls with anything this
-plain sdpa call does not express (softcapping, attention sinks, a position bias, dropout).
+holds every weight (torch 2.11 on an H200); `bench_gpu --attn sdpa-blocked` measures the blocks on CUDA (H200, 16K
+tokens: the default press's peak 478 MB against 148 without them). So do calls with anything this plain sdpa call
+does not express (softcapping, attention sinks, a position bias, dropout).
 
-`bottom_right_attention`: the same chunk where blocks are left out (a GPU): one sdpa call with torch's bottom-right
-causal bias (`causal_lower_right`: every held slot visible, the new ones causal) and the KV head shared, which torch
-runs in its flash kernel with no mask and no copy of the keys. It needs a layer whose held slots are all visible
-(no padding, no holes, no sliding window); transformers' path over such a chunk repeats each KV head g times over
-every held slot and builds a `[q, n]` mask (a layer the press left whole: as much as no press's own call, DuoAttention's
-peak on an H200 at 16K tokens).
+`bottom_right_attention`: a chunk where blocks are left out (a GPU) over slots all visible to it (no padding, no
+holes, no sliding window), dense or head-wise: one sdpa call with torch's bottom-right causal bias
+(`causal_lower_right`: every held slot visible, the new ones causal) and the KV heads shared, which torch runs in its
+flash kernel with no mask and no copy of the keys. transformers' path over such a chunk repeats each KV head g times
+over every held slot and builds a `[q, n]` mask: a layer left whole (DuoAttention's, a layer under budget) held as
+much as no press's call for it (`bench_gpu --cpu-stand-in`, eval/results/README.md, "On a GPU"). A chunk over a
+padded batch's dense layer, or a sliding window's, keeps transformers' path and its mask there.
 
 `attention_with_mass`: the attention computed from its weights, a few queries at a time, for a press that reads
 the weights themselves (H2O accumulates the attention each slot receives): the weights are computed once, for

@@ -309,7 +309,11 @@ class Intercept:
         # a chunk after held tokens on the CPU: transformers' sdpa path would copy every KV head g times over all
         # of them and the kernel turn its mask into floats, so even a layer the press left whole runs in blocks
         blocks = self._original == "sdpa" and key.shape[2] > q_len and blocked.applies(module, query, kwargs)
-        whole = not layer.compressed and not blocks
+        # where blocks are left out (a GPU) and every held slot is visible: one bottom-right causal call, no mask,
+        # the KV heads shared (`blocked_attention.bottom_right_attention`)
+        fused = (self._original == "sdpa" and key.shape[2] > q_len and layer.valid is None and layer.window is None
+                 and not thin and blocked.fuses(module, query, kwargs))  # fmt: skip
+        whole = not layer.compressed and not blocks and not fused
         standard = info.standard() if info is not None and whole else None  # built only if used
         out = mass = None
         block = self.handler.mass_block(layer, call.compressing) if layer.window is None else None
@@ -323,6 +327,9 @@ class Intercept:
             out, mass = blocked.attention_with_mass(query, key, value, rows_mask, block, kwargs.get("scaling"),
                                                     kwargs.get("softcap"), peak)  # fmt: skip
             out = out, None
+        elif fused:
+            out = blocked.bottom_right_attention(query, key, value, kwargs.get("scaling"))
+            out = out.transpose(1, 2).contiguous(), None
         elif whole and not _sized_for_another_layer(standard, key) and not (flash and thin):
             mask = standard  # slots still line up with tokens: transformers' own mask is right
         elif flash and "valid" not in layer.slots and not thin and (layer.window is None or q_len == 1):

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvpress import AdaKVPress, HeavyHitterPress, PressedLayer, SnapKVPress
+from kvpress import AdaKVPress, DuoAttentionPress, HeavyHitterPress, PressedLayer, SnapKVPress
 from kvpress.patches import blocked_attention as blocked
 from kvpress.patches.intercept import layer_mask
-from tiny import prompt, tiny_model
+from tiny import prompt, tiny_model, tiny_pattern
 
 
 @pytest.mark.parametrize("window", [None, 6])
@@ -93,6 +93,58 @@ def test_a_layer_left_whole_runs_its_later_chunks_in_blocks(family, monkeypatch)
     monkeypatch.setattr(blocked, "applies", lambda *a: False)
     expected = run()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+FUSED = {**{name: lambda model, make=make: make() for name, make in PRESSES.items()},
+         "whole": lambda model: SnapKVPress(max_tokens=100, window_size=4),
+         "duo-attention": lambda model: DuoAttentionPress(compression_ratio=0.5, head_pattern=tiny_pattern(model),
+                                                          n_sink=2, window=4)}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral-window", "gemma3"])
+@pytest.mark.parametrize("press", list(FUSED))
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_chunk_over_slots_all_visible_is_one_bottom_right_call_on_a_gpu(family, press, padded, monkeypatch):
+    """Where blocks are left out (a GPU; the CPU stands in, `DEVICES` emptied), a chunk over held slots that are all
+    visible to it (no padding, no holes, no sliding window) runs as one sdpa call with torch's bottom-right causal
+    bias and the KV heads shared (transformers' path would repeat them over every held slot, with a [q, n] mask),
+    in dense layers (compressed or left whole) and head-wise ones: the logits of the CPU's blocks. A padded batch's
+    dense layers and sliding-window layers keep their masks."""
+    model = tiny_model(family)
+    ids = prompt(2, 40, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0 if padded else 1
+
+    def run() -> torch.Tensor:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad(), FUSED[press](model)(model):
+            chunks = [model(ids[:, s : s + 12], attention_mask=mask[:, : s + 12], cache=cache).logits
+                      for s in range(0, 40, 12)]  # fmt: skip
+        return torch.cat(chunks, dim=1)
+
+    calls = []
+    original = blocked.bottom_right_attention
+    monkeypatch.setattr(blocked, "bottom_right_attention",
+                        lambda *a, **k: calls.append(a[1].shape) or original(*a, **k))  # fmt: skip
+    monkeypatch.setattr(blocked, "DEVICES", ())
+    got = run()
+    text = model.config.get_text_config(decoder=True)
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    full = sum(kind != "sliding_attention" for kind in kinds)
+    if family == "mistral-window":  # every layer slides: none of them fuses
+        assert not calls
+    elif not padded:  # chunks 2-4 of every full-attention layer (head-wise: once per row and KV head)
+        dense = [shape[1] == text.num_key_value_heads for shape in calls]
+        per_layer = {"dense": 1, "whole": 1, "head-wise": 2 * text.num_key_value_heads}.get(press)
+        assert len(calls) == 3 * full * per_layer if per_layer else any(dense) and not all(dense)
+        assert all(dense) == (press in ("dense", "whole"))
+    else:  # only head-wise storage (per row: no padding inside) fuses in a padded batch
+        assert all(shape[0] == 1 and shape[1] == 1 for shape in calls)
+        assert bool(calls) == (press in ("head-wise", "duo-attention"))
+    monkeypatch.setattr(blocked, "DEVICES", ("cpu",))
+    expected = run()
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral-window", "gemma3"])
