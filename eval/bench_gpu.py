@@ -25,10 +25,9 @@ cache (its own table, `<attn> without cuDNN`).
 `--cpu-stand-in` (no GPU lent): the same runs on the CPU with the GPU's attention paths (`gpu_paths`: no blocks of
 queries; bottom-right causal calls) and, for the peak, the most tensor bytes alive at once (`memory.TensorPeak`)
 instead of CUDA's allocator: its own table (`<attn> (CPU stand-in)`), whose times are the CPU's, slowed by the
-counting (read its memory columns only). It counts the tensors operators return, not a kernel's own buffers: at 16K
-CUDA's peak was the stand-in's for AdaKV and 33-43 MB above it for runs whose chunks passed sdpa a mask over 10-16K
-slots (eval/results/README.md, "On a GPU").
-"""
+counting (read its memory columns only). It counts the tensors operators return, not what a kernel or the allocator
+holds besides: at 16K, CUDA's peak was the stand-in's within 0.2 MB for AdaKV and SnapKV, and 32-43 MB above it
+for no press, DuoAttention, the default and KVzip (eval/results/README.md, "On a GPU")."""
 
 from __future__ import annotations
 

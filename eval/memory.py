@@ -56,9 +56,9 @@ def full_cache_bytes(model, tokens: int) -> int:
 class TensorPeak(TorchDispatchMode):
     """Inside: `peak`, the most bytes of tensor storage alive at once among the storages created inside (each
     counted once, however many views share it): what CUDA's allocator reports as `max_memory_allocated` above what
-    was allocated before, without its rounding to blocks, its cached free blocks or a library's workspace (cuBLAS
-    allocates its own through it). On the CPU, with the GPU's attention paths (`gpu_paths`), it stands in for a
-    GPU's peak where none is lent. Every operator runs through it (several times slower)."""
+    was allocated before, without its rounding to blocks or what a kernel allocates inside an operator (a library's
+    workspace). On the CPU, with the GPU's attention paths (`bench_gpu.gpu_paths`), it stands in for a GPU's peak
+    where none is lent. Every operator runs through it (several times slower)."""
 
     SWEEP_EVERY = 8  # operators between two sweeps of the storages freed since (and before any new peak)
 
