@@ -48,17 +48,21 @@ def weighable(module: nn.Module, kwargs: dict) -> bool:
             and not module.training and not kwargs.get("output_attentions"))  # fmt: skip
 
 
+def _plain_chunk(module: nn.Module, query: torch.Tensor, kwargs: dict) -> bool:
+    """Whether an attention call is a chunk (several queries) this module's plain sdpa calls can run: no
+    soft-capping, and nothing else they do not express (`weighable`)."""
+    return query.shape[2] > 1 and kwargs.get("softcap") is None and weighable(module, kwargs)
+
+
 def applies(module: nn.Module, query: torch.Tensor, kwargs: dict) -> bool:
     """Whether a chunk of `query` can run in `blocked_attention` instead of transformers' sdpa path."""
-    return (query.device.type in DEVICES and query.shape[2] > 1 and kwargs.get("softcap") is None
-            and weighable(module, kwargs))  # fmt: skip
+    return query.device.type in DEVICES and _plain_chunk(module, query, kwargs)
 
 
 def fuses(module: nn.Module, query: torch.Tensor, kwargs: dict) -> bool:
     """Whether a chunk of `query` over slots all visible to it runs as `bottom_right_attention` (a device that
-    `DEVICES` leaves out, nothing the plain sdpa call does not express)."""
-    return (query.device.type not in DEVICES and query.shape[2] > 1 and kwargs.get("softcap") is None
-            and weighable(module, kwargs))  # fmt: skip
+    `DEVICES` leaves out)."""
+    return query.device.type not in DEVICES and _plain_chunk(module, query, kwargs)
 
 
 def bottom_right_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -308,11 +308,12 @@ class Intercept:
         flash = self._original.startswith("flash_attention")
         # a chunk after held tokens on the CPU: transformers' sdpa path would copy every KV head g times over all
         # of them and the kernel turn its mask into floats, so even a layer the press left whole runs in blocks
-        blocks = self._original == "sdpa" and key.shape[2] > q_len and blocked.applies(module, query, kwargs)
+        over_held = self._original == "sdpa" and key.shape[2] > q_len
+        blocks = over_held and blocked.applies(module, query, kwargs)
         # where blocks are left out (a GPU) and every held slot is visible: one bottom-right causal call, no mask,
         # the KV heads shared (`blocked_attention.bottom_right_attention`)
-        fused = (self._original == "sdpa" and key.shape[2] > q_len and layer.valid is None and layer.window is None
-                 and not thin and blocked.fuses(module, query, kwargs))  # fmt: skip
+        fused = (over_held and layer.valid is None and layer.window is None and not thin
+                 and blocked.fuses(module, query, kwargs))  # fmt: skip
         whole = not layer.compressed and not blocks and not fused
         standard = info.standard() if info is not None and whole else None  # built only if used
         out = mass = None

@@ -218,9 +218,8 @@ class DuoAttentionPress(HeadwisePress):
         undecided = [row for row in range(layer.batch) if int(layer.head_budget[row, 0]) == self.UNDECIDED]
         if undecided:  # (on the host) a row that waited for a longer context splits its heads when it is ready
             seen = layer.seen_list()
-            for row in undecided:
-                if self._ready([seen[row]])[0]:
-                    layer.head_budget[row] = self._budgets(module, [seen[row]])[0]
+            for row in undecided:  # (`_budgets` keeps it undecided until then)
+                layer.head_budget[row] = self._budgets(module, [seen[row]])[0]
         if self.press is not None:  # retrieval heads over the press's budget: its top-k of each head
             budgets = self.press.row_budgets(model_access.layer_index(module), model_access.layer_count(module),
                                              layer.span_list())  # fmt: skip
