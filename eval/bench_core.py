@@ -31,8 +31,7 @@ from transformers import DynamicCache
 
 import kvpress
 from kvpress.cli import check_counts
-from kvpress.engine import maybe_installed
-from kvpress.patches.model_access import attention_modules
+from kvpress.engine import maybe_installed, observe
 from kvpress.presses.kvzip import reconstruction_scores
 from kvpress.recording import record_prefill
 
@@ -91,18 +90,14 @@ def kvzip_pass_ratio(model, tokenizer, ids: torch.Tensor, repeats: int) -> float
 
 
 def kvzip_scoring_peak(model, tokenizer, ids: torch.Tensor) -> float:
-    """The most bytes the cache holds while KVzip scores the context `ids` (sampled at every attention call
-    of its reconstruction passes, which run in the cache itself), over the context's full-cache bytes."""
+    """The most bytes the cache holds while KVzip scores the context `ids` (sampled at every layer's observation of
+    its reconstruction passes, which run in the cache itself: the observed layer then holds its pass), over the
+    context's full-cache bytes."""
     recording = record_prefill(model, ids)
     full = kvpress.cache_bytes(recording.cache)
     peak = [full]
-    hooks = [module.register_forward_hook(lambda *_: peak.append(kvpress.cache_bytes(recording.cache)))
-             for module in attention_modules(model).values()]  # fmt: skip
-    try:
+    with observe(model, lambda obs: peak.append(kvpress.cache_bytes(recording.cache))):  # before KVzip's own
         kvpress.KVzipPress(compression_ratio=0.5).prepare(model, recording, tokenizer)
-    finally:
-        for hook in hooks:
-            hook.remove()
     return max(peak) / full
 
 

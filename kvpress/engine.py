@@ -102,7 +102,9 @@ class Observation:
                 behind = pos[..., n_old + start : n_old + stop, None] - window  # [B, Hkv, 1, w, 1]
                 visible = visible & (pos[..., None, :] > behind)
             logits.masked_fill_(~(visible | (slot == query_slot)), float("-inf"))
-        return logits.softmax(dim=-1)
+        if logits.requires_grad:
+            return logits.softmax(dim=-1)
+        return torch.softmax(logits, dim=-1, out=logits)  # in place: one block of weights alive, not two
 
     def attention_mass(self, block: int) -> torch.Tensor:
         """`[B, Hkv, n]` fp32: the attention weight each held slot received from the new queries, summed over

@@ -623,21 +623,50 @@ def draft_view(cache: DynamicCache, skip: set[int]) -> DynamicCache:
     return view
 
 
+class Scratch:
+    """Forwards inside append to `cache`; on exit every layer is put back as it was, also when one raises. A layer of
+    full attention (`PressedLayer`, `HeadwiseLayer`) drops what was appended (no copy of what it holds); any other
+    layer (a sliding window, which also drops what leaves the window: bounded) is restored from a copy taken on entry.
+    `release(idx)` puts layer `idx` back at once: a pass fed in one forward needs a layer's own tokens only in that
+    layer's attention, so releasing each right after it holds one layer's pass at a time, not every layer's."""
+
+    def __init__(self, cache: Cache) -> None:
+        self.cache = cache
+        self._points: dict[int, dict | object] = {}
+        self._released: dict[int, dict | object] = {}
+
+    def __enter__(self) -> Scratch:
+        self._points = {idx: layer.rewind_point() if _appends_only(layer) else _detached_copy(layer)
+                        for idx, layer in enumerate(self.cache.layers)}  # fmt: skip
+        self._released = {}
+        return self
+
+    def release(self, idx: int) -> None:
+        """Put layer `idx` back as it was on entry now (once: a later call, and the exit, leave it)."""
+        if idx in self._points:
+            self._released[idx] = self._points.pop(idx)
+            self._put_back(idx, self._released[idx])
+
+    def _put_back(self, idx: int, point: dict | object) -> None:
+        layer = self.cache.layers[idx]
+        if isinstance(point, dict):
+            layer.rewind(point)
+        else:
+            vars(layer).clear()
+            vars(layer).update(vars(point))
+
+    def __exit__(self, exc_type, *exc) -> None:
+        # a forward that raised marks every layer of a cache left uneven as torn, those released before it too
+        for idx, point in [*self._points.items(), *(self._released.items() if exc_type is not None else ())]:
+            self._put_back(idx, point)
+        self._points = self._released = {}
+
+
 @contextmanager
 def scratch(cache: Cache) -> Iterator[Cache]:
-    """Let forwards append to `cache`, then put every layer back as it was, also when one raises. A layer of full
-    attention (`PressedLayer`, `HeadwiseLayer`) drops what was appended (no copy of what it holds); any other layer
-    (a sliding window, which also drops what leaves the window: bounded) is restored from a copy taken on entry."""
-    points = [layer.rewind_point() if _appends_only(layer) else _detached_copy(layer) for layer in cache.layers]
-    try:
+    """Let forwards append to `cache`, then put every layer back as it was, also when one raises (`Scratch`)."""
+    with Scratch(cache):
         yield cache
-    finally:
-        for layer, point in zip(cache.layers, points, strict=True):
-            if isinstance(point, dict):
-                layer.rewind(point)
-            else:
-                vars(layer).clear()
-                vars(layer).update(vars(point))
 
 
 def _detached_copy(layer):

@@ -12,7 +12,9 @@ from kvpress import KVzipPress
 from kvpress.eval.bench_core import kvzip_scoring_peak
 from kvpress.eval.sweep import run_sweep
 from kvpress.patches import blocked_attention as blocked
+from kvpress.presses import kvzip
 from kvpress.presses.kvzip import LEAD_IN, reconstruction_scores
+from kvpress.presses.prepared import PromptAttention
 from kvpress.recording import compress_recording, record_prefill
 from tiny import prompt, tiny_model
 
@@ -60,25 +62,39 @@ def test_scores_are_the_peak_attention_of_the_reconstruction(family, with_output
         torch.testing.assert_close(peak, expected, atol=1e-5, rtol=1e-4)
 
 
-def test_long_contexts_are_rebuilt_a_chunk_a_pass_in_the_cache_itself_which_is_put_back():
+@pytest.mark.parametrize("piece_size", [None, 5])
+def test_long_contexts_are_rebuilt_a_chunk_a_pass_in_the_cache_itself_which_is_put_back(piece_size, monkeypatch):
+    """A pass of 27 tokens (the request, a lead-in of 8, a chunk of 16) over a cache of 40, fed in one forward or in
+    pieces of 5 (2 first, then 5 at a time): in its last piece each layer drops the pass right after its attention."""
     model = tiny_model("llama", attn="eager")
     ids = prompt(1, 40)
     recording = record_prefill(model, ids)
     cache = recording.cache
     before = copy.deepcopy(cache)
-    held = []  # tokens each layer holds whenever attention runs, and whether it runs on the caller's cache
+    held = []  # at each layer's observation: the layer, the tokens each layer holds, whether it is the caller's cache
+    observed = PromptAttention.__call__
 
-    def watch(module, args, kwargs, out):
-        held.append((kwargs["cache"] is cache, cache.layers[module.layer_idx].n))
+    def watch(self, obs):
+        held.append((obs.layer_idx, [layer.n for layer in cache.layers], obs.layer is cache.layers[obs.layer_idx]))
+        return observed(self, obs)
 
-    hooks = [layer.self_attn.register_forward_hook(watch, with_kwargs=True) for layer in model.model.layers]
-    try:
-        scores = reconstruction_scores(model, cache, ids, REPEAT, chunk_size=16, piece_size=5)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    assert all(same for same, _ in held)  # no copy of the cache
-    assert max(n for _, n in held) == 40 + 3 + LEAD_IN + 16  # the context plus one pass, never two
+    monkeypatch.setattr(PromptAttention, "__call__", watch)
+    scores = reconstruction_scores(model, cache, ids, REPEAT, chunk_size=16, piece_size=piece_size)
+    monkeypatch.undo()
+    assert all(same for *_, same in held)  # no copy of the cache
+    passes = [19, 27, 19]  # the request (3) and the chunks 0-16 (no lead-in), 16-32 and 32-40 (a lead-in of 8)
+    ends = {19: [19], 27: [27]} if piece_size is None else {19: [4, 9, 14, 19], 27: [2, 7, 12, 17, 22, 27]}
+    fed = [(40 + begin, 40 + end, end == p) for p in passes for begin, end in zip([0, *ends[p]], ends[p], strict=False)]
+    layers = len(cache.layers)
+    assert len(held) == len(fed) * layers
+    for i, (idx, ns, _) in enumerate(held):
+        start, end, last = fed[i // layers]
+        assert ns[idx] == end  # the observed layer holds the context, the pass so far and this piece
+        assert all(n == (40 if last else end) for n in ns[:idx])  # before it: dropped in a pass's last piece
+        assert all(n == start for n in ns[idx + 1 :])  # after it: what the pass's earlier pieces left
+    assert max(max(ns) for _, ns, _ in held) == 40 + 3 + LEAD_IN + 16  # the context plus one pass, never two
+    if piece_size is None:  # one forward a pass: the context plus one layer's pass at a time
+        assert max(sum(ns) for _, ns, _ in held) == 40 * layers + 3 + LEAD_IN + 16
     expected = None  # the peak over three passes, each over the context alone: the request, a lead-in, a chunk
     for start in (0, 16, 32):
         fed = torch.cat([REPEAT, ids[:, max(0, start - LEAD_IN) : start + 16]], dim=-1)
@@ -92,21 +108,20 @@ def test_long_contexts_are_rebuilt_a_chunk_a_pass_in_the_cache_itself_which_is_p
         assert layer.n == layer.seen == layer.keys.shape[2] == 40 and torch.equal(layer.pos, kept.pos)
         assert torch.equal(layer.real_seen, kept.real_seen) and layer.pending == 0
 
-    def fail_in_second_pass(module, args, kwargs, out):
-        if cache.layers[module.layer_idx].n > 40 + 3 + 16:
+    def fail_in_second_pass(self, obs):  # in layer 1's attention, which holds the pass so far
+        if obs.layer_idx == 1 and cache.layers[1].n > 40 + 3 + 16:
             raise RuntimeError("boom")
+        return observed(self, obs)
 
-    hook = model.model.layers[1].self_attn.register_forward_hook(fail_in_second_pass, with_kwargs=True)
-    try:
-        with pytest.raises(RuntimeError, match="boom"):
-            reconstruction_scores(model, cache, ids, REPEAT, chunk_size=16)
-    finally:
-        hook.remove()
+    monkeypatch.setattr(PromptAttention, "__call__", fail_in_second_pass)
+    with pytest.raises(RuntimeError, match="boom"):
+        reconstruction_scores(model, cache, ids, REPEAT, chunk_size=16, piece_size=piece_size)
+    monkeypatch.undo()
     for layer, kept in zip(cache.layers, before.layers, strict=True):  # put back when a forward raised too
         assert torch.equal(layer.keys, kept.keys) and layer.n == layer.seen == 40 and layer.pending == 0
     assert model(ids[:, -1:], cache=cache).logits.isfinite().all()  # and it can be continued
-    # what `make bench` reports: the cache's peak over the full cache's bytes, a whole 40-token pass on top
-    assert kvzip_scoring_peak(model, _Tokenizer(), ids) == pytest.approx((40 + 3 + 40) / 40, rel=0.01)  # not 3x
+    # what `make bench` reports: the cache's peak over the full cache's bytes, one layer's 43-token pass on top
+    assert kvzip_scoring_peak(model, _Tokenizer(), ids) == pytest.approx((40 * layers + 43) / (40 * layers), rel=0.01)
 
 
 def test_compressed_once_cached_keeping_the_top_scores():
@@ -218,3 +233,30 @@ def test_value_norm_weights_each_score_by_its_value():
         assert not torch.equal(kept, scores[idx][0].topk(20, dim=-1).indices.sort(dim=-1).values)
     with pytest.raises(ValueError, match="value_norm must be true or false"):
         KVzipPress(0.5, value_norm="yes")
+
+
+def test_a_piece_size_that_is_not_a_positive_count_is_refused():
+    model = tiny_model("llama", attn="eager")
+    ids = prompt(1, 20)
+    recording = record_prefill(model, ids)
+    for bad in (0, -3, 2.5, True, "whole"):
+        with pytest.raises(ValueError, match=r"piece_size must be a positive number of tokens, None .* or .auto., got"):
+            reconstruction_scores(model, recording.cache, ids, REPEAT, piece_size=bad)
+
+
+def test_a_pass_is_one_forward_where_a_tokens_keys_and_values_outweigh_its_activations(monkeypatch):
+    """`piece_size="auto"`: the tiny Llama's token holds 2 layers x 2 KV heads x 16 x 2 = 128 values of keys and
+    values against 3 x 128 of MLP activations: pieces; with an intermediate size of 32, one forward a pass."""
+    monkeypatch.setattr(kvzip, "PIECE", 5)
+    for overrides, forwards in (({}, 4 + 6 + 4), ({"intermediate_size": 32}, 3)):  # passes of 19, 27, 19 tokens
+        model = tiny_model("llama", attn="eager", **overrides)
+        assert kvzip.pass_pieces(model) == (5 if not overrides else None)
+        ids = prompt(1, 40)
+        recording = record_prefill(model, ids)
+        calls = []
+        hook = model.register_forward_pre_hook(lambda module, args, calls=calls: calls.append(1))
+        try:
+            reconstruction_scores(model, recording.cache, ids, REPEAT, chunk_size=16)
+        finally:
+            hook.remove()
+        assert len(calls) == forwards

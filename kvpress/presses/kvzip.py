@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from kvpress.engine import observe
-from kvpress.patches.cache import scratch
+from kvpress.patches import model_access
+from kvpress.patches.cache import Scratch
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.presses.base import BasePress, Observation, scaled_to_peak
 from kvpress.presses.prepared import PromptAttention, at_held_slots, check_prepared
@@ -34,8 +35,8 @@ class KVzipPress(BasePress):
         compression_ratio / max_tokens: the budget (see `BasePress`).
         prompt: the repeat request fed between the cached context and its copy.
         reconstruction_chunk: context tokens rebuilt per pass (default 2048; the paper's ~2K): each pass
-            is dropped before the next, so scoring holds the cache plus one pass (forwards of 512 tokens
-            bound the attention matrix).
+            is dropped before the next, each layer dropping it right after its attention in the pass's last
+            forward (`reconstruction_scores`), so scoring holds the cache plus at most one pass.
         n_sink: leading tokens always kept (default 0: the attention sink scores high anyway).
         window_size: last context tokens always kept (default 16; the paper keeps none).
         global_budget: the fraction g in [0, 1] of the budget spread across layers by ranking every
@@ -67,9 +68,11 @@ class KVzipPress(BasePress):
     seen, so a chunked prefill holds at most the budget plus one chunk (and one pass while scoring); under AdaKV
     the pass reads the head-wise layers padded (`HeadwiseLayer.as_dense`) and each (row, KV head) keeps its own.
     Chunks see only what came before them: a cache prefilled in chunks differs from one scored whole.
-    Cost: one more forward of the prompt and the context over the cached context, which holds at most one
-    pass more (the prompt and `reconstruction_chunk` tokens); its full-attention layers compute their weights once,
-    for their output and the scores (`PromptAttention.weights_block`). The prefill's own queries are not read
+    Cost: one more forward of the prompt and the context over the cached context: a pass (the request, 8 tokens of
+    lead-in and `reconstruction_chunk` tokens, or the chunk fed) in one forward where that holds less (each layer
+    then holds its pass only during its attention), else in pieces of 512 (`pass_pieces`), never longer than the
+    forward that fed those tokens plus the request. Its full-attention layers compute their weights once, for
+    their output and the scores (`PromptAttention.weights_block`). The prefill's own queries are not read
     (`reads_queries`), so a live prefill keeps none of them for it.
     """
 
@@ -183,6 +186,31 @@ def _held(layer, like: torch.Tensor) -> torch.Tensor:
     return held
 
 
+class _Released:
+    """An observer: while a pass's last piece is fed (`scratch` set), each layer drops the pass right after its
+    attention, since no later piece reads it; the cache then holds one layer's pass at a time, not every layer's."""
+
+    scratch: Scratch | None = None
+
+    def __call__(self, obs: Observation) -> None:
+        if self.scratch is not None:
+            self.scratch.release(obs.layer_idx)
+
+
+PIECE = 512  # tokens a forward where a pass is fed in pieces (`pass_pieces`)
+
+
+def pass_pieces(model: nn.Module) -> int | None:
+    """Tokens a forward of a reconstruction pass: None (the pass in one forward) where a token's keys and values
+    over every layer weigh at least its MLP activations (three vectors of the intermediate size), since each layer
+    drops the pass right after its attention (SmolLM2-135M: 30 layers of 3 KV heads of 64 against 3 x 1,536);
+    `PIECE` where a long forward's activations weigh more than what the pieces leave in every layer (Qwen2.5-0.5B:
+    24 layers of 2 KV heads of 64 against 3 x 4,864)."""
+    config = model_access.text_config(model)
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * model_access.head_dim(model)
+    return None if kv >= 3 * getattr(config, "intermediate_size", 0) else PIECE
+
+
 LEAD_IN = 8  # context tokens before a pass's chunk fed again after the request, so the model knows where to resume
 
 
@@ -193,22 +221,28 @@ def reconstruction_scores(
     context_ids: torch.Tensor,
     prompt_ids: torch.Tensor,
     chunk_size: int = 2048,
-    piece_size: int = 512,
+    piece_size: int | str | None = "auto",
     lead_in: torch.Tensor | None = None,
     from_output: bool = True,
 ) -> dict[int, torch.Tensor]:
     """KVzip's importance of each cached context token, per compressible layer `[B, Hkv, n]`: the peak
     attention paid to it while the model rebuilds the context after the request `prompt_ids`. As in the
     paper's scoring of long contexts, each pass rebuilds `chunk_size` context tokens (the request, the
-    `LEAD_IN` tokens before the chunk, the chunk), fed `piece_size` tokens a forward over the cached
-    context, and is dropped before the next: `cache` (holding exactly the context, nothing evicted) holds
-    at most the context plus one pass, no copy of it, and is left as it was.
+    `LEAD_IN` tokens before the chunk, the chunk), fed `piece_size` tokens a forward over the cached context (the
+    shortest piece first; None: the pass in one forward; "auto", the default: whichever holds less on this model,
+    `pass_pieces`), and is dropped before the next: in its last forward each layer drops it right after its
+    attention. `cache` (holding exactly the context, nothing evicted) holds at most the context plus one pass (plus
+    one layer's pass, fed in one forward), no copy of it, and is left as it was.
 
     `lead_in`: `context_ids` are the last tokens the cache has seen, after tokens it has compressed already, of
     which `lead_in` are the last ids (a later chunk of a chunked prefill); only `context_ids` are rebuilt, and
     the scores are per position of every token seen `[B, Hkv, seen]`, 0 where a layer no longer holds it.
     `from_output`: full-attention layers compute the pass's attention weights once, for their output and the scores
     (False: the scores compute them again, as sliding-window layers do; what `make bench` compares against)."""
+    if piece_size not in (None, "auto") and (isinstance(piece_size, bool) or not isinstance(piece_size, int)
+                                             or piece_size < 1):  # fmt: skip
+        raise ValueError(f"piece_size must be a positive number of tokens, None (one forward) or 'auto', got "
+                         f"{piece_size!r}")  # fmt: skip
     n = context_ids.shape[1]
     seen = n
     if lead_in is None:
@@ -231,12 +265,18 @@ def reconstruction_scores(
     observer = PromptAttention(n_prompt=seen, by_position=lead_in is not None, from_output=from_output)
     prompt = prompt_ids.expand(context_ids.shape[0], -1)
     before = context_ids[:, :0] if lead_in is None else lead_in
-    with observe(model, observer):
+    piece_size = pass_pieces(model) if piece_size == "auto" else piece_size
+    released = _Released()
+    with observe(model, observer, released):
         for start in range(0, n, chunk_size):
             lead = torch.cat([before, context_ids[:, max(0, start - LEAD_IN) : start]], dim=-1)
             lead = lead[:, max(0, lead.shape[1] - LEAD_IN) :]
             ids = torch.cat([prompt, lead, context_ids[:, start : start + chunk_size]], dim=-1)
-            with scratch(cache):
-                for piece in range(0, ids.shape[1], piece_size):
-                    model(ids[:, piece : piece + piece_size], cache=cache, use_cache=True, logits_to_keep=1)
+            step = min(piece_size or ids.shape[1], ids.shape[1])
+            ends = range(ids.shape[1] % step or step, ids.shape[1] + 1, step)  # the shortest piece first
+            with Scratch(cache) as pass_:
+                for begin, end in zip([0, *ends], ends, strict=False):
+                    released.scratch = pass_ if end == ids.shape[1] else None
+                    model(ids[:, begin:end], cache=cache, use_cache=True, logits_to_keep=1)
+                released.scratch = None
     return observer.peaks

@@ -53,6 +53,7 @@ class PromptAttention:
             peak = chunk_peak if peak is None else torch.maximum(peak, chunk_peak)
             total = chunk_total if total is None else total + chunk_total
             count += probs.shape[2] * probs.shape[3]
+            del probs  # freed before the next block's are computed
         self._add(obs, peak, total, count)
 
     def _add(self, obs: Observation, peak: torch.Tensor, total: torch.Tensor, count: int) -> None:
