@@ -628,7 +628,8 @@ class Scratch:
     full attention (`PressedLayer`, `HeadwiseLayer`) drops what was appended (no copy of what it holds); any other
     layer (a sliding window, which also drops what leaves the window: bounded) is restored from a copy taken on entry.
     `release(idx)` puts layer `idx` back at once: a pass fed in one forward needs a layer's own tokens only in that
-    layer's attention, so releasing each right after it holds one layer's pass at a time, not every layer's."""
+    layer's attention, so releasing each right after it holds one layer's pass at a time, not every layer's (a layer
+    released before a forward raised is put back again on exit: the intercept marks every layer of a torn cache)."""
 
     def __init__(self, cache: Cache) -> None:
         self.cache = cache

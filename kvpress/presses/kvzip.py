@@ -207,7 +207,8 @@ def pass_pieces(model: nn.Module) -> int | None:
     `PIECE` where a long forward's activations weigh more than what the pieces leave in every layer (Qwen2.5-0.5B:
     24 layers of 2 KV heads of 64 against 3 x 4,864)."""
     config = model_access.text_config(model)
-    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * model_access.head_dim(model)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kv = 2 * config.num_hidden_layers * kv_heads * model_access.head_dim(model)
     return None if kv >= 3 * getattr(config, "intermediate_size", 0) else PIECE
 
 
