@@ -23,6 +23,7 @@ from kvpress.patches.cache import Scratch
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.presses.base import BasePress, Observation, scaled_to_peak
 from kvpress.presses.prepared import PromptAttention, at_held_slots, check_prepared
+from kvpress.shipped import architecture
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
 
@@ -206,10 +207,9 @@ def pass_pieces(model: nn.Module) -> int | None:
     drops the pass right after its attention (SmolLM2-135M: 30 layers of 3 KV heads of 64 against 3 x 1,536);
     `PIECE` where a long forward's activations weigh more than what the pieces leave in every layer (Qwen2.5-0.5B:
     24 layers of 2 KV heads of 64 against 3 x 4,864)."""
-    config = model_access.text_config(model)
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    kv = 2 * config.num_hidden_layers * kv_heads * model_access.head_dim(model)
-    return None if kv >= 3 * getattr(config, "intermediate_size", 0) else PIECE
+    layers, _, kv_heads = architecture(model)
+    kv = 2 * layers * kv_heads * model_access.head_dim(model)
+    return None if kv >= 3 * getattr(model_access.text_config(model), "intermediate_size", 0) else PIECE
 
 
 LEAD_IN = 8  # context tokens before a pass's chunk fed again after the request, so the model knows where to resume
