@@ -1,10 +1,13 @@
 """Memory recorded next to every result: peak resident memory of this process, on a GPU the peak
 allocated CUDA memory (reset per measurement with `reset_cuda_peak`), and the bytes a full KV cache
-would hold (`full_cache_bytes`); `page_in` makes a memory-mapped model's weights resident first.
+would hold (`full_cache_bytes`); `page_in` makes a memory-mapped model's weights resident first; `steady_malloc`
+sets glibc's malloc as it settles in a process that has run a while (for timing after a memory measurement).
 `TensorPeak` counts the most tensor bytes alive at once on any device: a CPU's stand-in for CUDA's peak."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import itertools
 import resource
 import sys
@@ -27,6 +30,25 @@ def page_in(model: nn.Module) -> None:
     with torch.inference_mode():
         for tensor in itertools.chain(model.parameters(), model.buffers()):
             tensor.sum()
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+MMAP_THRESHOLD_MAX = 32 << 20  # the most glibc's dynamic mmap threshold rises to (64-bit builds)
+
+
+def steady_malloc() -> None:
+    """Set glibc's malloc as it settles in a process that has freed a large block: blocks up to 32 MB come from
+    the heap and freed ones are reused (mmap threshold 32 MB, trim threshold 64 MB, where glibc's dynamic
+    thresholds end up). A benchmark child fixes the mmap threshold at 1 MB for a stable memory high-water mark
+    (`bench_long.CHILD_ENV`); timed under that, every block over 1 MB is mapped afresh and each page faulted in
+    on first touch, so a no-press decode step, whose `DynamicCache` copies every layer's keys and values to grow
+    them, takes about twice its time, and a press's step, written in place, does not. Raises RuntimeError where
+    the C library has no glibc `mallopt`."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None or not mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) or not mallopt(
+            M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_MAX):  # fmt: skip
+        raise RuntimeError("steady_malloc needs glibc's mallopt (Linux): this C library has none, or refused it")
 
 
 def reset_cuda_peak() -> None:

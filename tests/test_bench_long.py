@@ -1,9 +1,15 @@
 """The long-context benchmark's plan, one measured configuration (on a tiny model) and its summary."""
 
+import os
+import subprocess
+import sys
+
 import pytest
+import torch
+from transformers import DynamicCache
 
 import kvpress
-from kvpress.eval.bench_long import _key, configurations, main, markdown, measure, summary
+from kvpress.eval.bench_long import CHILD_ENV, _key, configurations, main, markdown, measure, stamped_generate, summary
 
 
 def test_each_press_follows_its_own_no_press_run_and_whole_context_pairs_run_unchunked():
@@ -30,6 +36,8 @@ def test_a_measured_configuration_and_its_ratios(tokenized):
         rows.append(measure({**config, "spec": config["spec"].replace("snapkv", "snapkv:window_size=8")}, model,
                             tokenizer))  # fmt: skip
     one, none, pressed = rows
+    assert {r["decode_malloc"] for r in rows} == {"steady"}  # the setting the decode was timed under, in the key
+    assert _key(none) != _key({k: v for k, v in none.items() if k != "decode_malloc"})
     assert one["length"] == one["chunk"] == 32 and one["cache_bytes"] < none["cache_bytes"]
     assert pressed["cache_bytes"] < none["cache_bytes"] and none["prefill_seconds"] > 0
     assert none["peak_above_model_bytes"] >= 0 and pressed["decode_step_seconds"] > 0
@@ -44,6 +52,37 @@ def test_a_measured_configuration_and_its_ratios(tokenized):
     table = markdown([row])
     memory = "-" if row["memory_ratio"] is None else f"{row['memory_ratio']:.2f}"  # None: no rise to divide by
     assert table.count("\n") == 3 and f"| {memory} | {row['peak_over_bound']:.2f} |" in table
+
+
+def test_after_prefill_runs_once_between_the_prefill_and_the_first_decode_step(tokenized):
+    model, tokenizer = tokenized
+    forwards, calls = [], []  # per forward: the calls made before it; per call: the forwards before it
+    handle = model.register_forward_hook(lambda *_: forwards.append(len(calls)))
+    try:
+        ids = torch.arange(5, 45)[None]
+        prefill, steps = stamped_generate(model, tokenizer, ids, DynamicCache(config=model.config), 3, None,
+                                          after_prefill=lambda: calls.append(len(forwards)))  # fmt: skip
+    finally:
+        handle.remove()
+    assert calls == [1] and forwards == [0, 1, 1, 1] and len(steps) == 3 and min(steps) > 0 and prefill > 0
+
+
+def test_steady_malloc_reuses_freed_blocks_where_the_child_environment_maps_each_afresh():
+    """A child's fixed 1 MB mmap threshold faults every page of every large block in afresh (what made no press's
+    decode step, which copies its cache to grow it, twice as slow); after `steady_malloc`, freed blocks are reused."""
+    code = (
+        "import resource, torch\n"
+        "from kvpress.eval.memory import steady_malloc\n"
+        "def faults():\n"
+        "    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "    for _ in range(8): torch.ones(2**21).sum()\n"  # 8 MB blocks, each written
+        "    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before\n"
+        "faults(); mapped = faults(); steady_malloc(); faults(); print(mapped, faults())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, **CHILD_ENV}).stdout  # fmt: skip
+    mapped, steady = map(int, out.split())
+    assert mapped >= 8 * 1000 and steady < mapped / 10  # 2,048 pages of 4 KB a block, against a few
 
 
 @pytest.mark.parametrize("argv", [["--models", "qwen2.5-0.5b:4k"], ["--presses", "nosuch"], ["--decode-steps", "1"]])
