@@ -85,8 +85,9 @@ def measure(config: dict, model=None, tokenizer=None) -> dict:
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts from the loaded model
     base = _status("VmRSS")
     with torch.inference_mode(), maybe_installed(press, model, tokenizer):
+        steady = config.get("decode_malloc") == "steady"
         prefill, steps = stamped_generate(model, tokenizer, ids, cache, config["steps"], config["chunk"],
-                                          after_prefill=steady_malloc)  # fmt: skip
+                                          after_prefill=steady_malloc if steady else None)  # fmt: skip
     return {**config, "peak_above_model_bytes": _status("VmHWM") - base,
             "cache_bytes": kvpress.cache_bytes(cache), "weight_bytes": weights, "prefill_seconds": prefill,
             "decode_step_seconds": statistics.median(steps), "threads": torch.get_num_threads()}  # fmt: skip
@@ -128,22 +129,25 @@ def _key(row: dict) -> tuple:
             row.get("chunk"), row.get("decode_malloc"))
 
 
-def configurations(plan: dict, presses: list[str], ratios: list[float], chunk, steps: int) -> list[dict]:
+def configurations(plan: dict, presses: list[str], ratios: list[float], chunk, steps: int,
+                   decode_malloc: str | None = None) -> list[dict]:  # fmt: skip
     """In run order: per model its one-chunk run (with `chunk`), then for each length and (press, ratio), the
     no-press run it pairs with, then it. `spec` is the press run (`default`: the model's own); a pair whose press
-    scores the whole prompt and refuses later chunks runs unchunked, its no-press run too."""
+    scores the whole prompt and refuses later chunks runs unchunked, its no-press run too. `decode_malloc`
+    ("steady": `measure` times the decode under `steady_malloc`) is written into each run where given."""
     runs = []
+    timing = {} if decode_malloc is None else {"decode_malloc": decode_malloc}
     for model, lengths in plan.items():
         if chunk:
             runs.append({"model": model, "length": chunk, "chunk": chunk, "steps": steps, "press": "none",
-                         "spec": "none", "ratio": 0.0, "pairs_with": "one-chunk", "decode_malloc": DECODE_MALLOC})
+                         "spec": "none", "ratio": 0.0, "pairs_with": "one-chunk", **timing})  # fmt: skip
         for press in presses:
             spec = (default_for(model) or kvpress.DEFAULT_PRESS) if press == "default" else press
             whole = kvpress.press_from_name(spec, compression_ratio=0.5).refuses_chunks  # KVzip scores each chunk
             for length in lengths:
                 for ratio in ratios:
                     common = {"model": model, "length": length, "chunk": None if whole else chunk, "steps": steps,
-                              "decode_malloc": DECODE_MALLOC}  # fmt: skip
+                              **timing}  # fmt: skip
                     runs.append({**common, "press": "none", "spec": "none", "ratio": 0.0,
                                  "pairs_with": f"{press}@{ratio}"})  # fmt: skip
                     runs.append({**common, "press": press, "spec": spec, "ratio": ratio, "pairs_with": None})
@@ -257,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [float(r) for r in args.ratios.split(",")]
         if args.decode_steps < 2 or args.chunk < 0:
             raise ValueError("--decode-steps must be >= 2 and --chunk >= 0")
-        runs = configurations(plan, args.presses.split(","), ratios, args.chunk or None, args.decode_steps)
+        runs = configurations(plan, args.presses.split(","), ratios, args.chunk or None, args.decode_steps,
+                              DECODE_MALLOC)  # fmt: skip
     except ValueError as err:
         print(f"kvpress bench-long: {err} (--models is model:length,length;model:...)", file=sys.stderr)
         return 2

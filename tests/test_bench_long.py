@@ -9,7 +9,17 @@ import torch
 from transformers import DynamicCache
 
 import kvpress
-from kvpress.eval.bench_long import CHILD_ENV, _key, configurations, main, markdown, measure, stamped_generate, summary
+from kvpress.eval.bench_long import (
+    CHILD_ENV,
+    DECODE_MALLOC,
+    _key,
+    configurations,
+    main,
+    markdown,
+    measure,
+    stamped_generate,
+    summary,
+)
 
 
 def test_each_press_follows_its_own_no_press_run_and_whole_context_pairs_run_unchunked():
@@ -25,6 +35,9 @@ def test_each_press_follows_its_own_no_press_run_and_whole_context_pairs_run_unc
     ]  # fmt: skip
     unchunked = configurations({"qwen2.5-0.5b": (4096, 8192)}, ["snapkv", "lookahead", "kvzip"], [0.5], None, 8)
     assert {_key(r) for r in unchunked} & {_key(r) for r in runs} == {_key(r) for r in runs if r["chunk"] is None}
+    assert not any("decode_malloc" in r for r in runs)  # as bench_gpu plans them: no glibc setting for its decode
+    timed = configurations({"qwen2.5-0.5b": (4096,)}, ["snapkv"], [0.5], 1024, 8, DECODE_MALLOC)
+    assert {r["decode_malloc"] for r in timed} == {"steady"}
     default = configurations({"qwen2.5-0.5b": (4096,)}, ["default"], [0.5], None, 8)[1]
     assert default["press"] == "default" and default["spec"] == kvpress.presses.defaults.default_for("qwen2.5-0.5b")
 
@@ -32,7 +45,7 @@ def test_each_press_follows_its_own_no_press_run_and_whole_context_pairs_run_unc
 def test_a_measured_configuration_and_its_ratios(tokenized):
     model, tokenizer = tokenized
     rows = []
-    for config in configurations({"tiny": (96,)}, ["snapkv"], [0.5], 32, 3):
+    for config in configurations({"tiny": (96,)}, ["snapkv"], [0.5], 32, 3, DECODE_MALLOC):
         rows.append(measure({**config, "spec": config["spec"].replace("snapkv", "snapkv:window_size=8")}, model,
                             tokenizer))  # fmt: skip
     one, none, pressed = rows
