@@ -85,7 +85,7 @@ def measure(config: dict, model=None, tokenizer=None) -> dict:
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts from the loaded model
     base = _status("VmRSS")
     with torch.inference_mode(), maybe_installed(press, model, tokenizer):
-        steady = config.get("decode_malloc") == "steady"
+        steady = config.get("decode_malloc") == DECODE_MALLOC
         prefill, steps = stamped_generate(model, tokenizer, ids, cache, config["steps"], config["chunk"],
                                           after_prefill=steady_malloc if steady else None)  # fmt: skip
     return {**config, "peak_above_model_bytes": _status("VmHWM") - base,
