@@ -22,10 +22,9 @@ chunk's activations and cache, so a chunked press's peak is set against `bound` 
 (what a prefill that evicts after every chunk should stay within). Children run with glibc's mmap threshold
 fixed at 1 MB (`MALLOC_MMAP_THRESHOLD_`): freed tensors then leave the process at once; without it the
 high-water mark of three identical no-press runs wandered from 234 to 512 MB (Qwen2.5-0.5B, 4K). Once the prefill
-ends, a child sets malloc as a process that has run a while has it (`eval/memory.steady_malloc`) and the decode
-steps are timed under that: with the 1 MB threshold every block over 1 MB is mapped and faulted in afresh, and
-no press's step, which copies every layer's cache to grow it, took twice its time (rows of `decode_malloc`
-"steady"; rows without it, measured before, are not reused). The prefill is still timed under the fixed
+ends, a child sets malloc as a process that has run a while has it and times the decode steps under that
+(`eval/memory.steady_malloc` says why; rows of `decode_malloc` "steady", and rows without it, measured before,
+are not reused). The prefill is still timed under the fixed
 threshold, which slows a press's prefill more than no press's (SmolLM2 at 4K: 0.93 against 0.83 in a probe), so
 its ratio errs high.
 """
@@ -99,27 +98,29 @@ def stamped_generate(model, tokenizer, ids: torch.Tensor, cache, steps: int, chu
     `prefill_chunk_size=chunk`: the seconds to the first token (the prefill) and of each decode step, each time
     taken once the device has finished its work. `after_prefill` is called once the prefill is timed, before the
     first decode step starts."""
-    stamps: list[float] = []  # the prefill's end, then each step's
+    stamps: list[float] = []  # when each step started (the first once `after_prefill` returned), then the last's end
+    prefill_end = 0.0
     cuda = ids.device.type == "cuda"
-    paused = 0.0  # seconds in `after_prefill`, timed as neither
 
     class Stamp(StoppingCriteria):  # called once per generated token: the first call ends the prefill
         def __call__(self, input_ids, scores, **kwargs):
+            nonlocal prefill_end
             if cuda:
                 torch.cuda.synchronize()
-            nonlocal paused
-            stamps.append(time.perf_counter())
-            if len(stamps) == 1 and after_prefill is not None:
-                after_prefill()
-                paused = time.perf_counter() - stamps[0]
+            now = time.perf_counter()
+            if not stamps:
+                prefill_end = now
+                if after_prefill is not None:
+                    after_prefill()
+                    now = time.perf_counter()
+            stamps.append(now)
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     start = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=steps + 1,
                    min_new_tokens=steps + 1, do_sample=False, pad_token_id=tokenizer.eos_token_id,
                    prefill_chunk_size=chunk, stopping_criteria=StoppingCriteriaList([Stamp()]))  # fmt: skip
-    steps_seconds = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-    return stamps[0] - start, [steps_seconds[0] - paused, *steps_seconds[1:]]
+    return prefill_end - start, [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
 def _key(row: dict) -> tuple:
