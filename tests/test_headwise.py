@@ -304,21 +304,34 @@ def test_adakv_wraps_per_layer_budgets():
 # ----- DuoAttention ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_duo_streaming_heads_stay_bounded(attn):
+    """Streaming heads hold their 4 sinks and the last 16 tokens, whatever the row; retrieval heads everything."""
     model = tiny_model("llama", attn, num_hidden_layers=4)
     press = DuoAttentionPress(retrieval_fraction=0.5, head_pattern=tiny_pattern(model), n_sink=4, window=16)
-    _, cache = greedy_scores(model, prompt(1, 96), press, new=50)
+    ids = prompt(2, 96)
+    scores, cache = greedy_scores(model, ids, press, new=50)
+    fed = torch.cat([ids, scores[:-1].argmax(-1).T], dim=1)  # the last token generated is not fed back
+    full = DynamicCache(config=model.config)
+    model(fed, cache=full)  # the first layer's keys depend on the tokens alone: the same under any press
     streaming = retrieval = 0
     for i, layer in enumerate(cache.layers):
         rank = press.head_rank(model)[i]
-        lengths = layer.lengths if isinstance(layer, HeadwiseLayer) else [layer.n] * 2
-        for head, n in enumerate(lengths):
+        if not isinstance(layer, HeadwiseLayer):  # every head of it retrieves: it stays dense
+            assert bool((rank < 4).all()) and layer.n == 96 + 49
+            retrieval += 2 * 2
+            continue
+        for pair, n in enumerate(layer.lengths):
+            row, head = divmod(pair, layer.heads)
+            pos = layer.slot("pos", row, head).long()
             if rank[head] < 4:  # half of the 8 (layer, head) pairs
                 retrieval += 1
-                assert n == 96 + 49
+                assert n == 96 + 49 and pos.tolist() == list(range(145))
             else:
                 streaming += 1
-                assert n == 20
-    assert streaming == retrieval == 4
+                assert n == 20 and pos.tolist() == [0, 1, 2, 3, *range(145 - 16, 145)]
+            if i == 0:
+                torch.testing.assert_close(layer.slot("keys", row, head), full.layers[0].keys[row, head, pos])
+                torch.testing.assert_close(layer.slot("values", row, head), full.layers[0].values[row, head, pos])
+    assert streaming == retrieval == 8
 
 
 @pytest.mark.parametrize("inner", ["snapkv", "h2o"])

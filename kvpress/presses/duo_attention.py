@@ -231,8 +231,5 @@ class DuoAttentionPress(HeadwisePress):
                     order = (~kept).to(torch.uint8).argsort(stable=True)  # the kept slots first, in order
                     layer.keep(row, head, order[: int(target[0])])
         stream = self.n_sink + self.window
-        for row, head in (layer.head_budget >= 0).nonzero().tolist():
-            n = layer.lengths[row * layer.heads + head]
-            if n > stream:  # its sinks are its first n_sink slots (held since the split, the first positions)
-                ahead = torch.arange(self.n_sink, device=layer.device)
-                layer.keep(row, head, torch.cat([ahead, torch.arange(n - self.window, n, device=layer.device)]))
+        over = [i for i in (layer.head_budget >= 0).flatten().nonzero().flatten().tolist() if layer.lengths[i] > stream]
+        layer.keep_ends(over, self.n_sink, self.window)  # a head's sinks are its first slots (the first positions)
