@@ -307,16 +307,23 @@ class HeadwiseLayer(DynamicLayer):
 
     def keep_ends(self, pairs: list[int], first: int, last: int) -> None:
         """Keep the first `first` and the last `last` held slots of each pair in `pairs` (`row * heads + head`, each
-        holding more than `first + last`), the last moved up behind the first: `keep` for all of them at once, one
-        indexed copy per kind of state (DuoAttention's streaming heads, at every decoding step)."""
+        holding more than `first + last`), the last moved up behind the first: `keep` for all of them at once
+        (DuoAttention's streaming heads, at every decoding step). Up to two pairs copy slot ranges (two tensor calls
+        per pair and kind of state); more build one index and copy once per kind of state."""
         if not pairs:
             return
         self._fresh = self._appended = None
-        starts = torch.tensor([[self.bounds[i] + first, self.bounds[i] + self.lengths[i] - last] for i in pairs])
-        starts = starts.to(self.device, non_blocking=True)  # per pair: where its last slots go, where they are
-        index = (starts.T[:, :, None] + torch.arange(last, device=self.device)).reshape(2, -1)
-        for t in self.store.values():
-            t.index_copy_(0, index[0], t.index_select(0, index[1]))
+        if len(pairs) <= 2:
+            for i in pairs:
+                to, at = self.bounds[i] + first, self.bounds[i] + self.lengths[i] - last
+                for t in self.store.values():
+                    t[to : to + last] = t[at : at + last].clone()  # the ranges overlap when few slots were added
+        else:
+            starts = torch.tensor([[self.bounds[i] + first, self.bounds[i] + self.lengths[i] - last] for i in pairs])
+            starts = starts.to(self.device, non_blocking=True)  # per pair: where its last slots go, where they are
+            index = (starts.T[:, :, None] + torch.arange(last, device=self.device)).reshape(2, -1)
+            for t in self.store.values():
+                t.index_copy_(0, index[0], t.index_select(0, index[1]))
         for i in pairs:
             self.lengths[i] = first + last
         self._ends = None

@@ -181,6 +181,29 @@ def test_packed_storage_appends_and_evicts_in_place_then_packs_tight():
     step()
 
 
+@pytest.mark.parametrize("pairs", [[4], [0, 5], [1, 2, 4], [0, 2, 3, 5]])  # slot ranges up to two pairs, an index after
+def test_keep_ends_equals_keep_of_each_pair(pairs):
+    torch.manual_seed(0)
+    dense = PressedLayer()
+    dense.update(torch.randn(2, 3, 40, 8), torch.randn(2, 3, 40, 8))
+    keep, new = torch.rand(2, 3, 40) < 0.8, torch.randn(2, 2, 3, 1, 8)
+    layers = [HeadwiseLayer.from_dense(dense, keep) for _ in range(2)]
+    for layer in layers:
+        layer.driven = True
+        layer.update(*new)  # a decoding step's token: the layer makes room after every pair
+        layer.commit()
+    by_keep, by_ends = layers
+    assert torch.equal(by_keep.store["keys"], by_ends.store["keys"]) and by_keep.bounds[1] > by_keep.lengths[0]
+    for i in pairs:
+        n = by_keep.lengths[i]
+        by_keep.keep(*divmod(i, 3), torch.cat([torch.arange(2), torch.arange(n - 5, n)]))
+    by_ends.keep_ends(pairs, 2, 5)
+    assert by_ends.lengths == by_keep.lengths and {by_keep.lengths[i] for i in pairs} == {7}
+    for i in range(6):  # every pair holds the same slots, those trimmed and those not
+        for name in by_keep.store:
+            assert torch.equal(by_ends.slot(name, *divmod(i, 3)), by_keep.slot(name, *divmod(i, 3)))
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("inner", ["snapkv", "h2o"])
