@@ -17,16 +17,15 @@ as ratios to the paired no-press run, and the decode byte limit: a step reads th
 so (weights + kept KV bytes) / (weights + full KV bytes) is the smallest step ratio eviction can give.
 `long.png` plots the memory and decode ratios against the context length; `long.md` is the table of `long.json`.
 
-With chunks, each model also runs one chunk alone with no press (`pairs_with` "one-chunk"): its peak is one
-chunk's activations and cache, so a chunked press's peak is set against `bound` = its own cache + that peak
-(what a prefill that evicts after every chunk should stay within). Children run with glibc's mmap threshold
-fixed at 1 MB (`MALLOC_MMAP_THRESHOLD_`): freed tensors then leave the process at once; without it the
-high-water mark of three identical no-press runs wandered from 234 to 512 MB (Qwen2.5-0.5B, 4K). Once the prefill
-ends, a child sets malloc as a process that has run a while has it and times the decode steps under that
-(`eval/memory.steady_malloc` says why; rows of `decode_malloc` "steady", and rows without it, measured before,
-are not reused). The prefill is still timed under the fixed
-threshold, which slows a press's prefill more than no press's (SmolLM2 at 4K: 0.93 against 0.83 in a probe), so
-its ratio errs high.
+With chunks, each model also runs one chunk alone with no press (`pairs_with` "one-chunk", `ONE_CHUNK_RUNS`
+times): its peak is one chunk's activations and cache, so a chunked press's peak is set against `bound` = its own
+cache + the median of those peaks (what a prefill that evicts after every chunk should stay within). Children run
+with glibc's mmap threshold fixed at 1 MB (`MALLOC_MMAP_THRESHOLD_`): freed tensors then leave the process at once;
+without it the high-water mark of three identical no-press runs wandered from 234 to 512 MB (Qwen2.5-0.5B, 4K).
+Once the prefill ends, a child sets malloc as a process that has run a while has it and times the decode steps
+under that (`eval/memory.steady_malloc` says why; rows of `decode_malloc` "steady", and rows without it, measured
+before, are not reused). The prefill is still timed under the fixed threshold, which slows a press's prefill more
+than no press's (SmolLM2 at 4K: 0.93 against 0.83 in a probe), so its ratio errs high.
 """
 
 from __future__ import annotations
@@ -57,6 +56,7 @@ PRESSES = "snapkv,adakv,duo-attention,default,h2o"  # dense, head-wise, DuoAtten
 RESULTS = Path(__file__).parent / "results"
 CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576"}  # tensors freed go back to the system: a stable high-water mark
 DECODE_MALLOC = "steady"  # decode steps timed under `steady_malloc` (rows without it were timed under CHILD_ENV's)
+ONE_CHUNK_RUNS = 3  # the bound's one-chunk peak is the median of this many runs (one run's moved 18-27% between runs)
 
 
 def _status(field: str) -> int:
@@ -127,21 +127,25 @@ def _key(row: dict) -> tuple:
     """What makes a run the same run: a row measured with another chunk size, or decode timed under another
     malloc setting, is not reused."""
     return (row["model"], row["length"], row["press"], row["ratio"], row.get("pairs_with"), row["steps"],
-            row.get("chunk"), row.get("decode_malloc"))
+            row.get("chunk"), row.get("decode_malloc"), row.get("repeat"))
 
 
 def configurations(plan: dict, presses: list[str], ratios: list[float], chunk, steps: int,
-                   decode_malloc: str | None = None) -> list[dict]:  # fmt: skip
-    """In run order: per model its one-chunk run (with `chunk`), then for each length and (press, ratio), the
-    no-press run it pairs with, then it. `spec` is the press run (`default`: the model's own); a pair whose press
-    scores the whole prompt and refuses later chunks runs unchunked, its no-press run too. `decode_malloc`
-    ("steady": `measure` times the decode under `steady_malloc`) is written into each run where given."""
+                   decode_malloc: str | None = None, one_chunk_runs: int = 1) -> list[dict]:  # fmt: skip
+    """In run order: per model its one-chunk runs (with `chunk`; numbered by `repeat` when more than one), then
+    for each length and (press, ratio), the no-press run it pairs with, then it. `spec` is the press run
+    (`default`: the model's own); a pair whose press scores the whole prompt and refuses later chunks runs
+    unchunked, its no-press run too. `decode_malloc` ("steady": `measure` times the decode under `steady_malloc`)
+    is written into each run where given."""
+    if isinstance(one_chunk_runs, bool) or not isinstance(one_chunk_runs, int) or one_chunk_runs < 1:
+        raise ValueError(f"one_chunk_runs must be a whole number >= 1, got {one_chunk_runs!r}")
     runs = []
     timing = {} if decode_malloc is None else {"decode_malloc": decode_malloc}
     for model, lengths in plan.items():
-        if chunk:
+        for repeat in range(one_chunk_runs if chunk else 0):
+            numbered = {"repeat": repeat} if one_chunk_runs > 1 else {}
             runs.append({"model": model, "length": chunk, "chunk": chunk, "steps": steps, "press": "none",
-                         "spec": "none", "ratio": 0.0, "pairs_with": "one-chunk", **timing})  # fmt: skip
+                         "spec": "none", "ratio": 0.0, "pairs_with": "one-chunk", **timing, **numbered})  # fmt: skip
         for press in presses:
             spec = (default_for(model) or kvpress.DEFAULT_PRESS) if press == "default" else press
             whole = kvpress.press_from_name(spec, compression_ratio=0.5).refuses_chunks  # KVzip scores each chunk
@@ -156,9 +160,13 @@ def configurations(plan: dict, presses: list[str], ratios: list[float], chunk, s
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """Per press row with its paired no-press row: the ratios and the decode byte limit."""
+    """Per press row with its paired no-press row: the ratios and the decode byte limit; for a chunked press, its
+    peak against its cache + the median peak of the one-chunk runs of its model and chunk."""
     by_key = {_key(r): r for r in rows}
-    chunks = {r["model"]: r for r in rows if r.get("pairs_with") == "one-chunk"}
+    chunks: dict[tuple, list[int]] = {}
+    for r in rows:
+        if r.get("pairs_with") == "one-chunk":
+            chunks.setdefault((r["model"], r["chunk"]), []).append(r["peak_above_model_bytes"])
     out = []
     for row in rows:
         if row["press"] == "none":
@@ -178,10 +186,11 @@ def summary(rows: list[dict]) -> list[dict]:
             "decode_step_ratio": row["decode_step_seconds"] / none["decode_step_seconds"],
             "decode_byte_limit": (w + row["cache_bytes"]) / (w + none["cache_bytes"]),
         })  # fmt: skip
-        one = chunks.get(row["model"])
-        if row["chunk"] and one is not None and one["chunk"] == row["chunk"]:
-            bound = row["cache_bytes"] + one["peak_above_model_bytes"]
-            out[-1].update(bound_mb=bound / 2**20, peak_over_bound=row["peak_above_model_bytes"] / bound)
+        ones = chunks.get((row["model"], row["chunk"]))
+        if row["chunk"] and ones:
+            bound = row["cache_bytes"] + statistics.median(ones)
+            out[-1].update(bound_mb=bound / 2**20, peak_over_bound=row["peak_above_model_bytes"] / bound,
+                           one_chunk_runs=len(ones))  # fmt: skip
     return out
 
 
@@ -263,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.decode_steps < 2 or args.chunk < 0:
             raise ValueError("--decode-steps must be >= 2 and --chunk >= 0")
         runs = configurations(plan, args.presses.split(","), ratios, args.chunk or None, args.decode_steps,
-                              DECODE_MALLOC)  # fmt: skip
+                              DECODE_MALLOC, ONE_CHUNK_RUNS)  # fmt: skip
     except ValueError as err:
         print(f"kvpress bench-long: {err} (--models is model:length,length;model:...)", file=sys.stderr)
         return 2

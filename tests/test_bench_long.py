@@ -35,11 +35,31 @@ def test_each_press_follows_its_own_no_press_run_and_whole_context_pairs_run_unc
     ]  # fmt: skip
     unchunked = configurations({"qwen2.5-0.5b": (4096, 8192)}, ["snapkv", "lookahead", "kvzip"], [0.5], None, 8)
     assert {_key(r) for r in unchunked} & {_key(r) for r in runs} == {_key(r) for r in runs if r["chunk"] is None}
-    assert not any("decode_malloc" in r for r in runs)  # as bench_gpu plans them: no glibc setting for its decode
+    assert not any("decode_malloc" in r or "repeat" in r for r in runs)  # as bench_gpu plans them: one one-chunk run
     timed = configurations({"qwen2.5-0.5b": (4096,)}, ["snapkv"], [0.5], 1024, 8, DECODE_MALLOC)
     assert {r["decode_malloc"] for r in timed} == {"steady"}
     default = configurations({"qwen2.5-0.5b": (4096,)}, ["default"], [0.5], None, 8)[1]
     assert default["press"] == "default" and default["spec"] == kvpress.presses.defaults.default_for("qwen2.5-0.5b")
+
+
+def test_the_bound_takes_the_median_of_repeated_one_chunk_runs():
+    runs = configurations({"m": (64,)}, ["snapkv"], [0.5], 32, 2, one_chunk_runs=3)
+    ones = [r for r in runs if r["pairs_with"] == "one-chunk"]
+    assert [r["repeat"] for r in ones] == [0, 1, 2] and len({_key(r) for r in runs}) == len(runs) == 5
+    assert runs[:3] == ones  # before the pairs
+    measured = {"peak_above_model_bytes": 0, "cache_bytes": 8, "weight_bytes": 10, "prefill_seconds": 1.0,
+                "decode_step_seconds": 0.1}  # fmt: skip
+    rows = [{**r, **measured} for r in runs]
+    for row, peak in zip(rows, (100, 160, 300, 400, 200), strict=True):
+        row["peak_above_model_bytes"] = peak
+    rows[-1]["cache_bytes"] = 40  # the press's
+    (row,) = summary(rows)
+    assert row["one_chunk_runs"] == 3 and row["peak_over_bound"] == 200 / (40 + 160)  # 160: the median of 100-300
+    other_chunk = [*(dict(r, chunk=16) for r in rows[:3]), *rows[3:]]
+    assert "peak_over_bound" not in summary(other_chunk)[0]  # a one-chunk run of another chunk size sets no bound
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="one_chunk_runs must be a whole number >= 1"):
+            configurations({"m": (64,)}, ["snapkv"], [0.5], 32, 2, one_chunk_runs=bad)
 
 
 def test_a_measured_configuration_and_its_ratios(tokenized):
