@@ -310,6 +310,10 @@ class HeadwiseLayer(DynamicLayer):
         holding more than `first + last`), the last moved up behind the first: `keep` for all of them at once
         (DuoAttention's streaming heads, at every decoding step). Up to two pairs copy slot ranges (two tensor calls
         per pair and kind of state); more build one index and copy once per kind of state."""
+        short = [i for i in pairs if self.lengths[i] <= first + last]
+        if short or first < 0 or last < 0:
+            raise ValueError(f"keep_ends keeps the first {first} and last {last} of pairs holding more than both "
+                             f"together (first, last >= 0): pairs {short} hold {[self.lengths[i] for i in short]}")
         if not pairs:
             return
         self._fresh = self._appended = None

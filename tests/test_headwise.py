@@ -202,6 +202,8 @@ def test_keep_ends_equals_keep_of_each_pair(pairs):
     for i in range(6):  # every pair holds the same slots, those trimmed and those not
         for name in by_keep.store:
             assert torch.equal(by_ends.slot(name, *divmod(i, 3)), by_keep.slot(name, *divmod(i, 3)))
+    with pytest.raises(ValueError, match=rf"pairs \[{pairs[0]}\] hold \[7\]"):  # no more than 2 + 5 held
+        by_ends.keep_ends(pairs[:1], 2, 5)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
