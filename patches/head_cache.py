@@ -305,6 +305,31 @@ class HeadwiseLayer(DynamicLayer):
         self.lengths[i] = k
         self._ends = None
 
+    def keep_marked(self, row: int, keep: torch.Tensor) -> None:
+        """Keep, for every KV head of `row`, the held slots `keep` `[heads, n]` marks (head h's j-th held slot: `keep[h,
+        j]`; marks past what a head holds are refused), in order at the front of its segment: `keep` for all of the
+        row's heads at once (AdaKV's eviction while decoding). Only the kept slots behind a head's first evicted one
+        move (one indexed copy per kind of state): a decoding step that evicts a few slots moves few."""
+        h, first = self.heads, row * self.heads
+        if keep.dtype != torch.bool or keep.dim() != 2 or keep.shape[0] != h:
+            raise ValueError(f"keep must be a bool [heads={h}, n] mask, got {keep.dtype} {tuple(keep.shape)}")
+        held, keep = self.lengths[first : first + h], keep.to(self.device)
+        within = torch.arange(keep.shape[1], device=keep.device) < torch.tensor(held, device=keep.device)[:, None]
+        if bool((keep & ~within).any()):
+            raise ValueError(f"keep marks slots past what the heads of row {row} hold ({held})")
+        dropped = within & ~keep
+        shift = dropped.cumsum(-1)  # how many slots before and at each one leave: how far it moves up
+        head, slot = (keep & (shift > 0)).nonzero(as_tuple=True)
+        counts = keep.sum(-1).tolist()  # (a head's slots past the mask's width are not kept)
+        self._fresh = self._appended = None
+        if head.numel():
+            source = torch.tensor(self.bounds[first : first + h], device=keep.device)[head] + slot
+            target = source - shift[head, slot]
+            for t in self.store.values():
+                t.index_copy_(0, target, t.index_select(0, source))
+        self.lengths[first : first + h] = counts
+        self._ends = None
+
     def keep_ends(self, pairs: list[int], first: int, last: int) -> None:
         """Keep the first `first` and the last `last` held slots of each pair in `pairs` (`row * heads + head`, each
         holding more than `first + last`), the last moved up behind the first: `keep` for all of them at once

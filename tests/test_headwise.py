@@ -19,7 +19,7 @@ from kvpress import (
     press_from_name,
 )
 from kvpress.patches.headwise_attention import headwise_attention
-from kvpress.presses.head_budget import allocate
+from kvpress.presses.head_budget import allocate, descending_rank
 from tiny import greedy_scores, left_padded, prompt, tiny_model, tiny_pattern
 
 
@@ -204,6 +204,58 @@ def test_keep_ends_equals_keep_of_each_pair(pairs):
             assert torch.equal(by_ends.slot(name, *divmod(i, 3)), by_keep.slot(name, *divmod(i, 3)))
     with pytest.raises(ValueError, match=rf"pairs \[{pairs[0]}\] hold \[7\]"):  # no more than 2 + 5 held
         by_ends.keep_ends(pairs[:1], 2, 5)
+
+
+@pytest.mark.parametrize("drop", ["none", "one each", "random", "all of a head", "a narrower mask"])
+def test_keep_marked_equals_keep_of_each_head(drop):
+    """`keep_marked` keeps what `keep` head by head keeps, for every row and kind of state, moving only the slots
+    behind a head's first evicted one; marks past what a head holds are refused, nothing moved."""
+    torch.manual_seed(0)
+    dense = PressedLayer()
+    dense.update(torch.randn(2, 3, 40, 8), torch.randn(2, 3, 40, 8))
+    chosen, new = torch.rand(2, 3, 40) < 0.8, torch.randn(2, 2, 3, 1, 8)
+    layers = [HeadwiseLayer.from_dense(dense, chosen) for _ in range(2)]
+    score = torch.rand(layers[0].bounds[-1] + 100)
+    for layer in layers:
+        layer.driven = True
+        layer.update(*new)
+        layer.commit()
+        layer.state("score").copy_(score[: layer.bounds[-1]])  # a press's state moves with its slots
+    by_head, marked = layers
+    n = max(by_head.lengths[3:])
+    held = torch.arange(n) < torch.tensor(by_head.lengths[3:])[:, None]  # row 1's heads
+    keep = {"none": held, "one each": held & (torch.arange(n) != 5), "random": held & (torch.rand(3, n) < 0.7),
+            "all of a head": held & (torch.arange(3) != 1)[:, None],
+            "a narrower mask": held[:, : n - 4]}[drop]  # fmt: skip
+    for head in range(3):
+        by_head.keep(1, head, keep[head].nonzero().squeeze(-1))
+    untouched = {name: t[: marked.bounds[3]].clone() for name, t in marked.store.items()}
+    marked.keep_marked(1, keep)
+    assert marked.lengths == by_head.lengths and marked.lengths[3:] == keep.sum(-1).tolist()  # (slots past a narrower
+    # mask's width are not kept)
+    for i in range(6):
+        for name in by_head.store:
+            assert torch.equal(marked.slot(name, *divmod(i, 3)), by_head.slot(name, *divmod(i, 3)))
+    assert all(torch.equal(marked.store[name][: marked.bounds[3]], t) for name, t in untouched.items())  # row 0
+    past = torch.zeros(3, n + 1, dtype=torch.bool)
+    past[0, marked.lengths[3]] = True
+    before = {name: t.clone() for name, t in marked.store.items()}
+    with pytest.raises(ValueError, match="past what the heads of row 1 hold"):
+        marked.keep_marked(1, past)
+    with pytest.raises(ValueError, match=r"bool \[heads=3, n\] mask"):
+        marked.keep_marked(1, keep[:2])
+    assert all(torch.equal(marked.store[name], t) for name, t in before.items())
+
+
+def test_descending_rank_equals_argsort_of_argsort():
+    torch.manual_seed(0)
+    scores = torch.randn(2, 3, 50)
+    scores[0, 0, :10] = float("inf")  # ties, as protected slots give
+    scores[1, 2, 20:] = float("-inf")
+    rank = descending_rank(scores)
+    order = scores.argsort(dim=-1, descending=True)
+    assert torch.equal(rank, order.argsort(dim=-1))
+    assert torch.equal(rank.sort(dim=-1).values, torch.arange(50).expand(2, 3, 50))  # a permutation per row
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

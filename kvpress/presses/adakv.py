@@ -111,10 +111,7 @@ class HeadSharePress(WrapsPress, HeadwisePress):
             padded = torch.full((1, layer.heads, n), float("-inf"), device=per_head[0].device)
             for head, s in enumerate(per_head):
                 padded[0, head, : s.shape[0]] = s
-            keep = self.allocate_heads(padded, target[row : row + 1], query[row : row + 1])[0]  # [H, n]
-            order = (~keep).to(torch.uint8).argsort(dim=-1, stable=True)  # each head's kept slots first, in order
-            for head, k in enumerate(keep.sum(-1).tolist()):  # one read a row: how many each head keeps
-                layer.keep(row, head, order[head, :k])
+            layer.keep_marked(row, self.allocate_heads(padded, target[row : row + 1], query[row : row + 1])[0])
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 
 from kvpress.patches import model_access
 from kvpress.presses.base import BasePress, Observation
-from kvpress.presses.head_budget import HeadwisePress
+from kvpress.presses.head_budget import HeadwisePress, descending_rank
 from kvpress.presses.wrapping import WrapsPress
 
 
@@ -67,7 +67,7 @@ class CriticalKVPress(WrapsPress, BasePress):
         first = self.protect(obs, attention, budgets)  # the wrapped press's own ranking
         ranked = self.protect(obs, self._weighted(obs, attention), budgets, per_head_scale)
         quota = (budgets.to(first.device, non_blocking=True).double() * self.first_stage_ratio).long()  # [B]
-        rank = first.argsort(dim=-1, descending=True).argsort(dim=-1)
+        rank = descending_rank(first)
         chosen = (rank < quota[:, None, None]) & ranked.isfinite()  # protected (+inf) tokens rank first anyway
         return ranked.masked_fill(chosen, torch.finfo(ranked.dtype).max)  # below the protected ones' +inf
 

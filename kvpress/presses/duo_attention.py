@@ -25,7 +25,7 @@ from kvpress.patches import model_access
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.patterns import check_pattern, find_pattern, load_pattern
 from kvpress.presses.base import BasePress, Observation, _check_ratio, check_field_types
-from kvpress.presses.head_budget import HeadwisePress, head_observation, observe_every_head
+from kvpress.presses.head_budget import HeadwisePress, descending_rank, head_observation, observe_every_head
 from kvpress.presses.wrapping import inner_flag
 
 
@@ -179,7 +179,7 @@ class DuoAttentionPress(HeadwisePress):
         if budget is None:
             budget, target = self._targets(obs)
         scores = self.press.ranked_scores(obs, budget)
-        rank = scores.argsort(dim=-1, descending=True).argsort(dim=-1)
+        rank = descending_rank(scores)
         return (rank < target.to(rank.device, non_blocking=True)[:, None, None]) & (scores > -math.inf)
 
     def observe(self, obs: Observation) -> None:

@@ -86,6 +86,14 @@ def head_observation(
     return obs, view
 
 
+def descending_rank(scores: torch.Tensor) -> torch.Tensor:
+    """Each entry's rank along the last dimension in descending order (0: the largest): `argsort().argsort()` as one
+    sort and a scatter of the ranks into place (the inverse of the sort's permutation: the same ranks)."""
+    order = scores.argsort(dim=-1, descending=True)
+    ranks = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, ranks)
+
+
 def allocate(scores: torch.Tensor, total: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     """Ada-KV's budget allocation: `[B, H, n]` bool keeping, per row, `total[b]` slots across all heads.
 
@@ -94,12 +102,12 @@ def allocate(scores: torch.Tensor, total: torch.Tensor, floor: torch.Tensor) -> 
     """
     b, h, n = scores.shape
     available = scores > -math.inf
-    rank = scores.argsort(dim=-1, descending=True).argsort(dim=-1)
+    rank = descending_rank(scores)
     floor = floor.to(scores.device, non_blocking=True)
     chosen = (rank < floor[:, None, None]) & available
     rest = scores.masked_fill(chosen, -math.inf).reshape(b, h * n)
     remaining = total.to(scores.device, non_blocking=True) - chosen.reshape(b, -1).sum(-1)
-    flat_rank = rest.argsort(dim=-1, descending=True).argsort(dim=-1)
+    flat_rank = descending_rank(rest)
     extra = (flat_rank < remaining[:, None]) & (rest > -math.inf)
     return chosen | extra.view(b, h, n)
 

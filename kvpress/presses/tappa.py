@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpress.presses.adakv import HeadSharePress
+from kvpress.presses.head_budget import descending_rank
 
 
 @dataclass
@@ -59,7 +60,7 @@ class TAPPAPress(HeadSharePress):
             weights = held.double().clamp_min(1e-6)
         floor = torch.maximum((per_head * self.alpha_safeguard).long()[:, None], (scores == math.inf).sum(-1))
         budgets = split_budget(per_head.to(held.device) * h, weights, floor.minimum(held), held)
-        rank = scores.argsort(dim=-1, descending=True).argsort(dim=-1)
+        rank = descending_rank(scores)
         return (rank < budgets[..., None]) & (scores > -math.inf)
 
 
@@ -91,5 +92,5 @@ def split_budget(total: torch.Tensor, weights: torch.Tensor, floor: torch.Tensor
     whole = budgets.floor().long()
     short = total - whole.sum(-1)  # [B] handed one each to the heads with the largest remainders and room left
     remainder = (budgets - whole).masked_fill(whole >= cap, -1.0)
-    order = remainder.argsort(dim=-1, descending=True).argsort(dim=-1)
+    order = descending_rank(remainder)
     return whole + ((order < short[:, None]) & (whole < cap)).long()
