@@ -54,6 +54,23 @@ def word_starts(
     return values, ends[:, None].expand(b, h, q).float()
 
 
+def next_word_starts(
+    edges: torch.Tensor, ids: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, starts: torch.Tensor,
+    ends: torch.Tensor, heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`word_starts` for one new token a row (a decoding step) over packed storage, in fewer tensor calls (it runs in
+    every layer at every step): `ids` `[B, 1]`, `new` `[B * heads]` the slot each (row, KV head) put it in, the slot
+    before it holding that pair's previous token if still held (each pair holds more than the new one); `pos`,
+    `starts`, `ends` the per-slot positions, word starts and endings. Returns the new slots' word starts and endings,
+    `[B * heads]` each."""
+    flags = edges.index_select(0, ids.reshape(-1).to(edges.device).clamp(0, edges.shape[0] - 1))
+    flags = flags.to(new.device).repeat_interleave(heads, 0)  # [B * heads, 2]
+    before = new - 1
+    new_pos = pos.index_select(0, new)
+    joins = (pos.index_select(0, before) == new_pos - 1) & (ends.index_select(0, before) > 0) & (flags[:, 0] > 0)
+    return torch.where(joins, starts.index_select(0, before), new_pos.float()), flags[:, 1].float()
+
+
 def max_over_words(scores: torch.Tensor, starts: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """`[B, H, n]` each slot's score replaced by the best score of a valid slot of its word (`starts`: the position
     its word starts at, per slot); slots that are not `valid` keep their own score and lend it to no one."""

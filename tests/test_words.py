@@ -8,7 +8,7 @@ from transformers import DynamicCache
 import kvpress
 from kvpress import AdaKVPress, KVzapPress
 from kvpress.recording import compress_recording, record_prefill
-from kvpress.words import max_over_words, word_edges, word_starts
+from kvpress.words import max_over_words, next_word_starts, word_edges, word_starts
 from tiny import attention_inputs, join_low_ids, prompt, tiny_model, tiny_scorer
 
 
@@ -54,6 +54,31 @@ def test_the_first_new_token_joins_its_predecessor_only_while_it_is_held():
     assert starts[0].tolist() == [[4.0, 4.0], [6.0, 6.0]]
     starts, _ = word_starts(_edges(), torch.tensor([[1, 2]]), new_pos, held_pos, held_starts, torch.zeros(1, 2, 2))
     assert starts[0].tolist() == [[6.0, 6.0], [6.0, 6.0]]  # the held one ends with punctuation: a new word
+
+
+def test_a_decoding_step_over_packed_slots_finds_the_word_starts_word_starts_does():
+    """`next_word_starts` (one token a row, packed storage) against `word_starts` given each pair's slot before it:
+    predecessors held or evicted, ending with a letter or not, for every token piece."""
+    torch.manual_seed(0)
+    heads, held = 2, [5, 3, 4, 6]  # rows 0 and 1, two KV heads each
+    bounds = [0, 8, 12, 20, 28]
+    pos, starts, ends = torch.zeros(28, dtype=torch.int32), torch.zeros(28), torch.zeros(28)
+    new = torch.tensor([b + n - 1 for b, n in zip(bounds, held, strict=False)])  # each pair's newest slot
+    for i, (b, n) in enumerate(zip(bounds, held, strict=False)):
+        kept = sorted(torch.randperm(8)[: n - 2].tolist())  # old positions 0-7, some evicted
+        pos[b : b + n] = torch.tensor(kept + [9 if i % 2 else 8, 10])  # the one before the new: held or not
+        starts[b : b + n - 1] = torch.tensor([float(p - (p % 3)) for p in pos[b : b + n - 1].tolist()])
+        ends[b : b + n - 1] = torch.randint(0, 2, (n - 1,)).float()
+        ends[b + n - 2] = float(i != 3)  # held and ending with a letter (1), not held (0, 2), held, no letter (3)
+    pos[new] = 10
+    for token in range(8):
+        ids = torch.tensor([[token], [(token + 3) % 8]])
+        word, end = next_word_starts(_edges(), ids, new, pos, starts, ends, heads)
+        view = lambda t: t.index_select(0, new - 1).view(2, heads, 1)  # noqa: E731
+        expected, expected_end = word_starts(_edges(), ids, pos[new].view(2, heads, 1), view(pos), view(starts),
+                                             view(ends))  # fmt: skip
+        assert torch.equal(word, expected.view(-1)) and torch.equal(end, expected_end.view(-1))
+    assert {float(w) for w in word} > {10.0}  # some new tokens joined a held word, some did not
 
 
 def test_each_slot_scores_as_the_best_valid_slot_of_its_word():

@@ -24,7 +24,7 @@ from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.head_budget import head_observation
 from kvpress.presses.snapkv import check_kernel_size, pool_by_position
 from kvpress.scorers import Scorer, find_scorer, load_scorer
-from kvpress.words import max_over_words, word_starts
+from kvpress.words import max_over_words, next_word_starts, word_starts
 
 _SCORE = "kvzap"
 _MASS = "kvzap_mass"
@@ -166,7 +166,13 @@ class KVzapPress(BasePress):
                     obs, _ = head_observation(module, query, layer, i // layer.heads, i % layer.heads)
                     mass[layer.bounds[i] : layer.bounds[i] + layer.lengths[i]] = obs.attention_mass(MASS_BLOCK)[0, 0]
             layer.state(_MASS).add_(mass)
-        if self.whole_words:
+        if self.whole_words and q == 1 and min(layer.lengths) > 1:  # a decoding step: the lean path
+            starts, ends = layer.state(_WORD), layer.state(_WORD_END)
+            word, end = next_word_starts(self._word_edges(module, ids, layer.device), ids, flat, layer.store["pos"],
+                                         starts, ends, layer.heads)  # fmt: skip
+            starts.index_copy_(0, flat, word)
+            ends.index_copy_(0, flat, end)
+        elif self.whole_words:
             starts, ends, pos = layer.state(_WORD), layer.state(_WORD_END), layer.store["pos"]
             before = (new[..., 0] - 1).clamp_min(0).view(-1)  # the slot each pair holds just before its new ones
             held_pos, held_starts, held_ends = (t.index_select(0, before).view(*new.shape[:2], 1)
