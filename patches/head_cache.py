@@ -311,6 +311,8 @@ class HeadwiseLayer(DynamicLayer):
         row's heads at once (AdaKV's eviction while decoding). Only the kept slots behind a head's first evicted one
         move (one indexed copy per kind of state): a decoding step that evicts a few slots moves few."""
         h, first = self.heads, row * self.heads
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.batch:
+            raise ValueError(f"row must be one of this layer's rows, 0 to {self.batch - 1}, got {row!r}")
         if keep.dtype != torch.bool or keep.dim() != 2 or keep.shape[0] != h:
             raise ValueError(f"keep must be a bool [heads={h}, n] mask, got {keep.dtype} {tuple(keep.shape)}")
         held, keep = self.lengths[first : first + h], keep.to(self.device)

@@ -244,6 +244,8 @@ def test_keep_marked_equals_keep_of_each_head(drop):
         marked.keep_marked(1, past)
     with pytest.raises(ValueError, match=r"bool \[heads=3, n\] mask"):
         marked.keep_marked(1, keep[:2])
+    with pytest.raises(ValueError, match="row must be one of this layer's rows, 0 to 1, got 2"):
+        marked.keep_marked(2, keep)
     assert all(torch.equal(marked.store[name], t) for name, t in before.items())
 
 
