@@ -36,39 +36,53 @@ def word_starts(
     starts at `[B, H, q]`, and whether each ends with a letter or digit (a later token may continue it). The first
     new token continues the word of the token just before it when that one is still held (among `held_pos`
     `[B, H, m]`, with the word starts and endings stored for them); otherwise it starts a word."""
-    ids = ids.to(edges.device).clamp(0, edges.shape[0] - 1)
-    flags = edges[ids].bool().to(new_pos.device)  # [B, q, 2]
-    begins, ends = flags[..., 0], flags[..., 1]
-    b, h, q = new_pos.shape
-    values = torch.empty(b, h, q, device=new_pos.device).copy_(new_pos)  # ours to write (new_pos may be a view)
-    if q > 1:  # a token joining the one before it: -1, so the running max below carries its word's start
-        values[..., 1:] = values[..., 1:].masked_fill((begins[:, 1:] & ends[:, :-1])[:, None], -1.0)
+    before = None
     if held_pos.shape[-1]:  # the slot held just before the first new token (slot 0 of m = 1: no search)
         slot = None if held_pos.shape[-1] == 1 else (held_pos == new_pos[..., :1] - 1).float().argmax(-1, True)
-        prev_pos, prev_start, prev_end = (t[..., 0] if slot is None else t.gather(-1, slot)[..., 0]
-                                          for t in (held_pos, held_starts, held_ends))  # fmt: skip
-        first = (prev_pos == new_pos[..., 0] - 1) & (prev_end > 0) & begins[:, :1]
-        values[..., 0] = torch.where(first, prev_start.float(), values[..., 0])
-    if q > 1:
-        values = values.cummax(-1).values
-    return values, ends[:, None].expand(b, h, q).float()
+        before = tuple(t[..., 0] if slot is None else t.gather(-1, slot)[..., 0]
+                       for t in (held_pos, held_starts, held_ends))  # fmt: skip
+    return _joined(edges, ids, new_pos, before)
 
 
 def next_word_starts(
     edges: torch.Tensor, ids: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, starts: torch.Tensor,
-    ends: torch.Tensor, heads: int,
+    ends: torch.Tensor, heads: int, alone: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`word_starts` for one new token a row (a decoding step) over packed storage, in fewer tensor calls (it runs in
-    every layer at every step): `ids` `[B, 1]`, `new` `[B * heads]` the slot each (row, KV head) put it in, the slot
-    before it holding that pair's previous token if still held (each pair holds more than the new one); `pos`,
-    `starts`, `ends` the per-slot positions, word starts and endings. Returns the new slots' word starts and endings,
-    `[B * heads]` each."""
+    """`word_starts` over packed storage (a head-wise layer: every (row, KV head) pair in a segment of one tensor per
+    kind of state), without views per pair: `ids` `[B, q]`, `new` `[B * heads, q]` the slots each pair put them in,
+    the slot before a pair's first holding its previous token if still held, unless `alone` `[B * heads]` (bool)
+    marks the pair as holding only the new ones (None: no pair does); `pos`, `starts`, `ends` the per-slot
+    positions, word starts and endings. Returns the new slots' word starts and endings, `[B * heads * q]` each."""
+    b, q = ids.shape
+    new_pos = pos.index_select(0, new.reshape(-1)).view(b, heads, q)
+    before = new[:, 0] - 1 if alone is None else (new[:, 0] - 1).clamp_min(0)  # (alone: another pair's slot)
+    held = [t.index_select(0, before).view(b, heads) for t in (pos, starts, ends)]
+    if alone is not None:
+        held[0] = held[0].masked_fill(alone.view(b, heads), -2)  # -2: no position is one before the first new one
+    word, end = _joined(edges, ids, new_pos, tuple(held))
+    return word.reshape(-1), end.reshape(-1)
+
+
+def _joined(edges: torch.Tensor, ids: torch.Tensor, new_pos: torch.Tensor,
+            before: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`word_starts` given the token held just before the first new one (`before`: its position, word start and
+    ending `[B, H]` each; a position other than one before the first new token's: not held), or None. Written
+    out of place, in few tensor calls: a head-wise layer runs it in every layer at every decoding step."""
     flags = edges.index_select(0, ids.reshape(-1).to(edges.device).clamp(0, edges.shape[0] - 1))
-    flags = flags.to(new.device).repeat_interleave(heads, 0)  # [B * heads, 2]
-    before = new - 1
-    new_pos = pos.index_select(0, new)
-    joins = (pos.index_select(0, before) == new_pos - 1) & (ends.index_select(0, before) > 0) & (flags[:, 0] > 0)
-    return torch.where(joins, starts.index_select(0, before), new_pos.float()), flags[:, 1].float()
+    flags = flags.view(*ids.shape, 2).to(new_pos.device) > 0  # [B, q, 2]
+    begins, ends = flags[..., 0], flags[..., 1]
+    b, h, q = new_pos.shape
+    values = new_pos.float()
+    if before is not None:  # the first new token takes the word start of the one before it where it continues it
+        prev_pos, prev_start, prev_end = before
+        first = ((prev_pos == new_pos[..., 0] - 1) & (prev_end > 0) & begins[:, :1])[..., None]  # [B, H, 1]
+        if q > 1:
+            first = torch.cat([first, first.new_zeros(b, h, q - 1)], dim=-1)
+        values = torch.where(first, prev_start[..., None].float(), values)
+    if q > 1:  # a token joining the one before it: -1, so the running max carries its word's start
+        joins = torch.cat([begins.new_zeros(b, 1), begins[:, 1:] & ends[:, :-1]], dim=-1)
+        values = values.masked_fill(joins[:, None], -1.0).cummax(-1).values
+    return values, ends[:, None].expand(b, h, q).float()
 
 
 def max_over_words(scores: torch.Tensor, starts: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:

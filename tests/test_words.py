@@ -56,29 +56,37 @@ def test_the_first_new_token_joins_its_predecessor_only_while_it_is_held():
     assert starts[0].tolist() == [[6.0, 6.0], [6.0, 6.0]]  # the held one ends with punctuation: a new word
 
 
-def test_a_decoding_step_over_packed_slots_finds_the_word_starts_word_starts_does():
-    """`next_word_starts` (one token a row, packed storage) against `word_starts` given each pair's slot before it:
-    predecessors held or evicted, ending with a letter or not, for every token piece."""
+@pytest.mark.parametrize("q", [1, 2])
+def test_packed_slots_find_the_word_starts_word_starts_does(q):
+    """`next_word_starts` (packed storage, a head-wise layer) against `word_starts` given each pair's slot before its
+    new ones: predecessors held or evicted, ending with a letter or not, a pair holding only the new tokens, for
+    every token piece."""
     torch.manual_seed(0)
-    heads, held = 2, [5, 3, 4, 6]  # rows 0 and 1, two KV heads each
+    heads, old = 2, [4, 2, 0, 5]  # rows 0 and 1, two KV heads each; pair 2 holds only the new tokens
     bounds = [0, 8, 12, 20, 28]
     pos, starts, ends = torch.zeros(28, dtype=torch.int32), torch.zeros(28), torch.zeros(28)
-    new = torch.tensor([b + n - 1 for b, n in zip(bounds, held, strict=False)])  # each pair's newest slot
-    for i, (b, n) in enumerate(zip(bounds, held, strict=False)):
-        kept = sorted(torch.randperm(8)[: n - 2].tolist())  # old positions 0-7, some evicted
-        pos[b : b + n] = torch.tensor(kept + [9 if i % 2 else 8, 10])  # the one before the new: held or not
-        starts[b : b + n - 1] = torch.tensor([float(p - (p % 3)) for p in pos[b : b + n - 1].tolist()])
-        ends[b : b + n - 1] = torch.randint(0, 2, (n - 1,)).float()
-        ends[b + n - 2] = float(i != 3)  # held and ending with a letter (1), not held (0, 2), held, no letter (3)
-    pos[new] = 10
+    new = torch.tensor([[b + n + j for j in range(q)] for b, n in zip(bounds, old, strict=False)])  # [4, q]
+    for i, (b, n) in enumerate(zip(bounds, old, strict=False)):
+        if n:
+            kept = sorted(torch.randperm(8)[: n - 1].tolist())  # old positions 0-7, some evicted
+            pos[b : b + n] = torch.tensor(kept + [9 if i % 2 else 8])  # the one before the new: held or not
+            starts[b : b + n] = torch.tensor([float(p - (p % 3)) for p in pos[b : b + n].tolist()])
+            ends[b : b + n] = torch.randint(0, 2, (n,)).float()
+            ends[b + n - 1] = float(i != 3)  # held and ending with a letter (1), not held (0), held, no letter (3)
+        pos[b + n : b + n + q] = torch.arange(10, 10 + q, dtype=torch.int32)
+    ends[bounds[2] - 1] = 1.0  # what stands before pair 2's first slot is pair 1's: never its predecessor
+    pos[bounds[2] - 1] = 9
+    alone = torch.tensor([n == 0 for n in old])
     for token in range(8):
-        ids = torch.tensor([[token], [(token + 3) % 8]])
-        word, end = next_word_starts(_edges(), ids, new, pos, starts, ends, heads)
-        view = lambda t: t.index_select(0, new - 1).view(2, heads, 1)  # noqa: E731
-        expected, expected_end = word_starts(_edges(), ids, pos[new].view(2, heads, 1), view(pos), view(starts),
-                                             view(ends))  # fmt: skip
+        ids = torch.tensor([[token, 1][:q], [(token + 3) % 8, 2][:q]])
+        word, end = next_word_starts(_edges(), ids, new, pos, starts, ends, heads, alone)
+        before = new[:, 0] - 1
+        held_pos = torch.where(alone, -2, pos[before]).view(2, heads, 1)
+        expected, expected_end = word_starts(_edges(), ids, pos[new].view(2, heads, q), held_pos,
+                                             starts[before].view(2, heads, 1), ends[before].view(2, heads, 1))
         assert torch.equal(word, expected.view(-1)) and torch.equal(end, expected_end.view(-1))
-    assert {float(w) for w in word} > {10.0}  # some new tokens joined a held word, some did not
+        if q == 1 and token == 1:  # "8" after a held word: pair 1 joins it; "ab" in row 1: pair 2 (alone) does not
+            assert word.tolist() == [10.0, 9.0, 10.0, 10.0]
 
 
 def test_each_slot_scores_as_the_best_valid_slot_of_its_word():

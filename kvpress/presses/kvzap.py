@@ -166,23 +166,14 @@ class KVzapPress(BasePress):
                     obs, _ = head_observation(module, query, layer, i // layer.heads, i % layer.heads)
                     mass[layer.bounds[i] : layer.bounds[i] + layer.lengths[i]] = obs.attention_mass(MASS_BLOCK)[0, 0]
             layer.state(_MASS).add_(mass)
-        if self.whole_words and q == 1 and min(layer.lengths) > 1:  # a decoding step: the lean path
+        if self.whole_words:
             starts, ends = layer.state(_WORD), layer.state(_WORD_END)
-            word, end = next_word_starts(self._word_edges(module, ids, layer.device), ids, flat, layer.store["pos"],
-                                         starts, ends, layer.heads)  # fmt: skip
+            # a pair holding only the new tokens has no slot before them (the one there is another pair's)
+            alone = None if min(layer.lengths) > q else layer.held().view(-1).to(layer.device) <= q
+            word, end = next_word_starts(self._word_edges(module, ids, layer.device), ids, new.view(-1, q),
+                                         layer.store["pos"], starts, ends, layer.heads, alone)  # fmt: skip
             starts.index_copy_(0, flat, word)
             ends.index_copy_(0, flat, end)
-        elif self.whole_words:
-            starts, ends, pos = layer.state(_WORD), layer.state(_WORD_END), layer.store["pos"]
-            before = (new[..., 0] - 1).clamp_min(0).view(-1)  # the slot each pair holds just before its new ones
-            held_pos, held_starts, held_ends = (t.index_select(0, before).view(*new.shape[:2], 1)
-                                                for t in (pos, starts, ends))  # fmt: skip
-            if min(layer.lengths) <= q:  # a pair holding only the new tokens: its `before` is another pair's slot
-                held_pos = torch.where(layer.held()[..., None].to(new.device) > q, held_pos, -2)  # -2: none held
-            word, end = word_starts(self._word_edges(module, ids, layer.device), ids,
-                                    pos.index_select(0, flat).view(new.shape), held_pos, held_starts, held_ends)
-            starts.index_copy_(0, flat, word.reshape(-1))
-            ends.index_copy_(0, flat, end.reshape(-1))
 
     def _layer_weights(self, module: nn.Module, hidden: torch.Tensor | None, device: torch.device) -> tuple:
         """The scorer's (weight, bias, mass weights or None) of `module`'s layer, on `device`."""
