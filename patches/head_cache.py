@@ -326,9 +326,7 @@ class HeadwiseLayer(DynamicLayer):
         self._fresh = self._appended = None
         if head.numel():
             source = torch.tensor(self.bounds[first : first + h], device=keep.device)[head] + slot
-            target = source - shift[head, slot]
-            for t in self.store.values():
-                t.index_copy_(0, target, t.index_select(0, source))
+            self._move(source, source - shift[head, slot])
         self.lengths[first : first + h] = counts
         self._ends = None
 
@@ -353,8 +351,7 @@ class HeadwiseLayer(DynamicLayer):
             starts = torch.tensor([[self.bounds[i] + first, self.bounds[i] + self.lengths[i] - last] for i in pairs])
             starts = starts.to(self.device, non_blocking=True)  # per pair: where its last slots go, where they are
             index = (starts.T[:, :, None] + torch.arange(last, device=self.device)).reshape(2, -1)
-            for t in self.store.values():
-                t.index_copy_(0, index[0], t.index_select(0, index[1]))
+            self._move(index[1], index[0])
         for i in pairs:
             self.lengths[i] = first + last
         self._ends = None
@@ -450,6 +447,11 @@ class HeadwiseLayer(DynamicLayer):
         self.store = {name: t.new_zeros(bounds[-1], *t.shape[1:]).index_copy_(0, target, t.index_select(0, source))
                       for name, t in self.store.items()}  # fmt: skip
         self.bounds, self._ends = bounds, None
+
+    def _move(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy slots `source` to slots `target` in every kind of state (each source read before any is written)."""
+        for t in self.store.values():
+            t.index_copy_(0, target, t.index_select(0, source))
 
     def _select_rows(self, rows: list[int]) -> None:
         pairs = [r * self.heads + h for r in rows for h in range(self.heads)]
