@@ -72,7 +72,7 @@ def _joined(edges: torch.Tensor, ids: torch.Tensor, new_pos: torch.Tensor,
     flags = flags.view(*ids.shape, 2).to(new_pos.device) > 0  # [B, q, 2]
     begins, ends = flags[..., 0], flags[..., 1]
     b, h, q = new_pos.shape
-    values = new_pos.float()
+    values = new_pos.to(torch.float32, copy=True)  # never the caller's tensor (new_pos may be a view of a layer)
     if before is not None:  # the first new token takes the word start of the one before it where it continues it
         prev_pos, prev_start, prev_end = before
         first = ((prev_pos == new_pos[..., 0] - 1) & (prev_end > 0) & begins[:, :1])[..., None]  # [B, H, 1]
