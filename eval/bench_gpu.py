@@ -22,6 +22,10 @@ too, as `blocked_attention` does on the CPU: what those blocks save or cost on a
 `--no-cudnn` runs every generation, no press's too, with cuDNN's attention off (a press's forwards always run so,
 `patches/sdpa_backends.py`): the ratios then measure the press alone, not torch's choice of kernel for a plain
 cache (its own table, `<attn> without cuDNN`).
+`--no-varlen` runs head-wise layers' attention pair by pair (a call per (row, KV head)) where on CUDA it is one
+variable-length call (`patches/headwise_attention.py`): what that call saves (its own table, `<attn> pair by pair`).
+Before its runs on CUDA it checks the call against the pair-by-pair path on random head-wise layers (bf16, a
+decoding step and a chunk) and writes the largest difference to `varlen_check.json`.
 `--cpu-stand-in` (no GPU lent): the same runs on the CPU with the GPU's attention paths (`gpu_paths`: no blocks of
 queries; bottom-right causal calls) and, for the peak, the most tensor bytes alive at once (`memory.TensorPeak`)
 instead of CUDA's allocator: its own table (`<attn> (CPU stand-in)`), whose times are the CPU's, slowed by the
@@ -51,7 +55,10 @@ from kvpress.eval.bench_long import _key as long_key
 from kvpress.eval.bench_long import configurations, markdown, stamped_generate, summary
 from kvpress.eval.memory import TensorPeak
 from kvpress.patches import blocked_attention as blocked
+from kvpress.patches import headwise_attention as headwise
 from kvpress.patches import sdpa_backends
+from kvpress.patches.cache import PressedLayer
+from kvpress.patches.head_cache import HeadwiseLayer
 
 PLAN = {"qwen2.5-0.5b": (16384, 32768)}  # model -> context lengths (Qwen2.5-0.5B has 32K positions)
 PRESSES = "snapkv,adakv,duo-attention,default,h2o,kvzip"  # dense, head-wise, DuoAttention, the default, H2O, KVzip
@@ -97,7 +104,7 @@ def measure(model, tokenizer, config: dict, profiled: bool = False) -> dict:
         profile(activities=activities) if profiled else contextlib.nullcontext()
     ) as prof, gpu_paths(stand_in), blocks_on(device.type if config.get("attn") == "sdpa-blocked" else None), (
         sdpa_backends.without_cudnn(device) if config.get("no_cudnn") else contextlib.nullcontext()
-    ), (TensorPeak() if stand_in else contextlib.nullcontext()) as counted:
+    ), pair_by_pair(bool(config.get("no_varlen"))), (TensorPeak() if stand_in else contextlib.nullcontext()) as counted:
         prefill, steps = stamped_generate(model, tokenizer, ids, cache, config["steps"], config["chunk"])
         peak = torch.cuda.max_memory_allocated() - base if cuda else counted.peak if stand_in else None
         kept = kvpress.cache_bytes(cache)
@@ -109,7 +116,7 @@ def measure(model, tokenizer, config: dict, profiled: bool = False) -> dict:
             "torch": torch.__version__,
             "cudnn": torch.backends.cudnn.version() if cuda else None,  # cuDNN >= 9.15.1 on sm90: its sdpa first
             "sdpa_priority": sdpa_backends.priority(),  # outside a press's forwards (those run without cuDNN's)
-            "no_cudnn": bool(config.get("no_cudnn"))}  # fmt: skip
+            "no_cudnn": bool(config.get("no_cudnn")), "no_varlen": bool(config.get("no_varlen"))}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -123,6 +130,46 @@ def gpu_paths(on: bool = True):
         yield
     finally:
         blocked.DEVICES = before
+
+
+@contextlib.contextmanager
+def pair_by_pair(on: bool = True):
+    """Inside (when `on`): a head-wise layer's attention runs a call per (row, KV head) on every device, not one
+    variable-length call (`headwise_attention.VARLEN_DEVICES`); put back after."""
+    before = headwise.VARLEN_DEVICES
+    if on:
+        headwise.VARLEN_DEVICES = ()
+    try:
+        yield
+    finally:
+        headwise.VARLEN_DEVICES = before
+
+
+def varlen_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The one variable-length call against the pair-by-pair path on `device`: random head-wise layers (2 rows, 4 KV
+    heads of 7 query heads each, heads keeping 10-90% of 300 slots), a decoding step and a 7-token chunk; per query
+    length, whether the call ran and the largest difference of the outputs (and the outputs' largest value)."""
+    torch.manual_seed(0)
+    out = {}
+    for q in (1, 7):
+        dense = PressedLayer()
+        dense.update(*(torch.randn(2, 4, 300, 64, device=device, dtype=dtype) for _ in range(2)))
+        keep = torch.rand(2, 4, 300, device=device) < torch.tensor([0.1, 0.4, 0.7, 0.9], device=device)[:, None]
+        layer = HeadwiseLayer.from_dense(dense, keep)
+        layer.driven = True
+        layer.update(*(torch.randn(2, 4, q, 64, device=device, dtype=dtype) for _ in range(2)))
+        layer.commit()
+        query = torch.randn(2, 28, q, 64, device=device, dtype=dtype)
+        module = torch.nn.Module()
+        module.scaling = 64**-0.5
+        with torch.inference_mode():
+            one = headwise._one_call(query, layer)
+            varlen = headwise.headwise_attention(module, query, layer)[0].float()
+            with pair_by_pair():
+                pairs = headwise.headwise_attention(module, query, layer)[0].float()
+        out[f"q={q}"] = {"one_call": one, "max_difference": (varlen - pairs).abs().max().item(),
+                         "max_value": pairs.abs().max().item()}  # fmt: skip
+    return out
 
 
 @contextlib.contextmanager
@@ -171,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--profile", action="store_true", help="profile each generation: its top operators")
     parser.add_argument("--no-cudnn", action="store_true", help="no press's generations without cuDNN's sdpa too")
+    parser.add_argument("--no-varlen", action="store_true",
+                        help="head-wise layers attend pair by pair, not in one variable-length call (see above)")
     parser.add_argument("--cpu-stand-in", action="store_true",
                         help="no GPU: the GPU's paths on the CPU, tensor bytes counted (see above)")
     parser.add_argument("--config", help="a directory with config.json and tokenizer: random weights (see above)")
@@ -183,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--attn {','.join(unknown)} is not one of {', '.join((*IMPLEMENTATIONS, *VARIANTS))}")
         if args.cpu_stand_in and args.no_cudnn:
             raise ValueError("--no-cudnn is a CUDA switch: a --cpu-stand-in run has no cuDNN to leave out")
+        if args.cpu_stand_in and args.no_varlen:
+            raise ValueError("--no-varlen is a CUDA switch: a --cpu-stand-in run attends pair by pair already")
         if args.decode_steps < 2 or args.chunk < 0:
             raise ValueError("--decode-steps must be >= 2 and --chunk >= 0")
         if not all(n.isdigit() for n in args.lengths.split(",")):
@@ -201,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()] if jsonl.exists() else []
     done = {_key(r) for r in rows if "error" not in r}
     random = args.config is not None
-    mode = {"random_weights": random, "no_cudnn": args.no_cudnn, "stand_in": args.cpu_stand_in}
+    mode = {"random_weights": random, "no_cudnn": args.no_cudnn, "stand_in": args.cpu_stand_in,
+            "no_varlen": args.no_varlen}  # fmt: skip
     todo = [(a, c) for a in attns for c in runs if _key({**c, "attn": a, **mode}) not in done]
     if todo and not torch.cuda.is_available() and not args.cpu_stand_in:
         if rows:
@@ -211,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
               f"CUDA memory; on CPUs: make bench-long, or --cpu-stand-in){summarised}", file=sys.stderr)  # fmt: skip
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    if todo and not args.cpu_stand_in:
+        check = varlen_check(torch.device("cuda"))
+        (out / "varlen_check.json").write_text(json.dumps(check, indent=2) + "\n")
+        print(f"one variable-length call against pair by pair: {check}")
     skipped = {}
     with jsonl.open("a") as log:
         for attn in attns:
@@ -251,17 +307,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _key(row: dict) -> tuple:
-    """`bench_long`'s key of a run, and the attention implementation, weights, cuDNN switch and device (a CPU
-    standing in) it ran with."""
+    """`bench_long`'s key of a run, and the attention implementation, weights, cuDNN switch, device (a CPU
+    standing in) and head-wise attention (pair by pair) it ran with."""
     return (*long_key(row), row["attn"], row.get("random_weights", False), row.get("no_cudnn", False),
-            row.get("stand_in", False))
+            row.get("stand_in", False), row.get("no_varlen", False))
 
 
 def _table(row: dict) -> str:
-    """The table a row belongs to: its attention implementation, whether no press ran without cuDNN too, and
-    whether a CPU stood in for the GPU."""
+    """The table a row belongs to: its attention implementation, whether no press ran without cuDNN too, whether a
+    CPU stood in for the GPU, and whether head-wise layers attended pair by pair."""
     return row["attn"] + (" without cuDNN" if row.get("no_cudnn") else "") + (" (CPU stand-in)" if row.get(
-        "stand_in") else "")
+        "stand_in") else "") + (" pair by pair" if row.get("no_varlen") else "")
 
 
 def write(out: Path, rows: list[dict], skipped: dict) -> list[dict]:

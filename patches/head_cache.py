@@ -44,6 +44,7 @@ class HeadwiseLayer(DynamicLayer):
     _fresh: tuple[torch.Tensor, torch.Tensor] | None = None
     _appended: torch.Tensor | None = None
     _ends: torch.Tensor | None = None
+    _starts: torch.Tensor | None = None
     padded: bool | None = None  # a layer saved before this flag existed: not known (its span is read)
     _seen_rows: list[int] | None = None
 
@@ -73,6 +74,7 @@ class HeadwiseLayer(DynamicLayer):
         # [B, H, q] where this forward's commit put its slots: until `keep` moves slots or the forward ends (`settle`)
         self._appended: torch.Tensor | None = None
         self._ends: torch.Tensor | None = None  # [B * H] on the device: where each pair appends next (`_where`)
+        self._starts: torch.Tensor | None = None  # `bounds` on the device, int32 (`segments`)
 
     @property
     def is_sliding(self) -> bool:
@@ -157,6 +159,7 @@ class HeadwiseLayer(DynamicLayer):
         self.bounds = [0] * (len(self.lengths) + 1)
         self.lengths = [0] * len(self.lengths)
         self.seen, self.pending, self._new, self.torn, self._fresh, self._ends = 0, 0, None, False, None, None
+        self._starts = None
         self.padded, self._seen_rows = False, None
         self.key_stats = None  # a quantized layer fits the next prompt's ranges on its first commit
         self.real_seen = torch.zeros(self.batch, dtype=torch.long, device=self.device)
@@ -251,6 +254,15 @@ class HeadwiseLayer(DynamicLayer):
             ends = [a + n for a, n in zip(self.bounds, self.lengths, strict=False)]
             self._ends = torch.tensor(ends, dtype=torch.long).to(self.device, non_blocking=True)
         return self._ends
+
+    def segments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the device, for one variable-length attention call over the packed storage: where each pair's segment
+        starts, and the end of the last (`bounds`, int32 `[B * H + 1]`), and the slots each pair holds (int32
+        `[B * H]`). A decoding step copies nothing from the host for them (`bounds` change only when the layer is
+        repacked)."""
+        if self._starts is None:
+            self._starts = torch.tensor(self.bounds, dtype=torch.int32).to(self.device, non_blocking=True)
+        return self._starts, (self._where() - self._starts[:-1]).to(torch.int32)
 
     def commit(self) -> None:
         """Append the pending keys/values (all real tokens) to every head."""
@@ -446,7 +458,7 @@ class HeadwiseLayer(DynamicLayer):
         source, target = (t.to(self.device, non_blocking=True) for t in (source, target))
         self.store = {name: t.new_zeros(bounds[-1], *t.shape[1:]).index_copy_(0, target, t.index_select(0, source))
                       for name, t in self.store.items()}  # fmt: skip
-        self.bounds, self._ends = bounds, None
+        self.bounds, self._ends, self._starts = bounds, None, None
 
     def _move(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy slots `source` to slots `target` in every kind of state (each source read before any is written)."""
@@ -459,7 +471,7 @@ class HeadwiseLayer(DynamicLayer):
         index = index.to(self.device, non_blocking=True)
         self.store = {name: t.index_select(0, index) for name, t in self.store.items()}
         self.lengths = [self.lengths[i] for i in pairs]
-        self.bounds, self._ends = _bounds(self.lengths), None
+        self.bounds, self._ends, self._starts = _bounds(self.lengths), None, None
         self.real_seen = self.real_seen[rows]
         self._seen_rows = None if self._seen_rows is None else [self._seen_rows[r] for r in rows]
         for name in ("head_budget", "key_stats"):

@@ -15,19 +15,31 @@ On a GPU (a device `blocked_attention.DEVICES` leaves out) a chunk over a layer 
 call per (row, KV head) with torch's bottom-right causal bias (`causal_lower_right`: every held slot visible, the
 new ones causal) and the KV head shared: torch's flash kernel then runs it with no mask, where a boolean mask with
 a shared KV head leaves sdpa its math kernel alone, which holds every weight (H200, 8K tokens: AdaKV's peak 109 MB
-against 62 with cuDNN's kernel). flash-attn's variable-length kernel could run a chunk's heads in one call; that
-path is not built.
+against 62 with cuDNN's kernel).
+
+On CUDA (`VARLEN_DEVICES`) a layer's whole attention, every (row, KV head) of a decoding step or of a chunk with no
+window, is one call of torch's variable-length flash kernel (FlashAttention-2's varlen entry,
+`aten._flash_attention_forward` with `seqused_k`): each pair is a sequence of its `q` queries for its `g` query
+heads over its segment of the packed storage (`HeadwiseLayer.segments`: where each segment starts, how many slots
+it holds; the spare room after them is not read), the new tokens causal, aligned bottom-right as above. Where that
+kernel does not apply (fp32, a head size it does not take, soft-capping, the mass returned, quantized slots, a
+chunk over a sliding window, autograd, a GPU older than sm80 or a torch without `seqused_k`) the loop above runs.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvpress.patches import blocked_attention as blocked
 from kvpress.patches.head_cache import HeadwiseLayer
+
+VARLEN_DEVICES = ("cuda",)  # the device types a head-wise layer's attention runs in one variable-length call on
+HALF = (torch.float16, torch.bfloat16)  # the dtypes torch's flash kernel takes
 
 
 def headwise_attention(
@@ -42,6 +54,8 @@ def headwise_attention(
     scale = float(module.scaling)
     softcap = getattr(module, "attn_logit_softcapping", None)
     mass = None if mass_block is None else torch.zeros(layer.bounds[-1], dtype=torch.float32, device=query.device)
+    if mass is None and not softcap and _one_call(query, layer):
+        return _varlen(query, layer, scale), None
     if q == 1 and not softcap:
         return _one_query(query, layer, scale, mass), mass
     out = query.new_empty(b, hq, q, layer.value_dim or d)
@@ -84,6 +98,78 @@ def headwise_attention(
                 res = res.transpose(1, 2)
             out[row, head * g : (head + 1) * g] = res.reshape(g, q, -1)
     return out.transpose(1, 2).contiguous(), mass
+
+
+def _one_call(query: torch.Tensor, layer: HeadwiseLayer) -> bool:
+    """Whether torch's variable-length flash kernel runs this attention (no soft-capping nor mass asked: see the
+    module docstring)."""
+    q, d = query.shape[2], query.shape[3]
+    return (query.device.type in VARLEN_DEVICES and layer.kv_bits is None and (q == 1 or layer.window is None)
+            and query.dtype in HALF and d % 8 == 0 and d <= 256 and layer.value_dim == d
+            and not (torch.is_grad_enabled() and query.requires_grad) and _flash_runs_on(query.device))  # fmt: skip
+
+
+@functools.cache
+def _flash_runs_on(device: torch.device) -> bool:
+    """Whether torch's variable-length flash kernel with `seqused_k` runs on `device` (CUDA: sm80 or newer) and gives
+    sdpa's answer on a small case (`_kernel_check`, once a device); a kernel that fails it is named in a warning."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if op is None or "seqused_k" not in str(op.default._schema):
+        return False
+    if device.type == "cuda" and not (
+        torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(device)[0] >= 8
+    ):
+        return False
+    why = _kernel_check(device)
+    if why is not None:
+        warnings.warn(f"torch's variable-length flash kernel failed kvpress's check on {device} ({why}): head-wise "
+                      "layers attend pair by pair there", stacklevel=2)  # fmt: skip
+    return why is None
+
+
+def _kernel_check(device: torch.device) -> str | None:
+    """What is wrong with `flash_varlen`'s answer against sdpa's on two sequences with spare slots after their keys
+    (2 query heads over 1 KV head; a causal chunk of 2 queries over 3 keys, and 1 query over 2), or None."""
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    query, keys, values = (torch.randn(n, h, 64, generator=g).to(device, dtype) for n, h in ((3, 2), (8, 1), (8, 1)))
+    cu_q, cu_k, used = (torch.tensor(t, dtype=torch.int32, device=device) for t in ([0, 2, 3], [0, 4, 8], [3, 2]))
+    try:
+        got = flash_varlen(query, keys, values, cu_q, cu_k, 2, 3, True, 0.125, used).float()
+    except RuntimeError as error:
+        return f"{type(error).__name__}: {error}"
+    want = []
+    for q0, q1, k0, n in ((0, 2, 0, 3), (2, 3, 4, 2)):
+        k, v = (t[k0 : k0 + n].float().transpose(0, 1).expand(2, -1, -1) for t in (keys, values))
+        mask = torch.arange(n, device=device)[None] <= torch.arange(q1 - q0, device=device)[:, None] + n - (q1 - q0)
+        want.append(F.scaled_dot_product_attention(query[q0:q1].float().transpose(0, 1), k, v, attn_mask=mask,
+                                                   scale=0.125).transpose(0, 1))  # fmt: skip
+    difference = (got - torch.cat(want)).abs().max().item()
+    return None if difference <= 0.02 else f"its output differs from sdpa's by {difference:.3g}"
+
+
+def _varlen(query: torch.Tensor, layer: HeadwiseLayer, scale: float) -> torch.Tensor:
+    """Every (row, KV head) of `layer` in one variable-length call: pair `i` is a sequence of its `q` queries
+    (`g` heads over one KV head) over its held slots, the new ones causal (bottom-right); `[B, q, Hq, D]`."""
+    b, hq, q, d = query.shape
+    h = layer.heads
+    g = hq // h
+    queries = query.view(b, h, g, q, d).transpose(2, 3).reshape(b * h * q, g, d)  # pair by pair, token by token
+    starts, held = layer.segments()
+    per_pair = torch.arange(0, (b * h + 1) * q, q, dtype=torch.int32, device=query.device)
+    keys, values = layer.store["keys"].unsqueeze(1), layer.store["values"].unsqueeze(1)  # [slots, 1, D]
+    out = flash_varlen(queries, keys, values, per_pair, starts, q, max(layer.lengths), q > 1, scale, held)
+    return out.view(b, h, q, g, d).permute(0, 2, 1, 3, 4).reshape(b, q, hq, d)
+
+
+def flash_varlen(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_q: torch.Tensor,
+                 cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool, scale: float,
+                 used_k: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """torch's variable-length flash kernel: sequence `i` is queries `cu_q[i]:cu_q[i + 1]` `[T_q, Hq, D]` over the
+    first `used_k[i]` keys and values from `cu_k[i]` `[T_k, Hk, D]` (query head `j` on KV head `j // (Hq / Hk)`),
+    `causal` aligned bottom-right; `[T_q, Hq, D]`."""
+    return torch.ops.aten._flash_attention_forward(query, keys, values, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+                                                   scale=scale, seqused_k=used_k)[0]  # fmt: skip
 
 
 def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float, mass: torch.Tensor | None) -> torch.Tensor:

@@ -43,3 +43,19 @@ def _tiny_scorers(monkeypatch):
                 return make(model)
 
         monkeypatch.setattr(module, name, find)
+
+
+@pytest.fixture
+def varlen_on_cpu(monkeypatch):
+    """The head-wise attention's CUDA call, run on the CPU through the stand-in (fp32 taken as the kernel's dtype)."""
+    from kvpress.patches import headwise_attention as hw
+    from tiny import VARLEN_CALLS, flash_varlen_stand_in
+
+    monkeypatch.setattr(hw, "VARLEN_DEVICES", ("cpu",))
+    monkeypatch.setattr(hw, "HALF", (*hw.HALF, torch.float32))
+    monkeypatch.setattr(hw, "flash_varlen", flash_varlen_stand_in)
+    hw._flash_runs_on.cache_clear()
+    assert hw._flash_runs_on(torch.device("cpu"))  # the stand-in passes the kernel's check (its one call)
+    VARLEN_CALLS.clear()
+    yield VARLEN_CALLS
+    hw._flash_runs_on.cache_clear()

@@ -65,6 +65,7 @@ def test_random_weights_from_a_config_directory(tmp_path, tokenized):
     (["--lengths", "16k"], "--lengths must be token counts separated by commas, got '16k'"),
     (["--ratios", "0.5,half"], "--ratios must be fractions separated by commas, got '0.5,half'"),
     (["--cpu-stand-in", "--no-cudnn"], "--no-cudnn is a CUDA switch"),
+    (["--cpu-stand-in", "--no-varlen"], "--no-varlen is a CUDA switch"),
 ])  # fmt: skip
 def test_bad_arguments_are_refused_before_a_model_loads(argv, said, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(kvpress, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
@@ -157,3 +158,29 @@ def test_a_cpu_stands_in_for_a_gpu_with_its_paths_and_a_counted_peak(tokenized, 
     assert none["peak_above_model_bytes"] > none["cache_bytes"]  # the cache and the activations on top of it
     assert pressed["cache_bytes"] < pressed["peak_above_model_bytes"] < none["peak_above_model_bytes"]
     assert one["peak_above_model_bytes"] < none["peak_above_model_bytes"]  # one chunk: less of everything
+
+
+def test_pair_by_pair_is_its_own_table_and_the_check_compares_both_paths(tmp_path, capsys, monkeypatch, varlen_on_cpu):
+    from kvpress.patches import headwise_attention as headwise
+
+    config = {"model": "m", "length": 64, "chunk": 32, "steps": 2, "ratio": 0.5, "attn": "sdpa", "random_weights": True,
+              "peak_above_model_bytes": 100, "prefill_seconds": 1.0, "decode_step_seconds": 0.1, "weight_bytes": 10}
+    pair = [{**config, "press": "none", "spec": "none", "ratio": 0.0, "pairs_with": "adakv@0.5", "cache_bytes": 8},
+            {**config, "press": "adakv", "spec": "adakv", "pairs_with": None, "cache_bytes": 4}]
+    rows = [*pair, *({**r, "no_varlen": True} for r in pair)]
+    bench_gpu.write(tmp_path, rows, {})
+    assert set(json.loads((tmp_path / "gpu.json").read_text())["tables"]) == {"sdpa", "sdpa pair by pair"}
+    assert bench_gpu._key(rows[1]) != bench_gpu._key(rows[3])
+    # the check (the stand-in in CUDA's place): the call ran for a step and a chunk, and agrees with the pairs
+    check = bench_gpu.varlen_check(torch.device("cpu"), torch.float32)
+    assert {k: v["one_call"] for k, v in check.items()} == {"q=1": True, "q=7": True}
+    assert all(v["max_difference"] <= 1e-5 < v["max_value"] for v in check.values())
+    assert [c["causal"] for c in varlen_on_cpu] == [False, True]  # once each: the pairs' side ran pair by pair
+    assert headwise.VARLEN_DEVICES == ("cpu",)  # put back
+    with pytest.raises(KeyError), bench_gpu.pair_by_pair():
+        assert headwise.VARLEN_DEVICES == ()
+        raise KeyError("escapes")
+    assert headwise.VARLEN_DEVICES == ("cpu",)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_gpu.main(["--out", str(tmp_path), "--no-varlen"]) == 2  # accepted; no CUDA here
+    assert "configurations are not measured" in capsys.readouterr().err

@@ -47,8 +47,9 @@ def test_adakv_frees_memory_per_head(family, ratio):
 @pytest.mark.parametrize("mass_block", [None, 2])
 @pytest.mark.parametrize("q_len", [1, 5])
 @pytest.mark.parametrize("softcap", [None, 20.0])
-@pytest.mark.parametrize("gpu_path", [False, True])  # a chunk in blocks (CPU) or bottom-right causal (CUDA)
-def test_varlen_attention_equals_masked_dense(q_len, softcap, mass_block, gpu_path, monkeypatch):
+# a chunk in blocks (the CPU), bottom-right causal per (row, KV head) or one variable-length call (CUDA)
+@pytest.mark.parametrize("gpu_path", [None, "bottom_right", "varlen"])
+def test_varlen_attention_equals_masked_dense(q_len, softcap, mass_block, gpu_path, monkeypatch, request):
     from kvpress.patches import blocked_attention
 
     biases = []
@@ -56,6 +57,7 @@ def test_varlen_attention_equals_masked_dense(q_len, softcap, mass_block, gpu_pa
         monkeypatch.setattr(blocked_attention, "DEVICES", ())
         bias = blocked_attention.causal_lower_right
         monkeypatch.setattr(blocked_attention, "causal_lower_right", lambda *a: biases.append(a) or bias(*a))
+    calls = request.getfixturevalue("varlen_on_cpu") if gpu_path == "varlen" else []
     torch.manual_seed(0)
     b, hkv, g, n, d = 2, 3, 2, 40, 16
     dense = PressedLayer()
@@ -84,8 +86,12 @@ def test_varlen_attention_equals_masked_dense(q_len, softcap, mass_block, gpu_pa
     ref = probs @ all_v
     assert out.shape == (b, q_len, hkv * g, d)
     assert (out - ref.transpose(1, 2)).abs().max() <= 1e-5
-    # the CUDA branch ran where it applies: a chunk, no soft-capping, no mass; once per (row, KV head)
-    assert len(biases) == (b * hkv if gpu_path and q_len > 1 and not softcap and mass_block is None else 0)
+    # the CUDA branches ran where they apply (no soft-capping, no mass): one variable-length call for every (row,
+    # KV head), causal for a chunk, else a chunk's bottom-right call per pair
+    plain = not softcap and mass_block is None
+    varlen = gpu_path == "varlen" and plain
+    assert calls == ([{"sequences": b * hkv, "causal": q_len > 1}] if varlen else [])
+    assert len(biases) == (b * hkv if gpu_path and not varlen and q_len > 1 and plain else 0)
     if mass_block is None:
         assert mass is None
         return
@@ -98,6 +104,61 @@ def test_varlen_attention_equals_masked_dense(q_len, softcap, mass_block, gpu_pa
         start = layer.bounds[i]
         got = mass[start : start + layer.lengths[i]]
         assert torch.allclose(got, received[row, head][held[row, head]], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-window", "gemma3"])
+@pytest.mark.parametrize("make", ["adakv", "duo", "adakv-h2o"])
+def test_one_varlen_call_gives_the_logits_of_the_loop(family, make, request):
+    """Generation through head-wise layers (a left-padded batch, the prompt in chunks, evictions while decoding)
+    gives the same logits with every layer's attention as one variable-length call (CUDA's path, run through the
+    stand-in) as pair by pair; the call runs where it applies: not for a chunk over a sliding window, not where the
+    press reads the attention mass (H2O, outside sliding windows)."""
+    model = tiny_model(family)
+    presses = {"adakv": lambda: AdaKVPress(SnapKVPress(0.5, window_size=4)),
+               "duo": lambda: DuoAttentionPress(compression_ratio=0.6, head_pattern=tiny_pattern(model), window=8),
+               "adakv-h2o": lambda: AdaKVPress(HeavyHitterPress(0.5, window=4))}  # fmt: skip
+    ids, mask = left_padded([prompt(1, 60, seed=1)[0], prompt(1, 41, seed=2)[0]])
+    loop, _ = greedy_scores(model, ids, presses[make](), new=12, mask=mask, chunk=24)
+    calls = request.getfixturevalue("varlen_on_cpu")
+    varlen, cache = greedy_scores(model, ids, presses[make](), new=12, mask=mask, chunk=24)
+    assert any(isinstance(layer, HeadwiseLayer) for layer in cache.layers)
+    assert (loop - varlen).nan_to_num(0.0).abs().max() <= 1e-4
+    # decoding steps: one call a layer (H2O's only over sliding windows, where it reads no mass); chunks: over
+    # layers without a window (gemma3 has one, mistral-window none), never for H2O (the loop computes its weights)
+    assert any(not c["causal"] for c in calls) == (make != "adakv-h2o" or family != "llama")
+    assert any(c["causal"] for c in calls) == (make != "adakv-h2o" and family != "mistral-window")
+
+
+@pytest.mark.parametrize("broken", ["raises", "reads the spare slots"])
+def test_a_kernel_that_fails_the_check_is_named_and_the_pairs_attend(broken, varlen_on_cpu, monkeypatch):
+    """Where torch's variable-length kernel raises or answers wrong on the check's small case, a warning names it and
+    head-wise layers attend pair by pair there: the same output as where no such kernel runs."""
+    from kvpress.patches import headwise_attention as hw
+    from tiny import flash_varlen_stand_in
+
+    def kernel(query, keys, values, cu_q, cu_k, max_q, max_k, causal, scale, used_k):
+        if broken == "raises":
+            raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
+        whole = (cu_k[1:] - cu_k[:-1]).to(torch.int32)  # the segments' spare room read as held slots
+        return flash_varlen_stand_in(query, keys, values, cu_q, cu_k, max_q, int(whole.max()), causal, scale, whole)
+
+    monkeypatch.setattr(hw, "flash_varlen", kernel)
+    hw._flash_runs_on.cache_clear()
+    torch.manual_seed(0)
+    dense = PressedLayer()
+    dense.update(torch.randn(1, 2, 30, 16), torch.randn(1, 2, 30, 16))
+    layer = HeadwiseLayer.from_dense(dense, torch.rand(1, 2, 30) < 0.5)
+    layer.driven = True
+    layer.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
+    layer.commit()
+    module = torch.nn.Module()
+    module.scaling, module.attn_logit_softcapping = 0.25, None
+    query = torch.randn(1, 4, 1, 16)
+    said = "Ampere" if broken == "raises" else "differs from sdpa's"
+    with pytest.warns(UserWarning, match=f"variable-length flash kernel failed kvpress's check on cpu .*{said}"):
+        out, _ = headwise_attention(module, query, layer)
+    monkeypatch.setattr(hw, "VARLEN_DEVICES", ())
+    assert torch.equal(out, headwise_attention(module, query, layer)[0])
 
 
 def test_an_observer_reads_a_headwise_layer_as_a_padded_dense_one():

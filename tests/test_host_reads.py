@@ -119,9 +119,9 @@ def _growth(cache: DynamicCache) -> list[int]:
     return [len(layer.lengths) if isinstance(layer, HeadwiseLayer) else 1 for layer in cache.layers]
 
 
-def _decode_on_meta(name: str, tokenizer, monkeypatch, padded: bool) -> None:
+def _decode_on_meta(name: str, tokenizer, monkeypatch, padded: bool) -> DynamicCache:
     """Prefill and 3 steps on the CPU, then 24 steps on the meta device (see the module docstring); `padded`: a
-    batch of two rows, the second left-padded, with its 2D attention mask."""
+    batch of two rows, the second left-padded, with its 2D attention mask. Returns the cache."""
     torch.manual_seed(0)
     config = CONFIGS["llama"](num_hidden_layers=3, vocab_size=len(tokenizer))
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
@@ -165,6 +165,7 @@ def _decode_on_meta(name: str, tokenizer, monkeypatch, padded: bool) -> None:
         assert _held(cache) == grown  # it evicted before (a pass over the prompt, or on the CPU), not on meta
     else:
         assert sum(_held(cache)) < sum(grown), "no step evicted on the meta device"
+    return cache
 
 
 @pytest.mark.parametrize("name", [*press_names(), *SPECS])
@@ -248,3 +249,19 @@ def test_a_padded_batch_keeps_its_counts_on_the_host_right(family, name):
             model(input_ids=ids[:, step : step + 1], attention_mask=mask, cache=cache)
             checked += _check_host_counts(cache)
     assert checked > 0, "no layer kept its counts on the host"
+
+
+@pytest.mark.parametrize("name", ["adakv", "duo-attention"])
+def test_one_varlen_call_reads_nothing_back(name, tokenized, monkeypatch):
+    """CUDA's path for head-wise layers (one variable-length call a layer, `headwise_attention._varlen`) on the meta
+    device, its kernel stood in by one that reads nothing: what kvpress builds around the call reads nothing back."""
+    from kvpress.patches import headwise_attention as hw
+
+    calls = []
+    monkeypatch.setattr(hw, "VARLEN_DEVICES", ("meta",))
+    monkeypatch.setattr(hw, "HALF", (*hw.HALF, torch.float32))
+    monkeypatch.setattr(hw, "_flash_runs_on", lambda device: True)
+    monkeypatch.setattr(hw, "flash_varlen", lambda query, *a: calls.append(a[-1].shape) or torch.empty_like(query))
+    cache = _decode_on_meta(name, tokenized[1], monkeypatch, padded=False)
+    headwise = sum(isinstance(layer, HeadwiseLayer) for layer in cache.layers)
+    assert headwise and len(calls) == headwise * META_STEPS  # every head-wise layer at every step on the meta device

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
@@ -172,3 +173,28 @@ def tiny_scorer(model: torch.nn.Module, seed: int = 0):
     weight, bias = torch.randn(shape, generator=g) * 0.3, torch.zeros(shape[0], shape[2])
     profile = torch.ones(2, shape[0])  # every layer the same share: layer budgets stay even
     return Scorer("tiny", config_hash(model), weight, bias, {}, profile, torch.tensor([0.5, 0.75]))
+
+
+VARLEN_CALLS: list[dict] = []  # what the variable-length stand-in was given, call by call
+
+
+def flash_varlen_stand_in(query, keys, values, cu_q, cu_k, max_q, max_k, causal, scale, used_k):
+    """FlashAttention-2's variable-length semantics, sequence by sequence through sdpa (its kernel needs CUDA):
+    sequence i is queries cu_q[i]:cu_q[i + 1] over the first used_k[i] keys from cu_k[i], query head j on KV head
+    j // (Hq / Hk), causal aligned bottom-right. It checks the kernel's contract on what it is handed."""
+    for t in (cu_q, cu_k, used_k):
+        assert t.dtype == torch.int32 and t.dim() == 1
+    assert cu_q.numel() == cu_k.numel() == used_k.numel() + 1 and int(cu_k[-1]) == keys.shape[0]
+    assert bool((used_k <= cu_k[1:] - cu_k[:-1]).all())  # within its own segment
+    assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int(used_k.max())
+    assert query.shape[1] % keys.shape[1] == 0 and keys.shape == values.shape
+    VARLEN_CALLS.append({"sequences": used_k.numel(), "causal": causal})
+    out = torch.empty_like(query)
+    g = query.shape[1] // keys.shape[1]
+    for i in range(used_k.numel()):
+        q0, q1, k0, n = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(used_k[i])
+        k, v = (t[k0 : k0 + n].transpose(0, 1).repeat_interleave(g, 0) for t in (keys, values))
+        mask = torch.arange(n)[None] <= torch.arange(q1 - q0)[:, None] + n - (q1 - q0) if causal else None
+        out[q0:q1] = F.scaled_dot_product_attention(query[q0:q1].transpose(0, 1), k, v, attn_mask=mask,
+                                                    scale=scale).transpose(0, 1)  # fmt: skip
+    return out
