@@ -57,8 +57,6 @@ from kvpress.eval.memory import TensorPeak
 from kvpress.patches import blocked_attention as blocked
 from kvpress.patches import headwise_attention as headwise
 from kvpress.patches import sdpa_backends
-from kvpress.patches.cache import PressedLayer
-from kvpress.patches.head_cache import HeadwiseLayer
 
 PLAN = {"qwen2.5-0.5b": (16384, 32768)}  # model -> context lengths (Qwen2.5-0.5B has 32K positions)
 PRESSES = "snapkv,adakv,duo-attention,default,h2o,kvzip"  # dense, head-wise, DuoAttention, the default, H2O, KVzip
@@ -143,33 +141,6 @@ def pair_by_pair(on: bool = True):
         yield
     finally:
         headwise.VARLEN_DEVICES = before
-
-
-def varlen_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The one variable-length call against the pair-by-pair path on `device`: random head-wise layers (2 rows, 4 KV
-    heads of 7 query heads each, heads keeping 10-90% of 300 slots), a decoding step and a 7-token chunk; per query
-    length, whether the call ran and the largest difference of the outputs (and the outputs' largest value)."""
-    torch.manual_seed(0)
-    out = {}
-    for q in (1, 7):
-        dense = PressedLayer()
-        dense.update(*(torch.randn(2, 4, 300, 64, device=device, dtype=dtype) for _ in range(2)))
-        keep = torch.rand(2, 4, 300, device=device) < torch.tensor([0.1, 0.4, 0.7, 0.9], device=device)[:, None]
-        layer = HeadwiseLayer.from_dense(dense, keep)
-        layer.driven = True
-        layer.update(*(torch.randn(2, 4, q, 64, device=device, dtype=dtype) for _ in range(2)))
-        layer.commit()
-        query = torch.randn(2, 28, q, 64, device=device, dtype=dtype)
-        module = torch.nn.Module()
-        module.scaling = 64**-0.5
-        with torch.inference_mode():
-            one = headwise._one_call(query, layer)
-            varlen = headwise.headwise_attention(module, query, layer)[0].float()
-            with pair_by_pair():
-                pairs = headwise.headwise_attention(module, query, layer)[0].float()
-        out[f"q={q}"] = {"one_call": one, "max_difference": (varlen - pairs).abs().max().item(),
-                         "max_value": pairs.abs().max().item()}  # fmt: skip
-    return out
 
 
 @contextlib.contextmanager
@@ -264,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     if todo and not args.cpu_stand_in:
-        check = varlen_check(torch.device("cuda"))
+        check = headwise.check_one_call(torch.device("cuda"))
         (out / "varlen_check.json").write_text(json.dumps(check, indent=2) + "\n")
         print(f"one variable-length call against pair by pair: {check}")
     skipped = {}

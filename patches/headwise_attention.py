@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpress.patches import blocked_attention as blocked
+from kvpress.patches.cache import PressedLayer
 from kvpress.patches.head_cache import HeadwiseLayer
 
 VARLEN_DEVICES = ("cuda",)  # the device types a head-wise layer's attention runs in one variable-length call on
@@ -49,13 +50,20 @@ def headwise_attention(
     are the query tokens; `[B, q, Hq, Dv]`, and with `mass_block` (queries a block) the attention mass: `[slots]`
     fp32 aligned with the layer's packed storage, the weight each held slot received from the queries of its KV
     head, summed (0 in spare room), computed from the weights of the output (`attention_with_mass`); else None."""
-    b, hq, q, d = query.shape
-    g = hq // layer.heads
     scale = float(module.scaling)
     softcap = getattr(module, "attn_logit_softcapping", None)
-    mass = None if mass_block is None else torch.zeros(layer.bounds[-1], dtype=torch.float32, device=query.device)
-    if mass is None and not softcap and _one_call(query, layer):
+    if mass_block is None and not softcap and _one_call(query, layer):
         return _varlen(query, layer, scale), None
+    return _pairs(query, layer, scale, softcap, mass_block)
+
+
+def _pairs(
+    query: torch.Tensor, layer: HeadwiseLayer, scale: float, softcap: float | None, mass_block: int | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`headwise_attention` pair by pair: a decoding step's two products or a chunk's call per (row, KV head)."""
+    b, hq, q, d = query.shape
+    g = hq // layer.heads
+    mass = None if mass_block is None else torch.zeros(layer.bounds[-1], dtype=torch.float32, device=query.device)
     if q == 1 and not softcap:
         return _one_query(query, layer, scale, mass), mass
     out = query.new_empty(b, hq, q, layer.value_dim or d)
@@ -170,6 +178,30 @@ def flash_varlen(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     `causal` aligned bottom-right; `[T_q, Hq, D]`."""
     return torch.ops.aten._flash_attention_forward(query, keys, values, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
                                                    scale=scale, seqused_k=used_k)[0]  # fmt: skip
+
+
+def check_one_call(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The one variable-length call against the pair-by-pair path on `device`: random head-wise layers (2 rows, 4 KV
+    heads of 7 query heads each, heads keeping 10-90% of 300 slots), a decoding step and a 7-token chunk; per query
+    length, whether the call applies there and the largest difference of the outputs (and the largest value)."""
+    torch.manual_seed(0)
+    out = {}
+    for q in (1, 7):
+        dense = PressedLayer()
+        dense.update(*(torch.randn(2, 4, 300, 64, device=device, dtype=dtype) for _ in range(2)))
+        keep = torch.rand(2, 4, 300, device=device) < torch.tensor([0.1, 0.4, 0.7, 0.9], device=device)[:, None]
+        layer = HeadwiseLayer.from_dense(dense, keep)
+        layer.driven = True
+        layer.update(*(torch.randn(2, 4, q, 64, device=device, dtype=dtype) for _ in range(2)))
+        layer.commit()
+        query = torch.randn(2, 28, q, 64, device=device, dtype=dtype)
+        with torch.inference_mode():
+            one = _one_call(query, layer)
+            pairs = _pairs(query, layer, 0.125, None, None)[0].float()
+            varlen = _varlen(query, layer, 0.125).float() if one else pairs
+        out[f"q={q}"] = {"one_call": one, "max_difference": (varlen - pairs).abs().max().item(),
+                         "max_value": pairs.abs().max().item()}  # fmt: skip
+    return out
 
 
 def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float, mass: torch.Tensor | None) -> torch.Tensor:

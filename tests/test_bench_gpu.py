@@ -172,11 +172,19 @@ def test_pair_by_pair_is_its_own_table_and_the_check_compares_both_paths(tmp_pat
     assert set(json.loads((tmp_path / "gpu.json").read_text())["tables"]) == {"sdpa", "sdpa pair by pair"}
     assert bench_gpu._key(rows[1]) != bench_gpu._key(rows[3])
     # the check (the stand-in in CUDA's place): the call ran for a step and a chunk, and agrees with the pairs
-    check = bench_gpu.varlen_check(torch.device("cpu"), torch.float32)
+    check = headwise.check_one_call(torch.device("cpu"), torch.float32)
     assert {k: v["one_call"] for k, v in check.items()} == {"q=1": True, "q=7": True}
     assert all(v["max_difference"] <= 1e-5 < v["max_value"] for v in check.values())
-    assert [c["causal"] for c in varlen_on_cpu] == [False, True]  # once each: the pairs' side ran pair by pair
-    assert headwise.VARLEN_DEVICES == ("cpu",)  # put back
+    assert [c["causal"] for c in varlen_on_cpu] == [False, True]  # once each
+    # a kernel that reads the spare slots after each pair's held ones: the check shows it
+    right = headwise.flash_varlen
+
+    def spare(query, keys, values, cu_q, cu_k, max_q, max_k, causal, scale, used_k):
+        whole = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
+        return right(query, keys, values, cu_q, cu_k, max_q, int(whole.max()), causal, scale, whole)
+
+    monkeypatch.setattr(headwise, "flash_varlen", spare)
+    assert all(v["max_difference"] > 0.01 for v in headwise.check_one_call(torch.device("cpu"), torch.float32).values())
     with pytest.raises(KeyError), bench_gpu.pair_by_pair():
         assert headwise.VARLEN_DEVICES == ()
         raise KeyError("escapes")
