@@ -9,7 +9,8 @@ repacked with room for every head (`max(8, n // 32)` slots, ~3%); an eviction fr
 layer whose spare room grew past twice that is packed tight again (`compact`). One tensor per kind of state
 lets a commit append to every head in one indexed copy, and an eviction reuse the storage it frees.
 A sliding-window layer (`window`) keeps per head only the real tokens of the last `window - 1` positions,
-as its `PressedLayer` did (`trim_window`).
+as its `PressedLayer` did (`trim_window`): the slots leaving are a prefix of each head's, so the head's segment
+starts after them instead of its slots moving (the pair before it gains them as room).
 
 Storage, all of it counted by `cache_bytes`: `store["keys"]` `[slots, head_dim]`, `store["values"]`, and
 per-slot state under other names (`"pos"`: int32 token positions among the row's real tokens; press state
@@ -375,14 +376,28 @@ class HeadwiseLayer(DynamicLayer):
             self._repack(self.lengths)
 
     def trim_window(self) -> None:
-        """A sliding-window layer drops, per head, the slots older than the last `window - 1` real tokens."""
-        if self.window is None or self.seen < self.window:  # every token seen is in the window
+        """A sliding-window layer drops, per head, the slots older than the last `window - 1` real tokens: a prefix of
+        each pair's slots (they are in position order), counted for the whole layer with one read from the device.
+        Nothing is copied: the pair's segment starts after the slots it dropped, which become spare room of the pair
+        before it (the first pair's, room no pair owns until the layer is repacked: `compact` counts it)."""
+        if self.window is None or self.seen < self.window or not max(self.lengths):  # every token is in the window
             return
-        low = [n - (self.window - 1) for n in self.seen_list()]
-        for i, n in enumerate(self.lengths):
-            pos = self.slot("pos", i // self.heads, i % self.heads)
-            if n and int(pos[0]) < low[i // self.heads]:  # slots are in position order
-                self.keep(i // self.heads, i % self.heads, (pos >= low[i // self.heads]).nonzero().squeeze(-1))
+        starts, ends = self.segments()[0], self._where()
+        offsets = torch.arange(max(self.lengths), device=self.device)
+        # each pair's first slots; past its held ones its newest again (this forward's: inside the window)
+        index = torch.minimum(starts[:-1, None] + offsets, ends[:, None] - 1)
+        pos = self.store["pos"].index_select(0, index.view(-1)).view(index.shape)
+        lows = [n - (self.window - 1) for n in self.seen_list()]  # per row (a left-padded batch's rows differ)
+        low = lows[0] if len(set(lows)) == 1 else torch.tensor(lows).to(self.device, non_blocking=True)[:, None]
+        counts = (pos < (low if isinstance(low, int) else low.repeat_interleave(self.heads, dim=0))).sum(-1)
+        drops = counts.tolist()
+        if not any(drops):
+            return
+        self._fresh = self._appended = None  # (a chunk longer than the window drops some of its own tokens)
+        for i, d in enumerate(drops):
+            self.bounds[i] += d
+            self.lengths[i] -= d
+        self._starts[:-1] += counts  # (on the device: `segments` copies nothing in for the next forward)
 
     def view(self, row: int, head: int) -> PressedLayer:
         """One (row, KV head) as a one-head `PressedLayer` sharing this layer's storage, so an ordinary

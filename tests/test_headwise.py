@@ -242,6 +242,43 @@ def test_packed_storage_appends_and_evicts_in_place_then_packs_tight():
     step()
 
 
+def test_a_sliding_window_trims_each_head_in_place_and_repacks_now_and_then():
+    """Past its window a head-wise sliding layer drops each head's slots older than the last `window - 1` tokens,
+    a prefix per head, with nothing copied (each head's remaining slots stay where they are), and over many steps
+    its storage stays bounded: the room a head freed at its front goes to the head before it, a repack gives every
+    head room again when one runs out."""
+    torch.manual_seed(0)
+    window, b, hkv, n, d = 12, 2, 3, 11, 8
+    dense = PressedLayer(window)
+    dense.update(torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d))
+    keep = torch.rand(b, hkv, n) < torch.tensor([0.3, 0.6, 1.0])[None, :, None]
+    keep[..., -1] = True
+    layer = HeadwiseLayer.from_dense(dense, keep)
+    layer.driven = True
+    pairs = [(row, head) for row in range(b) for head in range(hkv)]
+    ref = {p: (layer.slot("keys", *p).clone(), layer.slot("pos", *p).clone()) for p in pairs}
+    repacks, tops = 0, []
+    for _ in range(60):
+        new_k = torch.randn(b, hkv, 1, d)
+        layer.update(new_k, torch.randn(b, hkv, 1, d))
+        bounds = list(layer.bounds)
+        layer.commit()
+        repacks += layer.bounds != bounds
+        where = {p: layer.slot("keys", *p).data_ptr() for p in pairs}
+        layer.trim_window()
+        low = layer.seen - (window - 1)
+        for p in pairs:
+            k, pos = ref[p]
+            k, pos = torch.cat([k, new_k[p]]), torch.cat([pos, torch.tensor([layer.seen - 1], dtype=torch.int32)])
+            dropped = int((pos < low).sum())
+            ref[p] = k[dropped:], pos[dropped:]
+            assert torch.equal(layer.slot("pos", *p), ref[p][1]) and torch.equal(layer.slot("keys", *p), ref[p][0])
+            assert layer.slot("keys", *p).data_ptr() == where[p] + dropped * d * 4  # not moved: it starts later
+        tops.append(layer.bounds[-1])
+    assert all(layer.lengths[i] == window - 1 for i in range(b * hkv) if i % hkv == 2)  # the head keeping every token
+    assert 1 <= repacks <= 12 and max(tops) <= 2 * (window - 1) * b * hkv  # bounded; a repack now and then
+
+
 @pytest.mark.parametrize("pairs", [[4], [0, 5], [1, 2, 4], [0, 2, 3, 5]])  # slot ranges up to two pairs, an index after
 def test_keep_ends_equals_keep_of_each_pair(pairs):
     torch.manual_seed(0)
@@ -381,12 +418,13 @@ def test_adakv_normalize_makes_heads_compete_by_shape_not_scale(inner):
         AdaKVPress(plain, normalize="yes")
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral-window"])  # a sliding window: each row's own window
 @pytest.mark.parametrize("make", ["adakv", "duo", "duo-short", "duo-snapkv"])
-def test_padded_batch_rows_equal_rows_alone(make):
+def test_padded_batch_rows_equal_rows_alone(make, family):
     """Each row of a left-padded batch gets what it gets alone; "duo-short": a row too short for DuoAttention to
     split its heads at r = 0.6 (20 tokens: its budget, 8, is under a streaming head's 12) splits them 11 steps
     later, as it does alone, while the long row splits in the prefill, as it does alone."""
-    model = tiny_model("llama")
+    model = tiny_model(family)
     if make == "adakv":
         press = AdaKVPress(SnapKVPress(0.5, window_size=8))
     elif make.startswith("duo") and make != "duo-snapkv":
@@ -472,6 +510,24 @@ def test_duo_streaming_heads_stay_bounded(attn):
                 torch.testing.assert_close(layer.slot("keys", row, head), full.layers[0].keys[row, head, pos])
                 torch.testing.assert_close(layer.slot("values", row, head), full.layers[0].values[row, head, pos])
     assert streaming == retrieval == 8
+
+
+@pytest.mark.parametrize("chunk", [None, 24])
+def test_duo_streaming_heads_on_a_sliding_window_keep_no_stale_sinks(chunk):
+    """On sliding-window layers (16 tokens) past the window the sinks are gone: a streaming head holds its last 8
+    tokens (not the window's oldest 4 as sinks), a retrieval head the last 15, the prompt fed whole or in chunks."""
+    model = tiny_model("mistral-window")
+    press = DuoAttentionPress(retrieval_fraction=0.5, head_pattern=tiny_pattern(model), n_sink=4, window=8)
+    _, cache = greedy_scores(model, prompt(1, 96), press, new=20, chunk=chunk)
+    held = {n: [] for n in ("streaming", "retrieval")}
+    for i, layer in enumerate(cache.layers):
+        for head, rank in enumerate(press.head_rank(model)[i].tolist()):
+            kind = "retrieval" if rank < 2 else "streaming"  # half of the 4 (layer, head) pairs
+            pos = layer.slot("pos", 0, head) if isinstance(layer, HeadwiseLayer) else layer.pos[0, head]  # (dense:
+            held[kind].append(pos.tolist())  # every head of the layer retrieves)
+    seen = 96 + 19
+    assert held["streaming"] and all(pos == list(range(seen - 8, seen)) for pos in held["streaming"])
+    assert held["retrieval"] and all(pos == list(range(seen - 15, seen)) for pos in held["retrieval"])
 
 
 @pytest.mark.parametrize("inner", ["snapkv", "h2o"])

@@ -43,7 +43,8 @@ class DuoAttentionPress(HeadwisePress):
         head_pattern: "auto" (default: the packaged pattern made for the model's architecture), a packaged
             pattern's model name ("smollm2-135m", "qwen2.5-0.5b"), a JSON path, or a dict; a pattern made
             for another architecture is refused when the press is installed.
-        n_sink, window: what a streaming head keeps (defaults 4 and 64).
+        n_sink, window: what a streaming head keeps (defaults 4 and 64): the first `n_sink` positions (on a
+            sliding-window layer, those its window still holds) and the last `window` tokens.
         press: a token-level press that compresses the retrieval heads, each at that press's budget (its
             `compression_ratio` or `max_tokens`, its sinks and window), during prefill and decoding
             (default None: retrieval heads keep everything). Needs `retrieval_fraction`.
@@ -230,6 +231,10 @@ class DuoAttentionPress(HeadwisePress):
                     kept = self._scored(obs, budget, target)[0, 0]
                     order = (~kept).to(torch.uint8).argsort(stable=True)  # the kept slots first, in order
                     layer.keep(row, head, order[: int(target[0])])
-        stream = self.n_sink + self.window
-        over = [i for i in (layer.head_budget >= 0).flatten().nonzero().flatten().tolist() if layer.lengths[i] > stream]
-        layer.keep_ends(over, self.n_sink, self.window)  # a head's sinks are its first slots (the first positions)
+        # a streaming head's sinks are its first slots (the first positions), those a sliding window still holds
+        sinks = [self.n_sink - min(max(n - (layer.window - 1), 0), self.n_sink) if layer.window else self.n_sink
+                 for n in layer.seen_list()]  # fmt: skip
+        streaming = (layer.head_budget >= 0).flatten().nonzero().flatten().tolist()
+        for first in sorted(set(sinks)):  # (one call for rows alike: all of them but in a padded batch)
+            over = [i for i in streaming if sinks[i // layer.heads] == first and layer.lengths[i] > first + self.window]
+            layer.keep_ends(over, first, self.window)
