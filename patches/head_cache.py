@@ -259,8 +259,8 @@ class HeadwiseLayer(DynamicLayer):
     def segments(self) -> tuple[torch.Tensor, torch.Tensor]:
         """On the device, for one variable-length attention call over the packed storage: where each pair's segment
         starts, and the end of the last (`bounds`, int32 `[B * H + 1]`), and the slots each pair holds (int32
-        `[B * H]`). A decoding step copies nothing from the host for them (`bounds` change only when the layer is
-        repacked)."""
+        `[B * H]`). A decoding step copies nothing from the host for them (`bounds` change when the layer is repacked,
+        and when a sliding window trims it, which moves them on the device too)."""
         if self._starts is None:
             self._starts = torch.tensor(self.bounds, dtype=torch.int32).to(self.device, non_blocking=True)
         return self._starts, (self._where() - self._starts[:-1]).to(torch.int32)
@@ -388,8 +388,8 @@ class HeadwiseLayer(DynamicLayer):
         index = torch.minimum(starts[:-1, None] + offsets, ends[:, None] - 1)
         pos = self.store["pos"].index_select(0, index.view(-1)).view(index.shape)
         lows = [n - (self.window - 1) for n in self.seen_list()]  # per row (a left-padded batch's rows differ)
-        low = lows[0] if len(set(lows)) == 1 else torch.tensor(lows).to(self.device, non_blocking=True)[:, None]
-        counts = (pos < (low if isinstance(low, int) else low.repeat_interleave(self.heads, dim=0))).sum(-1)
+        low = lows[0] if len(set(lows)) == 1 else torch.tensor(lows).repeat_interleave(self.heads)[:, None]
+        counts = (pos < (low if isinstance(low, int) else low.to(self.device, non_blocking=True))).sum(-1)
         drops = counts.tolist()
         if not any(drops):
             return
