@@ -418,7 +418,7 @@ def test_adakv_normalize_makes_heads_compete_by_shape_not_scale(inner):
         AdaKVPress(plain, normalize="yes")
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral-window"])  # a sliding window: each row's own window
+@pytest.mark.parametrize("family", ["llama", "mistral-window", "gemma3"])  # sliding windows: each row its own
 @pytest.mark.parametrize("make", ["adakv", "duo", "duo-short", "duo-snapkv"])
 def test_padded_batch_rows_equal_rows_alone(make, family):
     """Each row of a left-padded batch gets what it gets alone; "duo-short": a row too short for DuoAttention to
