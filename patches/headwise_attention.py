@@ -40,7 +40,7 @@ from kvpress.patches.cache import PressedLayer
 from kvpress.patches.head_cache import HeadwiseLayer
 
 VARLEN_DEVICES = ("cuda",)  # the device types a head-wise layer's attention runs in one variable-length call on
-HALF = (torch.float16, torch.bfloat16)  # the dtypes torch's flash kernel takes
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # the dtypes torch's flash kernel takes
 
 
 def headwise_attention(
@@ -113,7 +113,7 @@ def _one_call(query: torch.Tensor, layer: HeadwiseLayer) -> bool:
     module docstring)."""
     q, d = query.shape[2], query.shape[3]
     return (query.device.type in VARLEN_DEVICES and layer.kv_bits is None and (q == 1 or layer.window is None)
-            and query.dtype in HALF and d % 8 == 0 and d <= 256 and layer.value_dim == d
+            and query.dtype in FLASH_DTYPES and d % 8 == 0 and d <= 256 and layer.value_dim == d
             and not (torch.is_grad_enabled() and query.requires_grad) and _flash_runs_on(query.device))  # fmt: skip
 
 

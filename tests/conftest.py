@@ -52,7 +52,7 @@ def varlen_on_cpu(monkeypatch):
     from tiny import VARLEN_CALLS, flash_varlen_stand_in
 
     monkeypatch.setattr(hw, "VARLEN_DEVICES", ("cpu",))
-    monkeypatch.setattr(hw, "HALF", (*hw.HALF, torch.float32))
+    monkeypatch.setattr(hw, "FLASH_DTYPES", (*hw.FLASH_DTYPES, torch.float32))
     monkeypatch.setattr(hw, "flash_varlen", flash_varlen_stand_in)
     hw._flash_runs_on.cache_clear()
     assert hw._flash_runs_on(torch.device("cpu"))  # the stand-in passes the kernel's check (its one call)

@@ -259,7 +259,7 @@ def test_one_varlen_call_reads_nothing_back(name, tokenized, monkeypatch):
 
     calls = []
     monkeypatch.setattr(hw, "VARLEN_DEVICES", ("meta",))
-    monkeypatch.setattr(hw, "HALF", (*hw.HALF, torch.float32))
+    monkeypatch.setattr(hw, "FLASH_DTYPES", (*hw.FLASH_DTYPES, torch.float32))
     monkeypatch.setattr(hw, "_flash_runs_on", lambda device: True)
     monkeypatch.setattr(hw, "flash_varlen", lambda query, *a: calls.append(a[-1].shape) or torch.empty_like(query))
     cache = _decode_on_meta(name, tokenized[1], monkeypatch, padded=False)
