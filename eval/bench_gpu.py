@@ -117,42 +117,32 @@ def measure(model, tokenizer, config: dict, profiled: bool = False) -> dict:
             "no_cudnn": bool(config.get("no_cudnn")), "no_varlen": bool(config.get("no_varlen"))}  # fmt: skip
 
 
-@contextlib.contextmanager
-def gpu_paths(on: bool = True):
+def gpu_paths(on: bool = True) -> contextlib.AbstractContextManager:
     """Inside (when `on`): the attention takes on every device the paths it takes on a GPU (`blocked_attention`
     runs no chunk in blocks; chunks over slots all visible are bottom-right causal calls); put back after."""
-    before = blocked.DEVICES
-    if on:
-        blocked.DEVICES = ()
-    try:
-        yield
-    finally:
-        blocked.DEVICES = before
+    return _set(blocked, "DEVICES", () if on else blocked.DEVICES)
 
 
-@contextlib.contextmanager
-def pair_by_pair(on: bool = True):
+def pair_by_pair(on: bool = True) -> contextlib.AbstractContextManager:
     """Inside (when `on`): a head-wise layer's attention runs a call per (row, KV head) on every device, not one
     variable-length call (`headwise_attention.VARLEN_DEVICES`); put back after."""
-    before = headwise.VARLEN_DEVICES
-    if on:
-        headwise.VARLEN_DEVICES = ()
-    try:
-        yield
-    finally:
-        headwise.VARLEN_DEVICES = before
+    return _set(headwise, "VARLEN_DEVICES", () if on else headwise.VARLEN_DEVICES)
+
+
+def blocks_on(device_type: str | None) -> contextlib.AbstractContextManager:
+    """Inside: `blocked_attention` also runs a chunk in blocks on `device_type` (None: as it is); put back after."""
+    return _set(blocked, "DEVICES", blocked.DEVICES if device_type is None else (*blocked.DEVICES, device_type))
 
 
 @contextlib.contextmanager
-def blocks_on(device_type: str | None):
-    """Inside: `blocked_attention` also runs a chunk in blocks on `device_type` (None: as it is); put back after."""
-    before = blocked.DEVICES
-    if device_type is not None:
-        blocked.DEVICES = (*before, device_type)
+def _set(module, name: str, value):
+    """Inside: `module.name` is `value`; put back after, also when an exception escapes."""
+    before = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        blocked.DEVICES = before
+        setattr(module, name, before)
 
 
 def _top(prof, cuda: bool, top: int = 15) -> dict:

@@ -261,9 +261,14 @@ class HeadwiseLayer(DynamicLayer):
         starts, and the end of the last (`bounds`, int32 `[B * H + 1]`), and the slots each pair holds (int32
         `[B * H]`). A decoding step copies nothing from the host for them (`bounds` change when the layer is repacked,
         and when a sliding window trims it, which moves them on the device too)."""
+        starts = self._device_bounds()
+        return starts, (self._where() - starts[:-1]).to(torch.int32)
+
+    def _device_bounds(self) -> torch.Tensor:
+        """`bounds` on the device, int32 (copied in once; `trim_window` moves them there too)."""
         if self._starts is None:
             self._starts = torch.tensor(self.bounds, dtype=torch.int32).to(self.device, non_blocking=True)
-        return self._starts, (self._where() - self._starts[:-1]).to(torch.int32)
+        return self._starts
 
     def commit(self) -> None:
         """Append the pending keys/values (all real tokens) to every head."""
@@ -382,14 +387,14 @@ class HeadwiseLayer(DynamicLayer):
         before it (the first pair's, room no pair owns until the layer is repacked: `compact` counts it)."""
         if self.window is None or self.seen < self.window or not max(self.lengths):  # every token is in the window
             return
-        starts, ends = self.segments()[0], self._where()
         offsets = torch.arange(max(self.lengths), device=self.device)
         # each pair's first slots; past its held ones its newest again (this forward's: inside the window)
-        index = torch.minimum(starts[:-1, None] + offsets, ends[:, None] - 1)
+        index = torch.minimum(self._device_bounds()[:-1, None] + offsets, self._where()[:, None] - 1)
         pos = self.store["pos"].index_select(0, index.view(-1)).view(index.shape)
         lows = [n - (self.window - 1) for n in self.seen_list()]  # per row (a left-padded batch's rows differ)
-        low = lows[0] if len(set(lows)) == 1 else torch.tensor(lows).repeat_interleave(self.heads)[:, None]
-        counts = (pos < (low if isinstance(low, int) else low.to(self.device, non_blocking=True))).sum(-1)
+        if len(set(lows)) > 1:
+            lows = torch.tensor(lows).repeat_interleave(self.heads)[:, None].to(self.device, non_blocking=True)
+        counts = (pos < (lows if isinstance(lows, torch.Tensor) else lows[0])).sum(-1)
         drops = counts.tolist()
         if not any(drops):
             return

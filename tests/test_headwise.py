@@ -52,12 +52,12 @@ def test_adakv_frees_memory_per_head(family, ratio):
 def test_varlen_attention_equals_masked_dense(q_len, softcap, mass_block, gpu_path, monkeypatch, request):
     from kvpress.patches import blocked_attention
 
+    calls = request.getfixturevalue("varlen_on_cpu") if gpu_path == "varlen" else []  # (its check runs here)
     biases = []
     if gpu_path:  # the CUDA branch, run on the CPU: torch materialises the bias there, the mask is the same
         monkeypatch.setattr(blocked_attention, "DEVICES", ())
         bias = blocked_attention.causal_lower_right
         monkeypatch.setattr(blocked_attention, "causal_lower_right", lambda *a: biases.append(a) or bias(*a))
-    calls = request.getfixturevalue("varlen_on_cpu") if gpu_path == "varlen" else []
     torch.manual_seed(0)
     b, hkv, g, n, d = 2, 3, 2, 40, 16
     dense = PressedLayer()
@@ -154,7 +154,7 @@ def test_a_kernel_that_fails_the_check_is_named_and_the_pairs_attend(broken, var
     module = torch.nn.Module()
     module.scaling, module.attn_logit_softcapping = 0.25, None
     query = torch.randn(1, 4, 1, 16)
-    said = "Ampere" if broken == "raises" else "differs from sdpa's"
+    said = "Ampere" if broken == "raises" else "differs from the pairs'"
     with pytest.warns(UserWarning, match=f"variable-length flash kernel failed kvpress's check on cpu .*{said}"):
         out, _ = headwise_attention(module, query, layer)
     monkeypatch.setattr(hw, "VARLEN_DEVICES", ())
