@@ -1,10 +1,13 @@
 """A cache layer that really shrinks: it knows the tokens it has seen and the slots it holds.
 
 `PressedLayer` is a transformers `DynamicLayer` whose slots can be evicted. Evicted slots are freed
-(kept slots are copied into smaller tensors, or a slot is overwritten in place), never masked.
+(kept slots are copied into smaller tensors, or a slot is overwritten in place), never only masked, except by a
+sliding window's trimming (below), whose holes are freed once every head's slots before them have left too.
 
 Storage, all of it counted by `cache_bytes`:
-- `keys`, `values`: `[batch, kv_heads, capacity, head_dim]`; the first `n` slots are in use.
+- `keys`, `values`: `[batch, kv_heads, capacity, head_dim]`; the first `n` slots are in use. Decoding
+  appends into spare room (`SPARE`). They may be views that start inside a larger storage: a sliding window's
+  trimming moves their start (the storage, counted whole, is copied and shrunk when decoding next grows it).
 - `slots`: per-slot tensors `[batch, kv_heads, capacity]`: `"pos"` (int32, the token's position among
   the row's real tokens), `"valid"` (bool, only while some slot is padding or an unused hole) and
   whatever state a press keeps per token (for example H2O's accumulated attention).
@@ -29,8 +32,9 @@ the slots held, so transformers' own masks stay right for unpadded continuation.
 A sliding-window layer (`window`, the model's `sliding_window`) is a full-attention layer while the
 context fits its window, and a press compresses it like one. Past the window it keeps, as transformers'
 `DynamicSlidingWindowLayer` does, only what the next token can see: `trim_window` drops the held slots
-older than the last `window - 1` real tokens after every forward, and the layer's mask hides, for each
-query, the slots more than `window - 1` positions behind it.
+older than the last `window - 1` real tokens after every forward (a head whose slots leave while another
+head's stay marks them as holes, not valid), and the layer's mask hides, for each query, the slots more than
+`window - 1` positions behind it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from kvpress.patches import kv_quantization as quant
 
+# A decoding step that finds no room left grows the storage by one slot and `_spare` more: 0 the first time after
+# an eviction (a press that evicts a slot a step then needs no more), then 1, 2, 4, ... up to `SPARE` of the slots
+# held (at least `SPARE_MIN`). A growing layer copies its slots once every `n * SPARE` steps, not every step as
+# `torch.cat` would (and transformers' `DynamicLayer` does).
+SPARE, SPARE_MIN = 1 / 32, 8
+
 
 class PressedLayer(DynamicLayer):
     """A `DynamicLayer` whose slots a press can evict; see the module docstring for its storage."""
@@ -54,6 +64,8 @@ class PressedLayer(DynamicLayer):
     offloaded = None  # slots a press keeps outside the working cache (RecallPress's store): not in its bytes
     _seen_rows: list[int] | None = None  # (and one saved before the host's copies of the per-row counts existed)
     _held_rows: list[int] | None = None
+    _trimmed = False  # nothing was appended or inserted since the last `trim_window`
+    _spare = 0  # the room the next growth leaves (see `SPARE`)
 
     @property
     def is_croppable(self) -> bool:
@@ -141,6 +153,10 @@ class PressedLayer(DynamicLayer):
             new_keys = quant.encode(key_states, self.key_stats, self.kv_bits)
             new_values = quant.encode(value_states, None, self.kv_bits)
         capacity = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        if self.n + q > capacity and self.n and q == 1:  # a decoding step: room for the next steps too (`SPARE`)
+            self.keys, self.values = self._grown(self.keys, self.n), self._grown(self.values, self.n)
+            self._spare = min(max(1, 2 * self._spare), max(SPARE_MIN, int(self.n * SPARE)))
+            capacity = self.keys.shape[-2]
         if self.n + q <= capacity:
             self.keys[:, :, self.n : self.n + q] = new_keys
             self.values[:, :, self.n : self.n + q] = new_values
@@ -151,6 +167,7 @@ class PressedLayer(DynamicLayer):
         self.n += q
         self.seen += q
         self.pending = q
+        self._trimmed = False
         if self.kv_bits is None:
             keys, values = self.keys[:, :, : self.n], self.values[:, :, : self.n]
         else:  # the held slots decoded, this forward's own tokens exact
@@ -181,7 +198,8 @@ class PressedLayer(DynamicLayer):
         super().reset()
         self.seen = self.n = self.pending = 0
         self.slots, self.real_seen, self.shift, self.rotated, self.padded = {}, None, None, False, False
-        self.torn = False
+        self.torn = self._trimmed = False
+        self._spare = 0
         self.kv_bits, self.key_stats = None, None  # dense again until a press quantizes the next prompt
         self.key_channels = None  # every channel again until a press thins the next prompt's keys
         self.offloaded = None  # the next prompt's spans are its own
@@ -366,6 +384,7 @@ class PressedLayer(DynamicLayer):
             return out
 
         self.keys, self.values = take(self.keys), take(self.values)
+        self._spare = 0
         if keep_valid is not None and "valid" not in self.slots:
             self.slots["valid"] = torch.ones_like(self.slots["pos"], dtype=torch.bool)
         self.slots = {name: take(t) for name, t in self.slots.items()}
@@ -414,6 +433,7 @@ class PressedLayer(DynamicLayer):
         self.n += added
         self.shift = self.shift - added
         self._forget_rows()
+        self._trimmed = False
 
     def replace(self, index: torch.Tensor, held: dict[str, torch.Tensor], where: torch.Tensor) -> None:
         """Exchange held slots for slots copied earlier (tokens seen before, as `copy_slots` gives them): slot
@@ -432,6 +452,7 @@ class PressedLayer(DynamicLayer):
             view = t[:, :, : self.n]
             view.scatter_(2, idx, torch.where(mask, held[name].to(t.device, t.dtype), view.gather(2, idx)))
         self._forget_rows()
+        self._trimmed = False
 
     def _chosen(self, chosen: torch.Tensor) -> torch.Tensor:
         if not isinstance(chosen, torch.Tensor) or chosen.dtype != torch.bool or tuple(chosen.shape) != (self.n,):
@@ -454,20 +475,43 @@ class PressedLayer(DynamicLayer):
 
     def trim_window(self) -> None:
         """A sliding-window layer drops the held slots the next token cannot see: real tokens older than the
-        last `window - 1` of their row (each head its own; rows with fewer keep holes, marked not valid).
-        The slots kept stay in their order, so the newest slots stay last."""
+        last `window - 1` of their row (each head its own). The slots leaving a head are the real ones before its
+        first staying slot (its real slots are in position order), so the slots before the earliest such first slot
+        of the layer leave by a view that starts after them (nothing is copied), and the other heads' leaving slots
+        become holes, marked not valid. The slots kept stay in their order, so the newest slots stay last. One read
+        from the device."""
         if self.window is None or self.seen < self.window:  # every token seen is in the window (the hot path)
             return
-        stay = self.pos >= (self.real_seen - (self.window - 1)).to(self.keys.device)[:, None, None]
-        if self.valid is not None:
-            stay &= self.valid
-        if bool(stay.all()):
+        if self._trimmed:  # (called again in the same forward)
             return
-        counts = stay.sum(-1)  # [B, H]
-        k = int(counts.max())
-        order = (stay.long() * self.n + torch.arange(self.n, device=stay.device)).argsort(dim=-1)
-        index = order[..., self.n - k :]  # leaving slots first (as holes where a head keeps fewer), then those staying
-        self.keep(index, torch.arange(k, device=stay.device) >= (k - counts)[..., None])
+        stay = self.pos >= (self.real_seen - (self.window - 1)).to(self.keys.device)[:, None, None]
+        valid = self.valid
+        if valid is not None:
+            stay &= valid
+        index = torch.arange(self.n, device=stay.device)
+        first = torch.where(stay, index, self.n).amin(-1)  # [B, H]: each head's first staying slot
+        cut = first.amin()
+        leaving = ~stay if valid is None else valid & ~stay
+        holes = ~stay & (index >= cut)  # slots kept that hold no staying token
+        cut, leaves, holes = torch.stack([cut, leaving.any(), holes.any()]).tolist()
+        if leaves or cut:
+            self._drop_first(cut, stay[..., cut:] if holes else None)
+        self._trimmed = True
+
+    def _drop_first(self, cut: int, valid: torch.Tensor | None) -> None:
+        """Hold the slots from `cut` on, by views of the same storage, and mark which are real (`valid`; None:
+        all of them)."""
+        self.keys, self.values = self.keys[:, :, cut:], self.values[:, :, cut:]
+        self.slots = {name: t[..., cut:] for name, t in self.slots.items()}
+        self.n -= cut
+        if valid is not None:
+            if "valid" not in self.slots:
+                self.slots["valid"] = torch.ones_like(self.slots["pos"], dtype=torch.bool)
+            self.slots["valid"][..., : self.n] = valid
+        else:
+            self.slots.pop("valid", None)
+        self._held_rows = None
+        self._count_evicted()
 
     def quantize(self, bits: int) -> None:
         """Store the held slots, and every slot appended from now on, as `bits`-bit codes (the channels'
@@ -536,9 +580,18 @@ class PressedLayer(DynamicLayer):
         v = self.valid  # counted on the device (`held()` is the host's copy)
         self.shift = self.real_seen - (self.n if v is None else v.sum(-1).amax(-1).to(self.real_seen.device))
 
+    def _grown(self, t: torch.Tensor, held: int, capacity: int | None = None) -> torch.Tensor:
+        """`t` (keys, values or a per-slot tensor) with its first `held` slots copied into a tensor of `capacity`
+        slots (by default room for the next slot and `_spare` more)."""
+        out = t.new_empty(*t.shape[:2], capacity or held + 1 + self._spare, *t.shape[3:])
+        out[:, :, :held] = t[:, :, :held]
+        return out
+
     def _append_slot(self, name: str, new: torch.Tensor) -> None:
         t = self.slots.get(name)
         start = self.n - new.shape[-1]
+        if t is not None and start and t.shape[-1] < self.n <= self.keys.shape[-2]:  # the keys grew (`update`)
+            t = self.slots[name] = self._grown(t, start, self.keys.shape[-2])
         if t is not None and t.shape[-1] >= self.n:
             t[..., start : self.n] = new
         elif t is None:

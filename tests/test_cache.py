@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from kvpress import KnormPress, PressedLayer, SinkWindowPress, SnapKVPress
+from kvpress.patches.cache import SPARE, SPARE_MIN
 from tiny import left_padded, prompt, tiny_model
 
 
@@ -147,3 +148,25 @@ def test_slot_masks_and_duplicate_inserts_are_refused():
     with pytest.raises(ValueError, match="bool mask of the 6 held slots"):
         layer.copy_slots(torch.ones(3, dtype=torch.bool))
     assert layer.n == 6
+
+
+def test_decoding_grows_the_storage_with_spare_room_not_a_copy_a_step():
+    """A layer that keeps every decoded token copies its slots once every `n * SPARE` steps (at least
+    `SPARE_MIN`), not at every step; the room it holds beyond its slots stays within that share; after an eviction
+    the next growth is one slot only (a press evicting a slot a step needs no more)."""
+    torch.manual_seed(0)
+    layer = PressedLayer()
+    keys = torch.randn(1, 2, 300, 4)
+    layer.update(keys[:, :, :200], keys[:, :, :200] + 1)
+    storages = set()
+    for t in range(200, 300):
+        layer.update(keys[:, :, t : t + 1], keys[:, :, t : t + 1] + 1)
+        storages.add(layer.keys.untyped_storage().data_ptr())
+        assert layer.keys.shape[-2] - layer.n <= max(SPARE_MIN, layer.n * SPARE)
+        assert layer.slots["pos"].shape[-1] == layer.keys.shape[-2]  # the per-slot tensors grow with the keys
+    assert torch.equal(layer.keys[:, :, : layer.n], keys) and torch.equal(layer.values[:, :, : layer.n], keys + 1)
+    assert layer.pos[0, 0].tolist() == list(range(300))
+    assert len(storages) <= 100 // 4  # growths of 1, 2, 4, ... then 6-9 slots
+    layer.keep(torch.arange(50, 300).expand(1, 2, -1))
+    layer.update(keys[:, :, :1], keys[:, :, :1])
+    assert layer.keys.shape[-2] == layer.n == 251

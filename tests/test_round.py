@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvpress
-from kvpress.patches.cache import PressedLayer
+from kvpress.patches.cache import SPARE, SPARE_MIN, PressedLayer
 
 TURNS = [
     ("My locker code is 48213. Please remember it.", "Sure, I will remember your locker code."),
@@ -56,7 +56,9 @@ def test_working_cache_holds_only_the_selected_rounds(default_model):
     config = model.config
     slot_bytes = config.num_key_value_heads * (2 * config.head_dim * 4 + 4)  # fp32 keys + values, int32 position
     row_counters = 2 * 8 * len(layers)  # real_seen and shift, int64 per row
-    assert kvpress.cache_bytes(session.cache) == sum(layer.n for layer in layers) * slot_bytes + row_counters
+    capacity = [layer.keys.shape[-2] for layer in layers]  # the slots held, and decoding's room for more
+    assert kvpress.cache_bytes(session.cache) == sum(capacity) * slot_bytes + row_counters
+    assert all(c - layer.n <= max(SPARE_MIN, layer.n * SPARE) for c, layer in zip(capacity, layers, strict=True))
     assert sum(layer.n for layer in layers) < 0.85 * last.end * len(layers)  # a full cache holds them all
     assert len(session.store) == len(session.rounds) * (config.num_hidden_layers - 16)  # the layers after layer 15
 
