@@ -570,6 +570,25 @@ def test_duo_compression_ratio_sets_the_bytes():
         assert abs(kept - (1 - ratio)) < 1 / 8 + 0.02, kept  # one (layer, head) pair of 8 is the granularity
 
 
+@pytest.mark.parametrize("first", ["full", "sliding"])
+def test_duo_compression_ratio_counts_what_a_sliding_layer_holds(first):
+    """On Gemma3's mixed layers a retrieval head of a sliding layer holds at most its window (7 tokens here), one of
+    the full layer everything (120): the count of retrieval heads is chosen on what they hold, whichever layers the
+    pattern ranks first, so the tokens held come within half of a full-layer head's difference of what a dense
+    press keeps of every layer."""
+    kinds = ["sliding_attention"] * 5 + ["full_attention"]
+    model = tiny_model("gemma3", num_hidden_layers=6, layer_types=kinds)
+    pattern = tiny_pattern(model)
+    pattern["scores"] = [[2.0 + h / 4 if (kind == "full_attention") == (first == "full") else h / 4 for h in range(2)]
+                         for kind in kinds]  # fmt: skip
+    cache = DynamicCache(config=model.config)
+    with DuoAttentionPress(compression_ratio=0.5, head_pattern=pattern, n_sink=2, window=4)(model):
+        model(prompt(1, 120), cache=cache)
+    held = sum(sum(layer.lengths) if isinstance(layer, HeadwiseLayer) else layer.n * 2 for layer in cache.layers)
+    target = 10 * (7 - 7 // 2) + 2 * (120 - 60)  # what SnapKV at r = 0.5 keeps of each of the 12 heads
+    assert abs(held - target) <= (120 - 6) / 2, held  # the old count (from the context length alone): 292 or 70
+
+
 def test_duo_fed_in_chunks_splits_heads_once_the_budget_allows():
     model = tiny_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4)
     ids = prompt(1, 400)

@@ -35,7 +35,9 @@ class DuoAttentionPress(HeadwisePress):
 
     Parameters:
         compression_ratio: fraction of the context's cache removed; the number of retrieval heads is
-            chosen per row so that the kept bytes match it (given the context length), once: at the first
+            chosen per row so that the kept bytes match it (given the context length, and on a model with
+            sliding-window layers which of them the retrieval heads are in: such a head holds at most the
+            window; see `retrieval_heads`), once: at the first
             forward where the row's budget holds more than a streaming head's `n_sink + window` (before that
             the row keeps everything; each row of a padded batch splits when it would alone). A context fed
             in chunks keeps that split, so later chunks are kept at the first split's share (below 1 - r). Or:
@@ -112,7 +114,12 @@ class DuoAttentionPress(HeadwisePress):
         scores[~full] = -torch.inf  # layers a press leaves alone (chunked attention, ...): rank only the others
         order = scores.flatten().argsort(descending=True, stable=True)
         rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).view_as(scores)
-        plan = (rank, int(full.sum()) * scores.shape[1])  # the (layer, KV head) pairs a budget is spread over
+        total = int(full.sum()) * scores.shape[1]  # the (layer, KV head) pairs a budget is spread over
+        window, kinds = model_access.sliding_window(model), model_access.layer_types(model)
+        # each of those pairs' window (None: a full-attention layer), from the first to be a retrieval head on
+        windows = [window if kinds[i // scores.shape[1]] == "sliding_attention" else None
+                   for i in order[:total].tolist()]  # fmt: skip
+        plan = (rank, windows)
         for module in model_access.attention_modules(model).values():  # one press may serve several models
             self._plans[module] = plan
 
@@ -127,18 +134,31 @@ class DuoAttentionPress(HeadwisePress):
     def recent_count(self, budget):
         return self.window
 
-    def retrieval_heads(self, real_seen: list[int], total: int) -> torch.Tensor:
-        """`[B]` on the host: how many of the `total` (layer, KV head) pairs keep the whole context for rows that
-        have seen `real_seen` real tokens."""
+    def retrieval_heads(self, real_seen: list[int], windows: list[int | None]) -> torch.Tensor:
+        """`[B]` on the host: how many of the (layer, KV head) pairs keep the whole context for rows that have seen
+        `real_seen` real tokens; `windows`: each pair's sliding window (None: full attention), in rank order.
+        With `compression_ratio`: the count whose pairs hold, all together, the closest to what a dense press would
+        keep of every pair (ties: more retrieval heads). A pair of a sliding-window layer holds at most its window,
+        so which pairs retrieve changes what a retrieval head costs."""
         if self.retrieval_fraction is not None:
-            return torch.full((len(real_seen),), round(self.retrieval_fraction * total))
-        stream = self.n_sink + self.window
+            return torch.full((len(real_seen),), round(self.retrieval_fraction * len(windows)))
         counts = []
         for n in real_seen:
-            kept = n - math.floor(n * self.compression_ratio)
-            share = 1.0 if n <= stream else min(1.0, max(0.0, (kept - stream) / (n - stream)))
-            counts.append(round(share * total))
+            spans, streams = torch.tensor([self._holds(n, w) for w in windows], dtype=torch.float64).unbind(-1)
+            target = float((spans - (spans * self.compression_ratio).floor()).sum())
+            kept = torch.cat([spans.new_zeros(1), (spans - streams).cumsum(0)]) + streams.sum()  # with 0, 1, ... pairs
+            gap = (kept - target).abs()
+            counts.append(len(windows) - int(gap.flip(0).argmin()))  # the last of the closest
         return torch.tensor(counts)
+
+    def _holds(self, n: int, window: int | None) -> tuple[int, int]:
+        """(what a retrieval head, what a streaming head) of a layer with sliding window `window` (None: full
+        attention) holds after `n` tokens: past a window the sinks leave it too."""
+        if window is None:
+            return n, min(n, self.n_sink + self.window)
+        span = min(n, window - 1)
+        sinks = self.n_sink - min(max(n - (window - 1), 0), self.n_sink)
+        return span, min(span, sinks + self.window)
 
     def select(self, obs: Observation) -> torch.Tensor | None:
         layer = obs.layer
@@ -212,8 +232,8 @@ class DuoAttentionPress(HeadwisePress):
     def _retrieval(self, module: nn.Module, real_seen: list[int]) -> torch.Tensor:
         """`[B, H]` on the host: True for the retrieval heads of the layer of attention module `module`, for rows
         that have seen `real_seen` real tokens."""
-        rank, total = self._plans[module]
-        return rank[model_access.layer_index(module)][None] < self.retrieval_heads(real_seen, total)[:, None]
+        rank, windows = self._plans[module]
+        return rank[model_access.layer_index(module)][None] < self.retrieval_heads(real_seen, windows)[:, None]
 
     def evict_heads(self, module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer) -> None:
         undecided = [row for row in range(layer.batch) if int(layer.head_budget[row, 0]) == self.UNDECIDED]
