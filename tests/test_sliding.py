@@ -129,18 +129,24 @@ def test_a_compressed_sliding_cache_refuses_several_tokens_outside_its_press():
         model(prompt(1, 4, seed=2), cache=cache)
 
 
-def test_past_the_window_each_head_drops_its_leaving_slots_by_a_view_and_the_others_become_holes():
-    """Each head's real slots older than the last `window - 1` tokens leave: those before the layer's earliest
-    staying slot by a view of the same storage (nothing copied), the rest marked not valid. Over 60 steps every head
-    holds exactly its reference's keys and positions, and the storage is copied only when decoding grows it."""
+@pytest.mark.parametrize("padded", [False, True])
+def test_past_the_window_each_head_drops_its_leaving_slots_by_a_view_and_the_others_become_holes(padded):
+    """Each head's real slots older than the last `window - 1` tokens of its row leave: those before the layer's
+    earliest staying slot by a view of the same storage (nothing copied), the rest marked not valid. Over 60 steps
+    every head holds exactly its reference's keys and positions (a left-padded row: 3 tokens behind the other), and
+    the storage is copied only when decoding grows it."""
     torch.manual_seed(0)
     window, b, hkv, n, d = 12, 2, 3, 11, 8
     layer = PressedLayer(window)
+    layer.driven = True
     layer.update(torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d))
+    real = torch.ones(b, n, dtype=torch.bool)
+    real[1, :3] = not padded
+    layer.commit(real if padded else None)
     keep = torch.rand(b, hkv, n) < torch.tensor([0.3, 0.6, 1.0])[None, :, None]  # heads keeping fewer: holes
     keep[..., -1] = True
+    keep &= real[:, None]
     layer.keep(torch.arange(n).expand(b, hkv, n), keep)
-    layer.driven = True
     pairs = [(row, head) for row in range(b) for head in range(hkv)]
     ref = {p: (layer.keys[p][keep[p]], layer.pos[p][keep[p]]) for p in pairs}
     storages = set()
@@ -153,14 +159,14 @@ def test_past_the_window_each_head_drops_its_leaving_slots_by_a_view_and_the_oth
         layer.trim_window()  # again in the same forward: nothing left to drop
         assert layer.keys.untyped_storage().data_ptr() == storage  # trimming copied nothing
         storages.add(storage)
-        low = layer.seen - (window - 1)
-        real = layer.valid if layer.valid is not None else torch.ones(b, hkv, layer.n, dtype=torch.bool)
-        keys = layer.held_kv()[0]
+        held = layer.valid if layer.valid is not None else torch.ones(b, hkv, layer.n, dtype=torch.bool)
+        keys, seen = layer.held_kv()[0], layer.seen_list()
         for p in pairs:
             k, pos = ref[p]
-            k, pos = torch.cat([k, new_k[p]]), torch.cat([pos, torch.tensor([layer.seen - 1], dtype=torch.int32)])
+            k, pos = torch.cat([k, new_k[p]]), torch.cat([pos, torch.tensor([seen[p[0]] - 1], dtype=torch.int32)])
+            low = seen[p[0]] - (window - 1)
             ref[p] = k[pos >= low], pos[pos >= low]
-            assert torch.equal(layer.pos[p][real[p]], ref[p][1]) and torch.equal(keys[p][real[p]], ref[p][0])
+            assert torch.equal(layer.pos[p][held[p]], ref[p][1]) and torch.equal(keys[p][held[p]], ref[p][0])
         assert layer.n <= 2 * (window - 1)
     assert layer.held().tolist() == [window - 1] * b  # the head keeping every token
     assert len(storages) <= 60 // 4  # a copy now and then
