@@ -482,7 +482,7 @@ class PressedLayer(DynamicLayer):
         from the device."""
         if self.window is None or self.seen < self.window:  # every token seen is in the window (the hot path)
             return
-        if self._trimmed:  # (called again in the same forward)
+        if self._trimmed or not self.n:  # (called again in the same forward, or nothing held)
             return
         stay = self.pos >= (self.real_seen - (self.window - 1)).to(self.keys.device)[:, None, None]
         valid = self.valid
