@@ -488,13 +488,11 @@ class PressedLayer(DynamicLayer):
         valid = self.valid
         if valid is not None:
             stay &= valid
-        index = torch.arange(self.n, device=stay.device)
-        first = torch.where(stay, index, self.n).amin(-1)  # [B, H]: each head's first staying slot
-        cut = first.amin()
-        leaving = ~stay if valid is None else valid & ~stay
-        holes = ~stay & (index >= cut)  # slots kept that hold no staying token
-        cut, leaves, holes = torch.stack([cut, leaving.any(), holes.any()]).tolist()
-        if leaves or cut:
+        # the earliest staying slot of any head, and how many stay (all of them at or after it)
+        first = torch.where(stay, torch.arange(self.n, device=stay.device), self.n).amin()
+        cut, staying = torch.stack([first, stay.sum()]).tolist()
+        holes = staying < stay.shape[0] * stay.shape[1] * (self.n - cut)  # slots kept that hold no staying token
+        if cut or holes:
             self._drop_first(cut, stay[..., cut:] if holes else None)
         self._trimmed = True
 
