@@ -116,9 +116,9 @@ class DuoAttentionPress(HeadwisePress):
         rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).view_as(scores)
         total = int(full.sum()) * scores.shape[1]  # the (layer, KV head) pairs a budget is spread over
         window, kinds = model_access.sliding_window(model), model_access.layer_types(model)
-        # each of those pairs' window (None: a full-attention layer), from the first to be a retrieval head on
-        windows = [window if kinds[i // scores.shape[1]] == "sliding_attention" else None
-                   for i in order[:total].tolist()]  # fmt: skip
+        # each of those pairs' window (inf: a full-attention layer), from the first to be a retrieval head on
+        windows = torch.tensor([window if kinds[i // scores.shape[1]] == "sliding_attention" else math.inf
+                                for i in order[:total].tolist()], dtype=torch.float64)  # fmt: skip
         plan = (rank, windows)
         for module in model_access.attention_modules(model).values():  # one press may serve several models
             self._plans[module] = plan
@@ -134,31 +134,25 @@ class DuoAttentionPress(HeadwisePress):
     def recent_count(self, budget):
         return self.window
 
-    def retrieval_heads(self, real_seen: list[int], windows: list[int | None]) -> torch.Tensor:
+    def retrieval_heads(self, real_seen: list[int], windows: torch.Tensor) -> torch.Tensor:
         """`[B]` on the host: how many of the (layer, KV head) pairs keep the whole context for rows that have seen
-        `real_seen` real tokens; `windows`: each pair's sliding window (None: full attention), in rank order.
+        `real_seen` real tokens; `windows`: each pair's sliding window (inf: full attention), in rank order.
         With `compression_ratio`: the count whose pairs hold, all together, the closest to what a dense press would
-        keep of every pair (ties: more retrieval heads). A pair of a sliding-window layer holds at most its window,
-        so which pairs retrieve changes what a retrieval head costs."""
+        keep of every pair (ties: more retrieval heads). A pair of a sliding-window layer holds at most its window
+        (a streaming head: the sinks still in it and its last `window` tokens), so which pairs retrieve changes what
+        a retrieval head costs."""
         if self.retrieval_fraction is not None:
             return torch.full((len(real_seen),), round(self.retrieval_fraction * len(windows)))
         counts = []
         for n in real_seen:
-            spans, streams = torch.tensor([self._holds(n, w) for w in windows], dtype=torch.float64).unbind(-1)
+            spans = (windows - 1).clamp(max=n)  # what a retrieval head holds
+            sinks = self.n_sink - (n - (windows - 1)).clamp(0, self.n_sink)  # (past a window the sinks leave it)
+            streams = torch.minimum(spans, sinks + self.window)  # what a streaming head holds
             target = float((spans - (spans * self.compression_ratio).floor()).sum())
             kept = torch.cat([spans.new_zeros(1), (spans - streams).cumsum(0)]) + streams.sum()  # with 0, 1, ... pairs
             gap = (kept - target).abs()
             counts.append(len(windows) - int(gap.flip(0).argmin()))  # the last of the closest
         return torch.tensor(counts)
-
-    def _holds(self, n: int, window: int | None) -> tuple[int, int]:
-        """(what a retrieval head, what a streaming head) of a layer with sliding window `window` (None: full
-        attention) holds after `n` tokens: past a window the sinks leave it too."""
-        if window is None:
-            return n, min(n, self.n_sink + self.window)
-        span = min(n, window - 1)
-        sinks = self.n_sink - min(max(n - (window - 1), 0), self.n_sink)
-        return span, min(span, sinks + self.window)
 
     def select(self, obs: Observation) -> torch.Tensor | None:
         layer = obs.layer
