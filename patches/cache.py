@@ -377,11 +377,7 @@ class PressedLayer(DynamicLayer):
         def take(t: torch.Tensor) -> torch.Tensor:
             idx = index if t.dim() == 3 else index[..., None].expand(*index.shape, t.shape[-1])
             kept = t[:, :, : self.n].gather(2, idx)
-            if capacity == k:
-                return kept
-            out = t.new_empty(*kept.shape[:2], capacity, *kept.shape[3:])
-            out[:, :, :k] = kept
-            return out
+            return kept if capacity == k else self._grown(kept, k, capacity)
 
         self.keys, self.values = take(self.keys), take(self.values)
         self._spare = 0

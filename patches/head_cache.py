@@ -392,9 +392,9 @@ class HeadwiseLayer(DynamicLayer):
         index = torch.minimum(self._device_bounds()[:-1, None] + offsets, self._where()[:, None] - 1)
         pos = self.store["pos"].index_select(0, index.view(-1)).view(index.shape)
         lows = [n - (self.window - 1) for n in self.seen_list()]  # per row (a left-padded batch's rows differ)
-        if len(set(lows)) > 1:
-            lows = torch.tensor(lows).repeat_interleave(self.heads)[:, None].to(self.device, non_blocking=True)
-        counts = (pos < (lows if isinstance(lows, torch.Tensor) else lows[0])).sum(-1)
+        low = lows[0] if len(set(lows)) == 1 else (
+            torch.tensor(lows).repeat_interleave(self.heads)[:, None].to(self.device, non_blocking=True))
+        counts = (pos < low).sum(-1)
         drops = counts.tolist()
         if not any(drops):
             return
