@@ -48,10 +48,11 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from kvpress.patches import kv_quantization as quant
 
-# A decoding step that finds no room left grows the storage by one slot and `_spare` more: 0 the first time after
-# an eviction (a press that evicts a slot a step then needs no more), then 1, 2, 4, ... up to `SPARE` of the slots
-# held (at least `SPARE_MIN`). A growing layer copies its slots once every `n * SPARE` steps, not every step as
-# `torch.cat` would (and transformers' `DynamicLayer` does).
+# A decoding step that finds no room left grows the storage by one slot and `_spare` more: 0 the first time, then
+# 1, 2, 4, ... up to `SPARE` of the slots held (at least `SPARE_MIN`). A growing layer copies its slots once every
+# `n * SPARE` steps, not every step as `torch.cat` would (and transformers' `DynamicLayer` does). An eviction
+# (`keep`) leaves the same room after what it keeps, so a press that evicts every few steps copies its slots once
+# an eviction, not also at the steps between that find the layer full.
 SPARE, SPARE_MIN = 1 / 32, 8
 
 
@@ -368,11 +369,13 @@ class PressedLayer(DynamicLayer):
     def keep(self, index: torch.Tensor, keep_valid: torch.Tensor | None = None, capacity: int | None = None,
              held: list[int] | None = None) -> None:  # fmt: skip
         """Keep the slots `index` `[B, H, k]` (per head, in the order they are to be held: sorted, so that the
-        newest stay last) in new tensors of `capacity` slots (>= k); `keep_valid` marks the real ones (a slot
-        held as not valid stays so). `held`: the real slots each row then holds by its fullest head, where the
+        newest stay last) in new tensors of `capacity` slots (>= k) and the room decoding grew to (`SPARE`);
+        `keep_valid` marks the real ones (a slot held as not valid stays so). `held`: the real slots each row then holds by its fullest head, where the
         caller knows them (`held()` then reads nothing)."""
         k = index.shape[-1]
         capacity = max(k, capacity or k)
+        self._spare = min(self._spare, max(SPARE_MIN, int(capacity * SPARE)))  # (the room of fewer slots)
+        capacity += self._spare
 
         def take(t: torch.Tensor) -> torch.Tensor:
             idx = index if t.dim() == 3 else index[..., None].expand(*index.shape, t.shape[-1])
@@ -380,7 +383,6 @@ class PressedLayer(DynamicLayer):
             return kept if capacity == k else self._grown(kept, k, capacity)
 
         self.keys, self.values = take(self.keys), take(self.values)
-        self._spare = 0
         if keep_valid is not None and "valid" not in self.slots:
             self.slots["valid"] = torch.ones_like(self.slots["pos"], dtype=torch.bool)
         self.slots = {name: take(t) for name, t in self.slots.items()}

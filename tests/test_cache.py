@@ -152,8 +152,8 @@ def test_slot_masks_and_duplicate_inserts_are_refused():
 
 def test_decoding_grows_the_storage_with_spare_room_not_a_copy_a_step():
     """A layer that keeps every decoded token copies its slots once every `n * SPARE` steps (at least
-    `SPARE_MIN`), not at every step; the room it holds beyond its slots stays within that share; after an eviction
-    the next growth is one slot only (a press evicting a slot a step needs no more)."""
+    `SPARE_MIN`), not at every step; the room it holds beyond its slots stays within that share; an eviction
+    (`keep`) leaves that room after what it keeps, so the next step appends in place."""
     torch.manual_seed(0)
     layer = PressedLayer()
     keys = torch.randn(1, 2, 300, 4)
@@ -168,5 +168,30 @@ def test_decoding_grows_the_storage_with_spare_room_not_a_copy_a_step():
     assert layer.pos[0, 0].tolist() == list(range(300))
     assert len(storages) <= 100 // 4  # growths of 1, 2, 4, ... then 6-9 slots
     layer.keep(torch.arange(50, 300).expand(1, 2, -1))
+    assert 250 < layer.keys.shape[-2] <= 250 + max(SPARE_MIN, 250 * SPARE)
+    storage = layer.keys.untyped_storage().data_ptr()
     layer.update(keys[:, :, :1], keys[:, :, :1])
-    assert layer.keys.shape[-2] == layer.n == 251
+    assert layer.n == 251 and layer.keys.untyped_storage().data_ptr() == storage
+
+
+def test_a_press_evicting_every_few_steps_copies_the_layer_once_an_eviction():
+    """Decoding under a budget that grows a slot every 4 steps (r = 0.75), cut 4 slots below it when exceeded
+    (`decode_slack`): after the first evictions the storage changes only at an eviction, never at the steps between
+    that find the layer full, and it holds at most the budget and `SPARE`'s room."""
+    torch.manual_seed(0)
+    layer = PressedLayer()
+    keys = torch.randn(1, 2, 600, 4)
+    layer.update(keys[:, :, :400], keys[:, :, :400])
+    layer.keep(torch.arange(300, 400).expand(1, 2, -1), capacity=100)
+    growths = evictions = 0
+    for t in range(400, 600):
+        budget = t // 4
+        storage = layer.keys.untyped_storage().data_ptr()
+        layer.update(keys[:, :, t : t + 1], keys[:, :, t : t + 1])
+        growths += layer.keys.untyped_storage().data_ptr() != storage
+        if layer.n > budget:
+            layer.keep(torch.arange(layer.n - budget + 4, layer.n).expand(1, 2, -1), capacity=budget)
+            evictions += 1
+        assert layer.keys.shape[-2] <= budget + max(SPARE_MIN, budget * SPARE) + 1
+    assert torch.equal(layer.keys[:, :, : layer.n], keys[:, :, 600 - layer.n :])
+    assert evictions >= 30 and growths <= 4  # the room ramps up over the first evictions (each grew twice before)
