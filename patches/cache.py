@@ -370,8 +370,8 @@ class PressedLayer(DynamicLayer):
              held: list[int] | None = None) -> None:  # fmt: skip
         """Keep the slots `index` `[B, H, k]` (per head, in the order they are to be held: sorted, so that the
         newest stay last) in new tensors of `capacity` slots (>= k) and the room decoding grew to (`SPARE`);
-        `keep_valid` marks the real ones (a slot held as not valid stays so). `held`: the real slots each row then holds by its fullest head, where the
-        caller knows them (`held()` then reads nothing)."""
+        `keep_valid` marks the real ones (a slot held as not valid stays so). `held`: the real slots each row
+        then holds by its fullest head, where the caller knows them (`held()` then reads nothing)."""
         k = index.shape[-1]
         capacity = max(k, capacity or k)
         self._spare = min(self._spare, max(SPARE_MIN, int(capacity * SPARE)))  # (the room of fewer slots)
