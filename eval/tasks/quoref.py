@@ -10,7 +10,8 @@ one span).
 
 The data is read at run time from BIG-bench's source package on PyPI, fetched once as a file from the package
 index, checked against a fixed sha256 and never built or installed (no code of it runs); only the task's
-JSON is kept, under `$KVPRESS_CACHE/bigbench/quoref.json` (~14 MB).
+JSON is kept, under `$KVPRESS_CACHE/bigbench/quoref.json` (~14 MB). That package (bigbench 1.0.0) was taken
+off PyPI in December 2026: a machine without the JSON cached cannot build this task, and says so (`fetch`).
 """
 
 from __future__ import annotations
@@ -48,12 +49,21 @@ def quoref_items(path: Path | None = None) -> list[dict]:
 
 
 def fetch(url: str, dest: Path, sha256: str) -> None:
-    """Download `url` to `dest`, refusing it (and removing it) unless its sha256 is `sha256`."""
+    """Download `url` to `dest`, refusing it (and removing it) unless its sha256 is `sha256`; a download that
+    fails raises ValueError naming the address and what to do instead."""
     digest = hashlib.sha256()
-    with urllib.request.urlopen(url, timeout=180) as response, dest.open("wb") as sink:
-        while chunk := response.read(1 << 20):
-            digest.update(chunk)
-            sink.write(chunk)
+    try:
+        with urllib.request.urlopen(url, timeout=180) as response, dest.open("wb") as sink:
+            while chunk := response.read(1 << 20):
+                digest.update(chunk)
+                sink.write(chunk)
+    except OSError as err:  # (urllib's errors, HTTP ones included, are OSErrors)
+        dest.unlink(missing_ok=True)
+        raise ValueError(
+            f"qa_quoref's data could not be fetched from {url}: {err}. Its source, BIG-bench 1.0.0's package, "
+            "is no longer on PyPI (only bigbench 0.0.1 is listed there since December 2026): copy quoref.json "
+            f"from a machine that has it to {cache_dir() / 'bigbench'}, or leave qa_quoref out of the tasks"
+        ) from err
     if digest.hexdigest() != sha256:
         dest.unlink()
         raise ValueError(f"{url} has sha256 {digest.hexdigest()}, expected {sha256}: refused")
