@@ -188,12 +188,25 @@ class PressedLayer(DynamicLayer):
         return self.n + query_length, self.seen - self.n
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Forget the newest `-tokens_to_remove` tokens (transformers' convention: a count <= 0), as assisted
+        decoding and a chat turn that failed roll back; the storage stays, as room. A layer that evicted or trimmed
+        a token refuses (what it held before is gone)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes minus the number of tokens to remove, got {tokens_to_remove}")
         if self.seen != self.n:
             raise NotImplementedError("a compressed cache cannot be cropped: its evicted tokens are gone")
-        super().crop(tokens_to_remove)
-        self.seen = self.n = self.keys.shape[-2]
-        self._truncate_slots(self.n)
+        drop = min(-tokens_to_remove, self.n)
+        if not drop:
+            return
+        if self.real_seen is not None:  # the real tokens leaving (with nothing evicted, every head holds them all)
+            valid = self.valid
+            self.real_seen = self.real_seen - (drop if valid is None else valid[:, 0, self.n - drop : self.n].sum(-1))
+        self.seen -= drop
+        self.n -= drop
         self._forget_rows()
+        self._trimmed = False
+        if self.real_seen is not None:
+            self._count_evicted()
 
     def reset(self) -> None:
         super().reset()

@@ -74,6 +74,43 @@ def test_crop_refused_after_eviction():
         cache.crop(-2)
 
 
+def test_assisted_decoding_rolls_back_a_layer_with_room_as_transformers_does():
+    """Prompt lookup crops the cache by the candidates it rejected (and by 0 when it took them all): under a press
+    that evicts nothing the tokens are those of plain greedy decoding, though decoding left room in the storage."""
+    model = tiny_model("llama")
+    ids = prompt(1, 24).repeat(1, 2)  # repeated text: prompt lookup finds candidates
+    kwargs = {"max_new_tokens": 30, "do_sample": False, "pad_token_id": 0}
+    plain = model.generate(ids, **kwargs)
+    cache = DynamicCache(config=model.config)
+    with SnapKVPress(compression_ratio=0.0)(model):
+        assert torch.equal(model.generate(ids, prompt_lookup_num_tokens=4, cache=cache, **kwargs), plain)
+    layer = cache.layers[0]
+    assert layer.n == layer.seen == plain.shape[1] - 1 and layer.pos[0, 0].tolist() == list(range(layer.n))
+
+
+def test_crop_forgets_the_newest_tokens_and_counts_them():
+    """crop(-k) forgets the k newest slots, not the storage's last (its room), and the real tokens counted; crop(0)
+    does nothing; a padded row counts only its real tokens."""
+    layer = PressedLayer()
+    layer.driven = True  # (commits come from the caller, as from the intercept)
+    keys = torch.randn(2, 1, 40, 4)
+    layer.update(keys[:, :, :30], keys[:, :, :30])
+    layer.commit(torch.tensor([[True] * 30, [False] * 5 + [True] * 25]))
+    for t in range(30, 37):
+        layer.update(keys[:, :, t : t + 1], keys[:, :, t : t + 1])
+        layer.commit(None)
+    assert layer.keys.shape[-2] > layer.n == 37  # room after the held slots
+    layer.crop(0)
+    assert layer.n == layer.seen == 37
+    layer.crop(-4)
+    assert layer.n == layer.seen == 33 and layer.real_seen.tolist() == [33, 28]
+    layer.update(keys[:, :, 33:34], keys[:, :, 33:34] + 1)
+    layer.commit(None)
+    assert layer.pos[:, 0, -1].tolist() == [33, 28] and torch.equal(layer.values[:, :, 33], keys[:, :, 33] + 1)
+    with pytest.raises(ValueError, match="minus the number of tokens"):
+        layer.crop(3)
+
+
 def test_frozen_appends_without_eviction():
     model = tiny_model("llama")
     cache = DynamicCache(config=model.config)
