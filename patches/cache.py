@@ -366,18 +366,23 @@ class PressedLayer(DynamicLayer):
                 self._append_slot(name, t.new_zeros(b, h, q))
 
     def adopt_padding(self, history: torch.Tensor) -> None:
-        """Learn which adopted slots are padding from the 2D mask `history` `[B, seen]` of those tokens."""
+        """Learn which adopted slots are padding from the 2D mask `history` `[B, seen]` of the tokens seen before
+        this forward, of which the layer holds the last `held` (all of them, or a sliding window's last)."""
         self.adopted = False
         if bool(history.all()):
             return
         b, h = self.keys.shape[:2]
+        held = self.n - self.pending  # (this forward's tokens are committed after)
         history = history.to(device=self.keys.device, dtype=torch.bool)
         counts = history.long().cumsum(-1)
         self.padded = True
         self._forget_rows()
-        self.slots["pos"] = (counts - 1).clamp_min(0).to(torch.int32)[:, None].expand(b, h, -1).contiguous()
-        self.slots["valid"] = history[:, None].expand(b, h, -1).contiguous()
+        # written into the per-slot tensors, which may hold this forward's slots and room after the adopted ones
+        self.slots["pos"][..., :held] = (counts[:, history.shape[1] - held :] - 1).clamp_min(0)[:, None]
+        valid = self.slots.setdefault("valid", torch.ones_like(self.slots["pos"], dtype=torch.bool))
+        valid[..., :held] = history[:, history.shape[1] - held :][:, None]
         self.real_seen = counts[:, -1]
+        self.shift = self.real_seen - history[:, history.shape[1] - held :].sum(-1)
 
     def keep(self, index: torch.Tensor, keep_valid: torch.Tensor | None = None, capacity: int | None = None,
              held: list[int] | None = None) -> None:  # fmt: skip

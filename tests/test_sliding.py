@@ -8,7 +8,7 @@ from transformers import DynamicCache
 from kvpress import AdaKVPress, SnapKVPress
 from kvpress.patches.cache import PressedLayer
 from kvpress.patches.intercept import layer_mask
-from tiny import prompt, tiny_model
+from tiny import left_padded, prompt, tiny_model
 
 # every layer a sliding one (Mistral-7B-v0.1's form, Qwen2's use_sliding_window), and Gemma3's mix
 WINDOWED = {
@@ -116,6 +116,24 @@ def test_a_cache_filled_without_a_press_is_taken_over_past_its_window():
     expected = model(ids[:, 30:], cache=plain).logits
     with SnapKVPress(compression_ratio=0.0)(model):
         got = model(ids[:, 30:], cache=adopted).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", list(WINDOWED))
+def test_a_padded_cache_filled_without_a_press_is_taken_over_past_its_window(family):
+    """The same with a left-padded batch: the press learns which held slots are padding from the 2D mask of the
+    tokens seen, of which a sliding layer holds only the last (it took the first ones' marks and positions)."""
+    model = _windowed(family)
+    rows = [prompt(1, 30, seed=1)[0], prompt(1, 22, seed=2)[0]]
+    ids, mask = left_padded(rows)
+    new = prompt(2, 6, seed=3)
+    whole = torch.cat([mask, torch.ones_like(new)], 1)
+    plain, adopted = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    model(ids, attention_mask=mask, cache=plain)
+    model(ids, attention_mask=mask, cache=adopted)
+    expected = model(new, attention_mask=whole, cache=plain).logits
+    with SnapKVPress(compression_ratio=0.0)(model):
+        got = model(new, attention_mask=whole, cache=adopted).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
