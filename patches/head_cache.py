@@ -49,6 +49,8 @@ class HeadwiseLayer(DynamicLayer):
     padded: bool | None = None  # a layer saved before this flag existed: not known (its span is read)
     _seen_rows: list[int] | None = None
 
+    UNDECIDED = -2  # a head budget its press decides later (a new prompt, or a context too short yet): keeps all
+
     def __init__(self, batch: int, heads: int, like: torch.Tensor) -> None:
         super().__init__()
         self.batch, self.heads = batch, heads
@@ -67,7 +69,8 @@ class HeadwiseLayer(DynamicLayer):
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None
         self.driven = False
         self.made_by = ""  # the class name of the press that made this layer (only it can continue it)
-        self.head_budget: torch.Tensor | None = None  # [B, H] on the host: per-head budgets of a press (-1: none)
+        # [B, H] on the host: per-head budgets of a press (-1: none; `UNDECIDED`: decided at its next eviction)
+        self.head_budget: torch.Tensor | None = None
         self.window: int | None = None  # a sliding-window layer's window
         self.kv_bits: int | None = None  # keys and values stored as codes of this width (`quantize`)
         self.key_stats: torch.Tensor | None = None
@@ -163,6 +166,8 @@ class HeadwiseLayer(DynamicLayer):
         self._starts = None
         self.padded, self._seen_rows = False, None
         self.key_stats = None  # a quantized layer fits the next prompt's ranges on its first commit
+        if self.head_budget is not None:  # the press decides the next prompt's budgets (DuoAttention: by its length)
+            self.head_budget = torch.full_like(self.head_budget, self.UNDECIDED)
         self.real_seen = torch.zeros(self.batch, dtype=torch.long, device=self.device)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -718,6 +718,26 @@ def test_headwise_cache_refuses_another_headwise_press_and_resets():
     assert torch.allclose(again, fresh, atol=1e-5)
 
 
+def test_a_reset_duo_cache_splits_its_heads_for_the_next_prompt():
+    """DuoAttention's split depends on the prompt's length: after `reset` the next prompt is split anew (it kept
+    the first prompt's, and truncated heads a fresh cache keeps whole)."""
+    model = tiny_model("llama")
+    duo = DuoAttentionPress(compression_ratio=0.5, head_pattern=tiny_pattern(model), window=8)
+    cache = DynamicCache(config=model.config)
+    with duo(model):
+        model(prompt(1, 40, seed=5), cache=cache)
+    cache.reset()
+    ids = prompt(1, 64, seed=3)
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "output_scores": True, "return_dict_in_generate": True}
+    with duo(model):
+        again = torch.stack(model.generate(ids, cache=cache, **kwargs).scores)
+        fresh_cache = DynamicCache(config=model.config)
+        fresh = torch.stack(model.generate(ids, cache=fresh_cache, **kwargs).scores)
+    held = lambda c: [getattr(layer, "lengths", None) or [layer.n] * layer.keys.shape[1] for layer in c.layers]  # noqa: E731
+    assert held(cache) == held(fresh_cache)
+    torch.testing.assert_close(again, fresh)
+
+
 def test_one_auto_duo_press_serves_two_architectures_at_once(monkeypatch):
     """head_pattern="auto" finds each model's own pattern; installing the press on a second architecture while it
     is installed on the first (before the first splits its heads) leaves the first one's heads as they were."""

@@ -123,7 +123,7 @@ class DuoAttentionPress(HeadwisePress):
         for module in model_access.attention_modules(model).values():  # one press may serve several models
             self._plans[module] = plan
 
-    UNDECIDED = -2  # the head budget of every head of a row whose split waits for a longer context (keeps all)
+    UNDECIDED = HeadwiseLayer.UNDECIDED  # the head budget of a row whose split waits (a longer context, a new prompt)
 
     needs_hidden = inner_flag("needs_hidden")  # its retrieval heads' press's
     observes_frozen = inner_flag("observes_frozen")
