@@ -25,7 +25,12 @@ def layer_state(layer, prefix: str) -> tuple[dict[str, torch.Tensor], dict]:
     if getattr(layer, "pending", 0) or getattr(layer, "torn", False):
         raise ValueError("this cache was left half-updated by a forward that raised; it cannot be saved")
     tensors, fields = {}, {"class": name, "plain": {}, "tensor": [], "list": {}, "dict": {}, "dict_list": {}}
-    for attr, value in vars(layer).items():
+    state = vars(layer)
+    if isinstance(layer, PressedLayer) and layer.keys is not None and layer.keys.dim() == 4:  # its held slots only:
+        n = layer.n  # the room after them (`SPARE`) holds whatever its memory held
+        state = {**state, "keys": layer.keys[:, :, :n], "values": layer.values[:, :, :n],
+                 "slots": {k: t[..., :n] for k, t in layer.slots.items()}}  # fmt: skip
+    for attr, value in state.items():
         key = f"{prefix}.{attr}"
         if isinstance(value, torch.Tensor):
             tensors[key] = value

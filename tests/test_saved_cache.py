@@ -58,6 +58,23 @@ def test_a_saved_cache_answers_the_same_in_a_new_process(tmp_path, family, name)
     assert done.stdout.strip().splitlines()[-1] == str(expected[0].tolist())
 
 
+def test_a_saved_dense_layer_holds_its_slots_not_the_room_after_them(tmp_path):
+    """Decoding leaves room after a dense layer's slots (`SPARE`), uninitialised memory: the file holds the slots."""
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    ids = prompt(1, 40)
+    with SnapKVPress(0.0)(model):
+        model.generate(ids, cache=cache, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert all(layer.keys.shape[-2] > layer.n for layer in cache.layers)
+    path = tmp_path / "cache.safetensors"
+    kvpress.save_cache(cache, path, model)
+    loaded = kvpress.load_cache(path, model)
+    for layer, saved in zip(cache.layers, loaded.layers, strict=True):
+        assert saved.keys.shape[-2] == saved.n == layer.n
+        assert all(t.shape[-1] == layer.n for t in saved.slots.values())
+        assert torch.equal(saved.keys, layer.keys[:, :, : layer.n]) and torch.equal(saved.pos, layer.pos)
+
+
 def test_another_architecture_or_a_damaged_file_is_refused(tmp_path):
     model = tiny_model("llama")
     cache = DynamicCache(config=model.config)
