@@ -159,6 +159,12 @@ def test_yaml_answer_budgets_come_from_answer_tokens():
     assert stale() == [], "run: python -m kvpress.eval.tasks.yaml_budgets"
 
 
+@pytest.mark.parametrize("task", [name for name in TASKS if name != "qa_quoref"])  # (its own test: data fetched)
+def test_an_example_does_not_depend_on_how_many_are_drawn(task, tokenizer):
+    """Sweeps are resumed and widened with another example count: example i is the same for every n."""
+    assert task_examples(task, tokenizer, 3, 256, seed=1)[:2] == task_examples(task, tokenizer, 2, 256, seed=1)
+
+
 def test_quoref_places_the_question_passage_among_distractors(tokenizer):
     from kvpress.eval.tasks.quoref import quoref_examples
 
