@@ -124,10 +124,16 @@ def stamped_generate(model, tokenizer, ids: torch.Tensor, cache, steps: int, chu
 
 
 def _key(row: dict) -> tuple:
-    """What makes a run the same run: a row measured with another chunk size, or decode timed under another
-    malloc setting, is not reused."""
-    return (row["model"], row["length"], row["press"], row["ratio"], row.get("pairs_with"), row["steps"],
-            row.get("chunk"), row.get("decode_malloc"), row.get("repeat"))
+    """What makes a run the same run: a row measured with another chunk size, decode timed under another
+    malloc setting, or another press behind the same name (`default` after the model's default changed) is not
+    reused."""
+    return (row["model"], row["length"], row["press"], row.get("spec"), row["ratio"], row.get("pairs_with"),
+            row["steps"], row.get("chunk"), row.get("decode_malloc"), row.get("repeat"))
+
+
+def _run(row: dict) -> tuple:
+    """The run a row measured, whichever press its name stood for (`summary` keeps the latest)."""
+    return _key({**row, "spec": None})
 
 
 def configurations(plan: dict, presses: list[str], ratios: list[float], chunk, steps: int,
@@ -167,11 +173,13 @@ def summary(rows: list[dict]) -> list[dict]:
     for r in rows:
         if r.get("pairs_with") == "one-chunk":
             chunks.setdefault((r["model"], r["chunk"]), []).append(r["peak_above_model_bytes"])
+    latest = {_run(r): i for i, r in enumerate(rows)}
     out = []
-    for row in rows:
-        if row["press"] == "none":
+    for i, row in enumerate(rows):
+        if row["press"] == "none" or latest[_run(row)] != i:  # (measured again since: the default press changed)
             continue
-        none = by_key.get(_key({**row, "press": "none", "ratio": 0.0, "pairs_with": f"{row['press']}@{row['ratio']}"}))
+        none = by_key.get(_key({**row, "press": "none", "spec": "none", "ratio": 0.0,
+                                "pairs_with": f"{row['press']}@{row['ratio']}"}))  # fmt: skip
         if none is None:
             continue
         w = row["weight_bytes"]

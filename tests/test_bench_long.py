@@ -57,6 +57,12 @@ def test_the_bound_takes_the_median_of_repeated_one_chunk_runs():
     assert row["one_chunk_runs"] == 3 and row["peak_over_bound"] == 200 / (40 + 160)  # 160: the median of 100-300
     other_chunk = [*(dict(r, chunk=16) for r in rows[:3]), *rows[3:]]
     assert "peak_over_bound" not in summary(other_chunk)[0]  # a one-chunk run of another chunk size sets no bound
+    old_default = [*rows[:3], rows[3], {**rows[4], "press": "default", "spec": "snapkv:old", "pairs_with": None}]
+    old_default[3] = {**rows[3], "pairs_with": "default@0.5"}
+    again = {**old_default[4], "spec": "snapkv:new", "cache_bytes": 20}
+    assert _key(again) != _key(old_default[4])  # a default press that changed runs again ...
+    (row,) = summary([*old_default, again])  # ... and its new row stands for it, paired with the no-press run
+    assert row["spec"] == "snapkv:new" and row["cache_ratio"] == 20 / 8
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="one_chunk_runs must be a whole number >= 1"):
             configurations({"m": (64,)}, ["snapkv"], [0.5], 32, 2, one_chunk_runs=bad)
