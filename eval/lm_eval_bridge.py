@@ -354,30 +354,52 @@ class KVPressLM(HFLM):
 TASKS_DIR = str(Path(__file__).parent / "tasks")
 
 
+def _run_flags(dest: str) -> tuple[str, ...]:
+    """The option strings of lm-eval's `run` for `dest`, read from its own parser (`--model` is also `-M`)."""
+    from lm_eval._cli.harness import HarnessCLI
+
+    run = HarnessCLI()._subparsers.choices["run"]
+    return next(tuple(action.option_strings) for action in run._actions if action.dest == dest)
+
+
+def _given(arg: str, flags: tuple[str, ...]) -> str | None:
+    """The value `arg` gives one of `flags` in itself (`--model=x`, `-Mx`, `-M=x`), or None."""
+    for flag in flags:
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1 :]
+        if not flag.startswith("--") and arg.startswith(flag) and len(arg) > len(flag):
+            return arg[len(flag) :]
+    return None
+
+
 def main(argv: list[str]) -> int:
-    """`kvpress lm-eval ARGS`: lm-eval's own CLI with `--model kvpress` (given or not: lm-eval's own spelling is
-    accepted) and kvpress's offline tasks included."""
+    """`kvpress lm-eval ARGS`: lm-eval's own CLI with `--model kvpress` (given or not, in any of lm-eval's own
+    spellings) and kvpress's offline tasks included."""
+    flags = _run_flags("model")
     models, rest, i = [], [], 0
     while i < len(argv):
-        if argv[i] == "--model" and i + 1 < len(argv):
+        if argv[i] in flags and i + 1 < len(argv):
             models.append(argv[i + 1])
             i += 2
             continue
-        if argv[i].startswith("--model="):
-            models.append(argv[i].split("=", 1)[1])
+        given = _given(argv[i], flags)
+        if given is not None:
+            models.append(given)
         else:
             rest.append(argv[i])
         i += 1
-    if any(m != "kvpress" for m in models) or (argv and argv[-1] == "--model"):
-        message = (f"--model {' '.join(models) or '(missing)'}: kvpress lm-eval runs lm-eval's model kvpress (pick "
-                   "the weights with --model_args pretrained=...); for lm-eval's other models run `lm_eval` itself")
+    if any(m != "kvpress" for m in models) or (argv and argv[-1] in flags):
+        message = (f"{flags[0]} {' '.join(models) or '(missing)'}: kvpress lm-eval runs lm-eval's model kvpress "
+                   "(pick the weights with --model_args pretrained=...); for lm-eval's other models run `lm_eval` "
+                   "itself")  # fmt: skip
         print(f"kvpress lm-eval: {message}", file=sys.stderr)
         return 2
     argv = rest
     from lm_eval.__main__ import cli_evaluate
 
     argv = ["run", "--model", "kvpress", *argv]
-    if not any(arg == "--include_path" or arg.startswith("--include_path=") for arg in argv):
+    include = _run_flags("include_path")
+    if not any(arg in include or _given(arg, include) is not None for arg in argv):
         argv += ["--include_path", TASKS_DIR]  # a path of the user's own replaces it (lm-eval reads one)
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]

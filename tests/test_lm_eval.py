@@ -143,6 +143,9 @@ def test_cli_refuses_bad_press_task_and_model(default_model, capsys):
         main(["lm-eval", "--model_args", "pretrained=default", "--tasks", "no_such_task"])
     assert main(["lm-eval", "--model", "hf", "--tasks", "kvpress_needle_noise"]) == 2
     assert "--model hf: kvpress lm-eval runs lm-eval's model kvpress" in capsys.readouterr().err
+    for other in (["-M", "hf"], ["-Mhf"], ["--model=hf"], ["-M=hf"]):  # every spelling lm-eval's parser takes
+        assert main(["lm-eval", *other, "--tasks", "kvpress_needle_noise"]) == 2
+        assert "--model hf: kvpress lm-eval runs lm-eval's model kvpress" in capsys.readouterr().err
 
 
 def _needle_requests(examples, kind="generate_until"):
