@@ -177,7 +177,8 @@ class KVPressLM(HFLM):
                 if text not in self._question_starts:
                     raise ValueError("query-agnostic loglikelihood needs each request's document (its question): "
                                      "call loglikelihood(), or pass query_aware=True")  # fmt: skip
-                head = self._head_tokens(text, self._question_starts[text], context)
+                # (lm-eval encodes the context without its trailing whitespace: it goes with the continuation)
+                head = self._head_tokens(text.rstrip(), self._question_starts[text], context)
                 split = head - (len(context) + len(continuation) - len(full))
                 if split < 1:
                     raise ValueError(f"query-agnostic loglikelihood: max_length={self.max_length} cut off the text "

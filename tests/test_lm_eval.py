@@ -197,6 +197,19 @@ def test_query_agnostic_loglikelihood_shares_the_context_prefill(default_model):
     assert len(prefixes[True]) == 2 and min(prefixes[True]) > head
 
 
+def test_query_agnostic_loglikelihood_takes_a_prompt_ending_in_whitespace(default_model):
+    """lm-eval moves a prompt's trailing whitespace to the continuation before it encodes the prompt: the question
+    is still found among the prompt's tokens (it was refused), and the continuation scored with that whitespace."""
+    model, tokenizer = default_model
+    context = " ".join(f"Item {i} is numbered {i}." for i in range(40)) + "\n\nWhich item is numbered 3?"
+    doc = {"question": "Which item is numbered 3?"}
+    bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="knorm", compression_ratio=0.5)
+    (plain,) = bridge.loglikelihood([Instance("loglikelihood", doc, (context, "\nItem 3"), 0)], disable_tqdm=True)
+    (spaced,) = bridge.loglikelihood([Instance("loglikelihood", doc, (context + "\n", "Item 3"), 0)],
+                                     disable_tqdm=True)  # fmt: skip
+    assert spaced == plain
+
+
 def test_query_agnostic_mode_needs_the_question(default_model):
     model, tokenizer = default_model
     bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="knorm", compression_ratio=0.5)
