@@ -54,6 +54,7 @@ from kvpress.eval.bench_core import long_ids
 from kvpress.eval.bench_long import _key as long_key
 from kvpress.eval.bench_long import configurations, markdown, stamped_generate, summary
 from kvpress.eval.memory import TensorPeak
+from kvpress.eval.sweep import read_rows
 from kvpress.patches import blocked_attention as blocked
 from kvpress.patches import headwise_attention as headwise
 from kvpress.patches import sdpa_backends
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     jsonl = out / "gpu.jsonl"
-    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()] if jsonl.exists() else []
+    rows = read_rows(jsonl, "kvpress bench-gpu")
     done = {_key(r) for r in rows if "error" not in r}
     random = args.config is not None
     mode = {"random_weights": random, "no_cudnn": args.no_cudnn, "stand_in": args.cpu_stand_in,

@@ -48,7 +48,7 @@ import kvpress
 from kvpress.engine import maybe_installed
 from kvpress.eval.bench_core import long_ids
 from kvpress.eval.memory import page_in, steady_malloc
-from kvpress.eval.sweep import append_row
+from kvpress.eval.sweep import append_row, read_rows
 from kvpress.presses.defaults import default_for
 
 PLAN = {"qwen2.5-0.5b": (4096, 8192, 16384), "smollm2-135m": (4096, 8192)}  # model -> context lengths
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "long.jsonl"
-    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()] if jsonl.exists() else []
+    rows = read_rows(jsonl, "kvpress bench-long")
     done = {_key(r) for r in rows}
     for config in runs:
         if _key(config) in done:

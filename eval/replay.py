@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import kvpress
-from kvpress.eval.sweep import answer_rows, append_row, current_rows
+from kvpress.eval.sweep import answer_rows, append_row, current_rows, read_rows
 from kvpress.eval.tasks import ANSWER_TOKENS, Document, task_examples
 
 FIELDS = ("answer", "kept_bytes", "score")
@@ -61,7 +61,7 @@ def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, prog
     returns every replayed row."""
     settings = json.loads((sweep / "settings.json").read_text())
     rows = replayable(sweep, presses)
-    done = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    done = read_rows(out, "kvpress replay")
     seen = {(r["task"], r["example"], r["press"], r["ratio"]) for r in done}
     out.parent.mkdir(parents=True, exist_ok=True)
     for row in sample_rows(rows, n, seed):
@@ -74,7 +74,7 @@ def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, prog
             continue
         budget = row.get("answer_tokens", ANSWER_TOKENS[row["task"]])
         new = next(answer_rows(model, tokenizer, example, [(row["press"], row["ratio"])], budget,
-                                settings["query_aware"], False))  # fmt: skip
+                                settings["query_aware"], False, settings.get("prefill_chunk_size")))  # fmt: skip
         result = {"task": row["task"], "example": row["example"], "press": row["press"], "ratio": row["ratio"],
                   **{f"was_{f}": row[f] for f in FIELDS}, **{f"now_{f}": new[f] for f in FIELDS},
                   "same": all(row[f] == new[f] for f in FIELDS)}  # fmt: skip

@@ -275,18 +275,38 @@ def _standing(out: Path) -> dict[tuple, tuple[tuple[Path, int], dict]]:
 
 
 def _repair(out: Path) -> None:
-    """Drop a last row that an interrupted write left torn (no end of line, or not JSON), so it is measured
-    again and the next row does not land on it; say which."""
     for path in sorted(out.glob("results*.jsonl")):
-        text = path.read_text()
-        if not text or text.endswith("\n") and _parses(text.splitlines()[-1]):
+        repair_last_row(path, "kvpress sweep")
+
+
+def repair_last_row(path: Path, who: str) -> None:
+    """Drop the last row of the JSON-lines file `path` where an interrupted write left it torn (no end of line,
+    or not JSON), so it is measured again and the next row does not land on it; `who` says so."""
+    text = path.read_text()
+    if not text or text.endswith("\n") and _parses(text.splitlines()[-1]):
+        return
+    lines = text.splitlines()
+    print(f"{who}: {path}: the last row was torn by an interrupted write; it is measured again", file=sys.stderr)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines[:-1]))
+    tmp.replace(path)
+
+
+def read_rows(path: Path, who: str) -> list[dict]:
+    """The rows of the JSON-lines file `path` that a run resumes from (none where it does not exist yet), its torn
+    last row dropped (`repair_last_row`); any other line that is not a row raises ValueError."""
+    if not path.exists():
+        return []
+    repair_last_row(path, who)
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
             continue
-        lines = text.splitlines()
-        print(f"kvpress sweep: {path}: the last row was torn by an interrupted write; it is measured again",
-              file=sys.stderr)  # fmt: skip
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in lines[:-1]))
-        tmp.replace(path)
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}, line {n + 1}, is not a result row ({err}): fix or delete that line") from None
+    return rows
 
 
 def _parses(line: str) -> bool:

@@ -311,6 +311,21 @@ def test_a_torn_last_row_is_measured_again(default_model, tmp_path, capsys):
         run_sweep(model, tokenizer, **kwargs)
 
 
+def test_the_benchmarks_resume_past_a_torn_last_row(tmp_path, capsys):
+    """bench-long, bench-gpu and replay read their rows as the sweep does: a torn last row is dropped (and measured
+    again), any other bad line is named."""
+    from kvpress.eval.sweep import read_rows
+
+    path = tmp_path / "long.jsonl"
+    assert read_rows(path, "kvpress bench-long") == []
+    path.write_text('{"a": 1}\n{"a": 2}\n{"a": 3, "b"')
+    assert read_rows(path, "kvpress bench-long") == [{"a": 1}, {"a": 2}]
+    assert "kvpress bench-long: " in capsys.readouterr().err and path.read_text() == '{"a": 1}\n{"a": 2}\n'
+    path.write_text('{"a": 1}\n{torn\n{"a": 2}\n')
+    with pytest.raises(ValueError, match=r"long.jsonl, line 2, is not a result row"):
+        read_rows(path, "kvpress bench-long")
+
+
 def test_plots_give_each_press_its_own_style_and_write_both_pngs(tmp_path):
     pytest.importorskip("matplotlib")
     from kvpress.eval.plots import intervals, is_default, partial_cells, plot_sweep, press_styles
@@ -532,17 +547,20 @@ def test_rows_reach_a_results_file_replaced_while_the_sweep_runs(default_model, 
     assert sorted((r["example"], r["press"]) for r in got) == [(i, p) for i in (0, 1) for p in presses]
 
 
-def test_replay_measures_sampled_rows_again_and_appends_each(default_model, tmp_path):
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_replay_measures_sampled_rows_again_and_appends_each(default_model, tmp_path, chunk):
     from kvpress.eval.replay import replay
 
     model, tokenizer = default_model
     run_sweep(model, tokenizer, ["snapkv"], [0.5], ["needle_noise"], tmp_path / "sweep", examples=1, length=160,
-              progress=False)  # fmt: skip
+              progress=False, prefill_chunk_size=chunk)  # fmt: skip
     out = tmp_path / "replay.jsonl"
     done = replay(model, tokenizer, tmp_path / "sweep", 2, out)
     written = [json.loads(line) for line in out.read_text().splitlines()]
     assert written == done and {(r["press"], r["ratio"]) for r in done} == {("none", 0.0), ("snapkv", 0.5)}
-    assert all(r["same"] for r in done)  # greedy answers, the same code: the same rows
+    assert all(r["same"] for r in done)  # greedy answers, the same code (and chunks): the same rows
+    if chunk:
+        return
     assert replay(model, tokenizer, tmp_path / "sweep", 2, out) == done  # nothing measured twice
     from kvpress.eval.replay import main as replay_main
 
