@@ -10,7 +10,7 @@ import kvpress
 from kvpress import AdaKVPress, SnapKVPress, ThinKPress
 from kvpress.patches.cache import PressedLayer
 from kvpress.presses.think import channel_scores
-from tiny import prompt, tiny_model
+from tiny import greedy_scores, left_padded, prompt, tiny_model
 
 DEAD = [0, 1, 2, 3]  # rotary pairs (j, j + 8) of each 16-channel head whose keys are always zero
 
@@ -83,6 +83,20 @@ def test_the_same_thin_cache_from_a_recorded_prefill_and_a_live_one():
     for a, b in zip(live.layers, recorded.cache.layers, strict=True):
         assert a.keys.shape[-1] == 12 and torch.equal(a.key_channels, b.key_channels)
         torch.testing.assert_close(a.held_kv()[0], b.held_kv()[0])
+
+
+def test_a_padded_row_chunked_keeps_the_channels_it_keeps_alone():
+    """Chunks of a left-padded batch: the short row's first chunks hold only padding, whose keys say nothing of its
+    channels; they are chosen once every row holds real keys (they were chosen from the padding's zeros)."""
+    model = tiny_model("llama")
+    rows = [prompt(1, 37, seed=11)[0], prompt(1, 21, seed=12)[0]]  # 16 tokens of padding: two chunks of 8
+    ids, mask = left_padded(rows)
+    make = lambda: ThinKPress(SnapKVPress(compression_ratio=0.6, window_size=4))  # noqa: E731
+    batch, cache = greedy_scores(model, ids, make(), new=2, mask=mask, chunk=8)
+    alone, alone_cache = greedy_scores(model, rows[1][None], make(), new=2, chunk=8)
+    for layer, single in zip(cache.layers, alone_cache.layers, strict=True):
+        assert torch.equal(layer.key_channels[1], single.key_channels[0])
+    torch.testing.assert_close(batch[:, 1], alone[:, 0], atol=1e-4, rtol=1e-4)
 
 
 def test_refusals():

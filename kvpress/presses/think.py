@@ -75,6 +75,8 @@ class ThinKPress(WrapsPress, BasePress):
         layer = obs.layer
         if layer.key_channels is not None or layer.n == 0 or self.compression_ratio == 0:
             return  # every decoding step after the first eviction; r = 0 keeps everything, channels too
+        if layer.padded and min(layer.held().tolist()) == 0:
+            return  # a row that holds only padding yet (a first chunk): chosen once every row holds real keys
         keys = layer.held_kv()[0]
         dim = keys.shape[-1]
         kept = dim - math.floor(dim * self.key_channel_ratio)
