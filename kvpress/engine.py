@@ -456,7 +456,9 @@ class PressInstallation:
         if intercept_module.new_padding(kwargs.get("attention_mask"), new_tokens(args, kwargs).shape[1]) is not None:
             raise ValueError(
                 "a head-wise compressed cache takes padding only in its first forward (left padding of the prompt); "
-                "this forward has padding tokens among its new tokens"
+                "this forward has padding tokens among its new tokens. In a chunked prefill (prefill_chunk_size) a "
+                "left-padded row's padding reaches a later chunk once an earlier one evicted: use chunks at least as "
+                "long as the longest padding, no chunks, or rows of similar lengths"
             )
 
     def _rerank(self, layer: PressedLayer) -> None:

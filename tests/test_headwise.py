@@ -718,6 +718,14 @@ def test_headwise_cache_refuses_another_headwise_press_and_resets():
     assert torch.allclose(again, fresh, atol=1e-5)
 
 
+def test_a_chunked_padded_batch_that_cannot_go_head_wise_is_told_why():
+    """A left-padded row's padding reaching a chunk after the layers went head-wise is refused, naming the chunks."""
+    model = tiny_model("llama")
+    ids, mask = left_padded([prompt(1, 37, seed=11)[0], prompt(1, 21, seed=12)[0]])
+    with pytest.raises(ValueError, match="padding only in its first forward.*prefill_chunk_size.*longest padding"):
+        greedy_scores(model, ids, AdaKVPress(SnapKVPress(0.6, window_size=4)), new=1, mask=mask, chunk=8)
+
+
 def test_a_reset_duo_cache_splits_its_heads_for_the_next_prompt():
     """DuoAttention's split depends on the prompt's length: after `reset` the next prompt is split anew (it kept
     the first prompt's, and truncated heads a fresh cache keeps whole)."""
