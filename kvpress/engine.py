@@ -527,6 +527,9 @@ def maybe_installed(press: Installable | None, model: nn.Module, tokenizer=None)
 def _in_two(forward: Callable, args: tuple, kwargs: dict, q: int):
     """One forward of `q` new tokens run as two: all but the last, then the last; the output's logits are those the
     caller asked for (`logits_to_keep`: 1 (what `generate` asks) from the second alone, else both joined)."""
+    as_tuple = kwargs.get("return_dict") is False  # (the parts are joined as outputs, then given as asked)
+    if as_tuple:
+        kwargs = {**kwargs, "return_dict": True}
     (head_args, head_kwargs), (tail_args, tail_kwargs) = split_inputs(args, kwargs, q - 1)
     unmerged = [name for name in ("labels", "output_attentions", "output_hidden_states")
                 if kwargs.get(name) is not None and kwargs.get(name) is not False]  # fmt: skip
@@ -538,11 +541,12 @@ def _in_two(forward: Callable, args: tuple, kwargs: dict, q: int):
         raise ValueError(f"a recalling press splits this forward in two: logits_to_keep must be an int, got {keep!r}")
     if keep == 1:
         forward(*head_args, **{**head_kwargs, "logits_to_keep": 1})
-        return forward(*tail_args, **tail_kwargs)
-    head = forward(*head_args, **{**head_kwargs, "logits_to_keep": max(keep - 1, 0)})  # 0: every token's
-    out = forward(*tail_args, **{**tail_kwargs, "logits_to_keep": 1})
-    out.logits = torch.cat([head.logits, out.logits], dim=1)
-    return out
+        out = forward(*tail_args, **tail_kwargs)
+    else:
+        head = forward(*head_args, **{**head_kwargs, "logits_to_keep": max(keep - 1, 0)})  # 0: every token's
+        out = forward(*tail_args, **{**tail_kwargs, "logits_to_keep": 1})
+        out.logits = torch.cat([head.logits, out.logits], dim=1)
+    return out.to_tuple() if as_tuple else out
 
 
 # ----- eviction: the one decision ------------------------------------------------------------------------

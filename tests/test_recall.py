@@ -130,3 +130,10 @@ def test_it_cannot_be_wrapped_and_its_store_does_not_outlive_the_prompt():
     cache = _compressed(model, press, prompt(1, 20))
     with pytest.raises(ValueError, match="labels"), press(model) as installed, installed.frozen():
         model(prompt(1, 24)[:, 20:], cache=cache, labels=prompt(1, 24)[:, 20:])
+    for keep in (1, 3):  # a question read in two forwards still answers as a tuple where one is asked for
+        outputs = {}
+        for as_dict in (True, False):
+            cache = _compressed(model, press, prompt(1, 20))
+            with press(model) as installed, installed.frozen():
+                outputs[as_dict] = model(prompt(1, 24)[:, 20:], cache=cache, logits_to_keep=keep, return_dict=as_dict)
+        assert isinstance(outputs[False], tuple) and torch.equal(outputs[False][0], outputs[True].logits)
