@@ -214,9 +214,12 @@ def refresh_sweep(model: nn.Module, tokenizer, out: str | Path, progress: bool =
 
 
 def model_name(model: nn.Module) -> str:
-    """How `kvpress.load_model` names the model: a packaged model's name (e.g. smollm2-135m), else its path."""
+    """How `kvpress.load_model` names the model: a packaged model's name (e.g. smollm2-135m), else its path (made
+    absolute where it is a local one, so that a sweep resumed from elsewhere, or by another spelling, matches)."""
     path = Path(getattr(model.config, "name_or_path", "") or "unnamed")
-    return path.name if path.name in PACKAGED_MODELS and path.parent == cache_dir() else str(path)
+    if path.name in PACKAGED_MODELS and path.parent == cache_dir():
+        return path.name
+    return str(path.resolve()) if path.exists() else str(path)
 
 
 def is_final(row: dict) -> bool:

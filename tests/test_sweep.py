@@ -311,6 +311,19 @@ def test_a_torn_last_row_is_measured_again(default_model, tmp_path, capsys):
         run_sweep(model, tokenizer, **kwargs)
 
 
+def test_a_local_model_is_named_by_its_whole_path(tmp_path, monkeypatch):
+    """A sweep started with --model ./tiny and resumed with --model /abs/tiny (or from elsewhere) names one model."""
+    from types import SimpleNamespace
+
+    from kvpress.eval.sweep import model_name
+
+    (tmp_path / "tiny").mkdir()
+    monkeypatch.chdir(tmp_path)
+    named = lambda path: model_name(SimpleNamespace(config=SimpleNamespace(name_or_path=path)))  # noqa: E731
+    assert named("tiny") == named("./tiny") == named(str(tmp_path / "tiny")) == str(tmp_path / "tiny")
+    assert named("org/not-here") == "org/not-here" and named("") == "unnamed"
+
+
 def test_the_benchmarks_resume_past_a_torn_last_row(tmp_path, capsys):
     """bench-long, bench-gpu and replay read their rows as the sweep does: a torn last row is dropped (and measured
     again), any other bad line is named."""
