@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
+from torch import nn
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
@@ -49,6 +50,7 @@ from kvpress.models import resolve_model_path
 from kvpress.patches.model_access import cache_keyword
 from kvpress.pipeline import check_chunk_size, prefill_context
 from kvpress.presses import BasePress, all_press_parameters, press_from_name, resolve_default
+from kvpress.presses.defaults import default_before_loading
 
 
 def _tokens(name: str, value) -> int:
@@ -128,9 +130,12 @@ class KVPressLM(HFLM):
                 raise ValueError(f"press parameters given without a press: {compression_ratio=}, {max_tokens=}, "
                                  f"{press_kwargs}")  # fmt: skip
             self.press = None
-        else:
+        else:  # (`default`: checked as the named model's default press; the model's own once it loads)
             budget = {"compression_ratio": compression_ratio, "max_tokens": max_tokens}
-            self.press = press_from_name(press, **budget, **press_kwargs)
+            named = pretrained if isinstance(pretrained, str) and pretrained != "default" else None
+            early = resolve_default(press, pretrained) if isinstance(pretrained, nn.Module) else (
+                default_before_loading(press, named) or resolve_default(press))  # fmt: skip
+            self.press = press_from_name(early, **budget, **press_kwargs)
         if self.press is not None and self.press.needs_question and not self.query_aware:
             raise ValueError(f"{type(self.press).__name__} scores by the question: pass query_aware=true")
         if self.press is None and self.prefill_chunk_size:

@@ -32,6 +32,19 @@ def _press(name: str | None, ratio: float | None, max_tokens: int | None, model=
     return kvpress.press_from_name(name, model, **_budget(name, ratio, max_tokens))
 
 
+def _check_press(name: str, ratio: float | None, max_tokens: int | None, model_name: str | None) -> None:
+    """Build the press `name` before the model `model_name` loads, so that a bad spec is refused at once; `default`
+    as that model's default press (a directory's is only parsed: its default is known once it loads)."""
+    from kvpress.presses import parse_press_spec, resolve_default
+    from kvpress.presses.defaults import default_before_loading
+
+    spec = default_before_loading(name, model_name)
+    if spec is None:
+        parse_press_spec(resolve_default(name))
+    else:
+        _press(spec, ratio, max_tokens)
+
+
 def _budget(name: str, ratio: float | None, max_tokens: int | None) -> dict:
     """The budget keywords `--ratio` and `--max-tokens` give the press `name`: r = 0.5 when neither they nor
     `name`'s own parameters (`snapkv:max_tokens=100`) set one."""
@@ -296,7 +309,7 @@ def _check_generate(args: argparse.Namespace) -> None:
 
         read_metadata(args.load_cache)  # a missing or foreign file is named before the model loads
     elif args.press != "none":
-        _press(args.press or "default", args.ratio, args.max_tokens)
+        _check_press(args.press or "default", args.ratio, args.max_tokens, args.model)
 
 
 COUNTS = {"max_new_tokens": 1, "max_tokens": 1, "examples": 1, "length": 100, "seed": 0, "texts": 1, "held_out": 1,
@@ -391,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         check_counts(args)  # before any model loads
         if args.command == "demo":
             for name in args.presses.split(","):
-                _press(name, args.ratio, None)  # validate before loading the model
+                _check_press(name, args.ratio, None, args.model)  # validate before loading the model
         elif args.command == "generate":
             _check_generate(args)
         elif args.command == "train-scorer":

@@ -37,6 +37,30 @@ def test_default_resolves_per_model_and_keeps_its_parameters(monkeypatch):
     assert isinstance(press_from_name("default", tiny, compression_ratio=0.5), kvpress.AdaKVPress)
 
 
+def test_parameters_after_default_replace_the_defaults_own_and_are_checked_as_the_named_models(monkeypatch):
+    """`default:n_sink=8` over a default with n_sink=4 gives n_sink=8 (it was refused as given twice); before the
+    model loads, a spec after `default` is checked against the default of the model named, not of any model."""
+    from kvpress.cli import _check_press
+    from kvpress.presses.defaults import default_before_loading, with_default
+
+    assert with_default("default:n_sink=8", "adakv:inner=kvzap:n_sink=4:window_size=8") == \
+        "adakv:inner=kvzap:window_size=8:n_sink=8"  # fmt: skip
+    assert with_default("default", "snapkv:window_size=8") == "snapkv:window_size=8"
+    table = json.loads(_FILE.read_text())
+    table["models"]["smollm2-135m"]["press"] = "adakv:inner=kvzap:n_sink=4"
+    table["models"]["qwen2.5-0.5b"]["press"] = table["any"]["press"] = "snapkv:window_size=8"
+    monkeypatch.setattr("kvpress.presses.defaults._table", lambda: table)
+    assert default_before_loading("default:pool=max", None) == "adakv:inner=kvzap:n_sink=4:pool=max"
+    assert default_before_loading("default:pool=max", "/some/directory") is None  # its default: once it loads
+    assert default_before_loading("knorm", None) == "knorm"
+    _check_press("default:pool=max:n_sink=8", None, None, None)  # KVzap's parameter, SmolLM2's default's
+    with pytest.raises(ValueError, match="pool"):
+        _check_press("default:pool=max", None, None, "qwen2.5-0.5b")  # its default has no pool (SnapKV here)
+    _check_press("default:pool=max", None, None, "/some/directory")  # only parsed
+    with pytest.raises(ValueError, match="key=value"):
+        _check_press("default:pool", None, None, "/some/directory")
+
+
 def test_the_cli_names_the_press_it_resolved(tmp_path, capsys, monkeypatch):
     table = json.loads(_FILE.read_text())
     table["models"]["smollm2-135m"]["press"] = "knorm"

@@ -48,14 +48,32 @@ def default_for(name: str | None) -> str | None:
 
 
 def resolve_default(spec: str, model: nn.Module | None = None) -> str:
-    """`spec` with a leading `default` replaced by `model`'s default press (parameters after it kept); any other
-    spec unchanged."""
-    if not isinstance(spec, str):
+    """`spec` with a leading `default` replaced by `model`'s default press (`with_default`); any other spec
+    unchanged."""
+    if not isinstance(spec, str) or spec.partition(":")[0] != NAME:
         return spec
-    name, sep, rest = spec.partition(":")
-    if name != NAME:
+    return with_default(spec, default_press(model))
+
+
+def with_default(spec: str, default: str) -> str:
+    """`spec` (`default`, then parameters or none) as the press spec `default`, each parameter given after `default`
+    in place of the default's own of that name (`default:n_sink=8` over a default with n_sink=4)."""
+    given = [pair for pair in spec.partition(":")[2].split(":") if pair]
+    names = {pair.partition("=")[0] for pair in given}
+    base, *pairs = default.split(":")
+    return ":".join([base, *(pair for pair in pairs if pair.partition("=")[0] not in names), *given])
+
+
+def default_before_loading(spec: str, model_name: str | None) -> str | None:
+    """`spec` resolved before the model `model_name` (a packaged name, a directory, None: the default model) loads,
+    to check it early: as that packaged model's default press, or None for a directory (whose default depends on
+    its architecture, known once it loads); any spec but `default` unchanged."""
+    from kvpress.models import DEFAULT_MODEL
+
+    if not isinstance(spec, str) or spec.partition(":")[0] != NAME:
         return spec
-    return f"{default_press(model)}{sep}{rest}"
+    default = default_for(model_name or DEFAULT_MODEL)
+    return None if default is None else with_default(spec, default)
 
 
 DEFAULT_PRESS = default_press()  # the press for any model (the `any` entry)
