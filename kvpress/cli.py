@@ -90,14 +90,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
         press = _press(name, args.ratio, None)
         text, kept, seconds = _answer(model, tokenizer, context, DEMO_QUESTION, press, args.max_new_tokens)
         mark = "" if DEMO_ANSWER in text else "  (fact lost)"
-        print(f"{name:{w}s} {args.ratio:5.2f} {kept:12,d} {kept / full_bytes:6.0%} {seconds:7.1f}  {text!r}{mark}")
+        print(f"{name:{w}s} {_ratio_cell(press)} {kept:12,d} {kept / full_bytes:6.0%} {seconds:7.1f}  {text!r}{mark}")
     print("\nthe first press inside model.generate (context and question in one prompt, compressed in the "
           "prefill):\n  with press(model, tokenizer=tokenizer): model.generate(ids)")  # fmt: skip
-    text, kept, seconds = _generate_inside(model, tokenizer, context, _press(names[0], args.ratio, None),
-                                           args.max_new_tokens)  # fmt: skip
+    press = _press(names[0], args.ratio, None)
+    text, kept, seconds = _generate_inside(model, tokenizer, context, press, args.max_new_tokens)
     mark = "" if DEMO_ANSWER in text else "  (fact lost)"
-    print(f"{names[0]:{w}s} {args.ratio:5.2f} {kept:12,d} {kept / full_bytes:6.0%} {seconds:7.1f}  {text!r}{mark}")
+    print(f"{names[0]:{w}s} {_ratio_cell(press)} {kept:12,d} {kept / full_bytes:6.0%} {seconds:7.1f}  {text!r}{mark}")
     return 0
+
+
+def _ratio_cell(press) -> str:
+    """The demo table's ratio column: the press's compression ratio, or '-' for a fixed token budget."""
+    ratio = getattr(press, "compression_ratio", None)
+    return f"{'-':>5s}" if ratio is None else f"{ratio:5.2f}"
 
 
 def _generate_inside(model, tokenizer, context: str, press, max_new_tokens: int) -> tuple[str, int, float]:
@@ -302,6 +308,9 @@ def _check_generate(args: argparse.Namespace) -> None:
                          "--ratio and --max-tokens")  # fmt: skip
     if args.load_cache and args.prefill_chunk_size is not None:
         raise ValueError("--load-cache answers from a cache already prefilled: drop --prefill-chunk-size")
+    from kvpress.pipeline import check_chunk_size
+
+    check_chunk_size(args.prefill_chunk_size)  # (a size no chunk can have, before the model loads)
     if args.press == "none" and (args.ratio is not None or args.max_tokens is not None):
         raise ValueError("--press none keeps the whole cache: drop --ratio and --max-tokens, or name a press")
     if args.load_cache:
@@ -347,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--model", default=None, help="packaged model name or local directory (default SmolLM2-135M)")
     demo.add_argument("--presses", default="default,snapkv,h2o,sink-window,knorm,random",
                       help="comma-separated press names (default: the model's default press)")
-    demo.add_argument("--ratio", type=float, default=0.5)
+    demo.add_argument("--ratio", type=float, default=None,
+                      help="compression ratio in [0, 1) (default 0.5 where a press spec sets no budget of its own)")
     demo.add_argument("--max-new-tokens", type=int, default=16)
     demo.set_defaults(fn=cmd_demo)
 

@@ -119,6 +119,24 @@ def test_cli_counts_are_checked_before_the_model_loads(tmp_path):
     assert res.returncode == 2 and "--examples must be an integer >= 1, got 0" in res.stderr
 
 
+def test_cli_checks_budgets_in_specs_and_chunk_sizes_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """demo takes a press spec that sets its own budget (it was refused as given twice, --ratio defaulting to 0.5),
+    and shows that budget; generate refuses a chunk size of 0 before loading anything."""
+    from kvpress.cli import _ratio_cell, main
+
+    def loaded(*args, **kwargs):
+        raise RuntimeError("the model loads")
+
+    monkeypatch.setattr(kvpress, "load_model", loaded)
+    with pytest.raises(RuntimeError, match="the model loads"):  # the checks passed
+        main(["demo", "--presses", "snapkv:compression_ratio=0.25,knorm:max_tokens=100"])
+    assert _ratio_cell(SnapKVPress(0.25)) == " 0.25" and _ratio_cell(SnapKVPress(max_tokens=100)) == "    -"
+    (tmp_path / "c.txt").write_text("hello")
+    assert main(["generate", "--prefill-chunk-size", "0", "--context-file", str(tmp_path / "c.txt"),
+                 "--question", "q"]) == 2  # fmt: skip
+    assert "prefill_chunk_size" in capsys.readouterr().err
+
+
 def test_cli_refuses_flags_it_would_ignore_before_the_model_loads(tmp_path, capsys):
     """--press none with a budget, --load-cache with a chunk size, train-scorer's update modes with training flags
     (or both): refused by name, before a model loads."""
