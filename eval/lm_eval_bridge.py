@@ -267,6 +267,10 @@ class KVPressLM(HFLM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         if self.press is None:
             return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+        if self.prefill_chunk_size and requests:
+            raise ValueError(f"a perplexity task feeds its documents rolling_chunk={self.rolling_chunk} tokens a "
+                             f"forward already: drop prefill_chunk_size={self.prefill_chunk_size} (or set "
+                             "rolling_chunk)")  # fmt: skip
         results = []
         for request in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc="kvpress loglikelihood_rolling"):
             (string,) = request.args

@@ -83,6 +83,10 @@ def test_rolling_loglikelihood_is_chunked_through_the_compressed_cache(default_m
     pressed = _rolling(bridge, DOCS)
     assert pressed[0] < plain[0] - 1  # the document was read through the compressed cache, not HFLM's windows
     assert 0.5 <= bridge.kv_records[0]["kept_bytes"] / bridge.kv_records[0]["full_bytes"] < 0.55
+    bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="knorm", compression_ratio=0.5,
+                       prefill_chunk_size=32)  # fmt: skip
+    with pytest.raises(ValueError, match="drop prefill_chunk_size=32"):  # its chunks are rolling_chunk's: not ignored
+        _rolling(bridge, DOCS)
 
 
 def test_perplexity_task_end_to_end(default_model):
