@@ -19,6 +19,7 @@ from pathlib import Path
 
 from torch import nn
 
+from kvpress.models import DEFAULT_MODEL
 from kvpress.patterns import config_hash
 
 _FILE = Path(__file__).with_name("defaults.json")
@@ -68,8 +69,6 @@ def default_before_loading(spec: str, model_name: str | None) -> str | None:
     """`spec` resolved before the model `model_name` (a packaged name, a directory, None: the default model) loads,
     to check it early: as that packaged model's default press, or None for a directory (whose default depends on
     its architecture, known once it loads); any spec but `default` unchanged."""
-    from kvpress.models import DEFAULT_MODEL
-
     if not isinstance(spec, str) or spec.partition(":")[0] != NAME:
         return spec
     default = default_for(model_name or DEFAULT_MODEL)
