@@ -30,6 +30,7 @@ means, the peak resident memory of the process and, on a GPU, the peak allocated
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import re
 import sys
@@ -49,7 +50,7 @@ from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import resolve_model_path
 from kvpress.patches.model_access import cache_keyword
 from kvpress.pipeline import check_chunk_size, prefill_context
-from kvpress.presses import BasePress, all_press_parameters, press_from_name, resolve_default
+from kvpress.presses import BasePress, all_press_parameters, parse_press_spec, press_from_name, resolve_default
 from kvpress.presses.defaults import default_before_loading
 
 
@@ -130,20 +131,22 @@ class KVPressLM(HFLM):
                 raise ValueError(f"press parameters given without a press: {compression_ratio=}, {max_tokens=}, "
                                  f"{press_kwargs}")  # fmt: skip
             self.press = None
-        else:  # (`default`: checked as the named model's default press; the model's own once it loads)
+        else:  # `default`: built as the named model's default press, and as the model's own once it loads
             budget = {"compression_ratio": compression_ratio, "max_tokens": max_tokens}
             named = pretrained if isinstance(pretrained, str) and pretrained != "default" else None
             early = resolve_default(press, pretrained) if isinstance(pretrained, nn.Module) else (
-                default_before_loading(press, named) or resolve_default(press))  # fmt: skip
-            self.press = press_from_name(early, **budget, **press_kwargs)
-        if self.press is not None and self.press.needs_question and not self.query_aware:
-            raise ValueError(f"{type(self.press).__name__} scores by the question: pass query_aware=true")
-        if self.press is None and self.prefill_chunk_size:
+                default_before_loading(press, named))  # fmt: skip
+            if early is None:  # a directory's default press is known once it loads: its spec only parsed now
+                parse_press_spec(resolve_default(press))
+            self.press = None if early is None else press_from_name(early, **budget, **press_kwargs)
+        later = self.press is None and press is not None and press != "none"  # (built once the model loads)
+        _check_question(self.press, self.query_aware)
+        if self.press is None and not later and self.prefill_chunk_size:
             raise ValueError("prefill_chunk_size chunks a press's prefill; with no press lm-eval's own model runs "
                              "(nothing to evict: chunks would change only the memory): drop it, or give a press")
         unused = {"query_aware": query_aware, "rolling_chunk": rolling_chunk != CHUNK, "question_key": question_key,
                   "question_regex": question_regex}  # fmt: skip
-        if self.press is None and any(unused.values()):
+        if self.press is None and not later and any(unused.values()):
             raise ValueError(f"{', '.join(k for k, v in unused.items() if v)} only shape how a press compresses; with "
                              "no press lm-eval's own model runs: drop them, or give a press")  # fmt: skip
         if isinstance(pretrained, str):  # a local directory: HFLM loads it (and shards data under accelerate)
@@ -156,6 +159,7 @@ class KVPressLM(HFLM):
         super().__init__(pretrained=pretrained, **kwargs)
         if isinstance(press, str) and resolve_default(press) != press:  # `default`: this model's default press
             self.press = press_from_name(press, self.model, **budget, **press_kwargs)
+            _check_question(self.press, self.query_aware)
         check_chunk_size(self.prefill_chunk_size, self.press)  # refused before any task runs
         self.kv_records: list[dict] = []
         if cpu_processes and self._world_size == 1:  # HFLM shards data only across GPUs: shard it here
@@ -269,8 +273,7 @@ class KVPressLM(HFLM):
             return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
         if self.prefill_chunk_size and requests:
             raise ValueError(f"a perplexity task feeds its documents rolling_chunk={self.rolling_chunk} tokens a "
-                             f"forward already: drop prefill_chunk_size={self.prefill_chunk_size} (or set "
-                             "rolling_chunk)")  # fmt: skip
+                             f"forward already: drop prefill_chunk_size={self.prefill_chunk_size}")  # fmt: skip
         results = []
         for request in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc="kvpress loglikelihood_rolling"):
             (string,) = request.args
@@ -361,15 +364,24 @@ class KVPressLM(HFLM):
         return info
 
 
+def _check_question(press: BasePress | None, query_aware: bool) -> None:
+    if press is not None and press.needs_question and not query_aware:
+        raise ValueError(f"{type(press).__name__} scores by the question: pass query_aware=true")
+
+
 TASKS_DIR = str(Path(__file__).parent / "tasks")
 
 
+@functools.cache
 def _run_flags(dest: str) -> tuple[str, ...]:
     """The option strings of lm-eval's `run` for `dest`, read from its own parser (`--model` is also `-M`)."""
     from lm_eval._cli.harness import HarnessCLI
 
     run = HarnessCLI()._subparsers.choices["run"]
-    return next(tuple(action.option_strings) for action in run._actions if action.dest == dest)
+    flags = next((tuple(action.option_strings) for action in run._actions if action.dest == dest), None)
+    if flags is None:
+        raise RuntimeError(f"lm-eval's run command has no {dest!r} option any more: kvpress lm-eval needs updating")
+    return flags
 
 
 def _given(arg: str, flags: tuple[str, ...]) -> str | None:

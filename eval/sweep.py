@@ -190,7 +190,7 @@ def refresh_sweep(model: nn.Module, tokenizer, out: str | Path, progress: bool =
     if not settings_path.exists():
         raise FileNotFoundError(f"{out} holds no sweep (no settings.json)")
     settings = json.loads(settings_path.read_text())
-    if settings.get("model", model_name(model)) != model_name(model):
+    if named_model(settings.get("model", model_name(model))) != model_name(model):
         raise ValueError(f"{out} was measured with {settings['model']!r}, not {model_name(model)!r}")
     _repair(out)
     current = current_rows(out)
@@ -214,9 +214,14 @@ def refresh_sweep(model: nn.Module, tokenizer, out: str | Path, progress: bool =
 
 
 def model_name(model: nn.Module) -> str:
-    """How `kvpress.load_model` names the model: a packaged model's name (e.g. smollm2-135m), else its path (made
+    """How `kvpress.load_model` names the model (`named_model` of its config's path)."""
+    return named_model(getattr(model.config, "name_or_path", "") or "unnamed")
+
+
+def named_model(name_or_path: str) -> str:
+    """A packaged model's name (e.g. smollm2-135m) for its converted directory or its name, else the path (made
     absolute where it is a local one, so that a sweep resumed from elsewhere, or by another spelling, matches)."""
-    path = Path(getattr(model.config, "name_or_path", "") or "unnamed")
+    path = Path(name_or_path)
     if path.name in PACKAGED_MODELS and path.parent == cache_dir():
         return path.name
     return str(path.resolve()) if path.exists() else str(path)
@@ -244,6 +249,8 @@ def _check_resume(out: Path, settings: dict) -> None:
         return
     before = json.loads(path.read_text())
     before.setdefault("prefill_chunk_size", None)  # sweeps from before chunks prefilled in one forward
+    if "model" in before:  # (a local path, written as typed before paths were made absolute)
+        before["model"] = named_model(before["model"])
     for key in ("model", "length", "seed", "query_aware", "prefill_chunk_size"):
         if key in before and before[key] != settings[key]:
             raise ValueError(f"{out} holds a sweep with {key}={before[key]!r}, not {settings[key]!r}: "

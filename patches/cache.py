@@ -70,8 +70,8 @@ class PressedLayer(DynamicLayer):
 
     @property
     def is_croppable(self) -> bool:
-        """Only while nothing was evicted (transformers checks this before rolling tokens back)."""
-        return not self.compressed
+        """Only while nothing was evicted or trimmed (transformers checks this before rolling tokens back)."""
+        return self.seen == self.n
 
     def __init__(self, window: int | None = None) -> None:
         super().__init__()
@@ -397,8 +397,12 @@ class PressedLayer(DynamicLayer):
 
         def take(t: torch.Tensor) -> torch.Tensor:
             idx = index if t.dim() == 3 else index[..., None].expand(*index.shape, t.shape[-1])
-            kept = t[:, :, : self.n].gather(2, idx)
-            return kept if capacity == k else self._grown(kept, k, capacity)
+            if capacity == k or t.requires_grad:  # (autograd takes no out=: gathered, then copied into the room)
+                kept = t[:, :, : self.n].gather(2, idx)
+                return kept if capacity == k else self._grown(kept, k, capacity)
+            out = t.new_empty(*t.shape[:2], capacity, *t.shape[3:])
+            torch.gather(t[:, :, : self.n], 2, idx, out=out[:, :, :k])  # one copy, into the room's storage
+            return out
 
         self.keys, self.values = take(self.keys), take(self.values)
         if keep_valid is not None and "valid" not in self.slots:
@@ -625,9 +629,6 @@ class PressedLayer(DynamicLayer):
         """The first `n` held slots' keys and values, decoded."""
         return (quant.decode(self.keys[:, :, :n], self.key_stats, self.kv_bits, self.dtype),
                 quant.decode(self.values[:, :, :n], None, self.kv_bits, self.dtype))  # fmt: skip
-
-    def _truncate_slots(self, n: int) -> None:
-        self.slots = {name: t[..., :n] for name, t in self.slots.items()}
 
     def _map_rows(self, fn) -> None:
         if not self.is_initialized or self.keys.numel() == 0:

@@ -46,6 +46,9 @@ def test_parameters_after_default_replace_the_defaults_own_and_are_checked_as_th
     assert with_default("default:n_sink=8", "adakv:inner=kvzap:n_sink=4:window_size=8") == \
         "adakv:inner=kvzap:window_size=8:n_sink=8"  # fmt: skip
     assert with_default("default", "snapkv:window_size=8") == "snapkv:window_size=8"
+    for empty in ("default:", "default::n_sink=8"):  # refused as for any other press, not passed over
+        with pytest.raises(ValueError, match="key=value"):
+            press_from_name(with_default(empty, "snapkv:window_size=8"), compression_ratio=0.5)
     table = json.loads(_FILE.read_text())
     table["models"]["smollm2-135m"]["press"] = "adakv:inner=kvzap:n_sink=4"
     table["models"]["qwen2.5-0.5b"]["press"] = table["any"]["press"] = "snapkv:window_size=8"

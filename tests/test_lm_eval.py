@@ -214,6 +214,16 @@ def test_query_agnostic_loglikelihood_takes_a_prompt_ending_in_whitespace(defaul
     assert spaced == plain
 
 
+def test_a_default_spec_for_a_directory_waits_for_its_model(tmp_path):
+    """`press=default:...` for a directory: its default press depends on the model in it, so the spec is only parsed
+    before it loads (a parameter of SmolLM2's default, not of the any-model one, was refused there)."""
+    with pytest.raises(FileNotFoundError) as refused:
+        KVPressLM(pretrained=str(tmp_path), press="default:pool=max")  # (an empty directory: refused as a model)
+    assert "pool" not in str(refused.value) and str(tmp_path) in str(refused.value)
+    with pytest.raises(ValueError, match="key=value"):
+        KVPressLM(pretrained=str(tmp_path), press="default:pool")
+
+
 def test_query_agnostic_mode_needs_the_question(default_model):
     model, tokenizer = default_model
     bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="knorm", compression_ratio=0.5)

@@ -20,6 +20,7 @@ import hashlib
 import json
 import random
 import tarfile
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def fetch(url: str, dest: Path, sha256: str) -> None:
             while chunk := response.read(1 << 20):
                 digest.update(chunk)
                 sink.write(chunk)
-    except OSError as err:  # (urllib's errors, HTTP ones included, are OSErrors)
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as err:  # (HTTP errors are URLErrors)
         dest.unlink(missing_ok=True)
         raise ValueError(
             f"qa_quoref's data could not be fetched from {url}: {err}. Its source, BIG-bench 1.0.0's package, "

@@ -59,7 +59,8 @@ def resolve_default(spec: str, model: nn.Module | None = None) -> str:
 def with_default(spec: str, default: str) -> str:
     """`spec` (`default`, then parameters or none) as the press spec `default`, each parameter given after `default`
     in place of the default's own of that name (`default:n_sink=8` over a default with n_sink=4)."""
-    given = [pair for pair in spec.partition(":")[2].split(":") if pair]
+    _, sep, rest = spec.partition(":")
+    given = rest.split(":") if sep else []  # (an empty one stays, for `parse_press_spec` to refuse)
     names = {pair.partition("=")[0] for pair in given}
     base, *pairs = default.split(":")
     return ":".join([base, *(pair for pair in pairs if pair.partition("=")[0] not in names), *given])
