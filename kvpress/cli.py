@@ -32,17 +32,18 @@ def _press(name: str | None, ratio: float | None, max_tokens: int | None, model=
     return kvpress.press_from_name(name, model, **_budget(name, ratio, max_tokens))
 
 
-def _check_press(name: str, ratio: float | None, max_tokens: int | None, model_name: str | None) -> None:
-    """Build the press `name` before the model `model_name` loads, so that a bad spec is refused at once; `default`
-    as that model's default press (a directory's is only parsed: its default is known once it loads)."""
+def _check_press(name: str, ratio: float | None, max_tokens: int | None, model_name: str | None):
+    """The press `name` built before the model `model_name` loads, so that a bad spec is refused at once; `default`
+    as that model's default press (a directory's is only parsed, and None returned: its default is known once it
+    loads)."""
     from kvpress.presses import parse_press_spec, resolve_default
     from kvpress.presses.defaults import default_before_loading
 
     spec = default_before_loading(name, model_name)
     if spec is None:
         parse_press_spec(resolve_default(name))
-    else:
-        _press(spec, ratio, max_tokens)
+        return None
+    return _press(spec, ratio, max_tokens)
 
 
 def _budget(name: str, ratio: float | None, max_tokens: int | None) -> dict:
@@ -165,9 +166,10 @@ def _answer_saved(model, tokenizer, context: str, args: argparse.Namespace, pres
     from transformers import DynamicCache
 
     import kvpress
-    from kvpress.pipeline import answer_from_cache, prefill_context, split_prompt
+    from kvpress.pipeline import answer_from_cache, check_compresses, prefill_context, split_prompt
 
     ctx_ids, q_ids = split_prompt(tokenizer, context, args.question)
+    check_compresses(press, ctx_ids.shape[1])  # as kvpress.generate: a budget that holds the whole context
     start = time.perf_counter()
     if args.load_cache:
         cache = kvpress.load_cache(args.load_cache, model)
@@ -318,7 +320,10 @@ def _check_generate(args: argparse.Namespace) -> None:
 
         read_metadata(args.load_cache)  # a missing or foreign file is named before the model loads
     elif args.press != "none":
-        _check_press(args.press or "default", args.ratio, args.max_tokens, args.model)
+        press = _check_press(args.press or "default", args.ratio, args.max_tokens, args.model)
+        if args.save_cache and press is not None and press.needs_question:
+            raise ValueError(f"--save-cache: {type(press).__name__} scores by the question, and a saved cache holds "
+                             "the context compressed without it: save the cache of another press")  # fmt: skip
 
 
 COUNTS = {"max_new_tokens": 1, "max_tokens": 1, "examples": 1, "length": 100, "seed": 0, "texts": 1, "held_out": 1,

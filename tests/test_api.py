@@ -137,6 +137,20 @@ def test_cli_checks_budgets_in_specs_and_chunk_sizes_before_the_model_loads(tmp_
     assert "prefill_chunk_size" in capsys.readouterr().err
 
 
+def test_cli_saves_no_cache_a_press_could_not_compress(tmp_path, capsys):
+    """--save-cache with a press that reads the question (refused before the model loads), or with a budget that
+    holds the whole context (refused as kvpress.generate refuses it; it saved the uncompressed cache)."""
+    from kvpress.cli import main
+
+    (tmp_path / "c.txt").write_text("The code of the lock is 48213. " * 4)
+    common = ["generate", "--context-file", str(tmp_path / "c.txt"), "--question", "q", "--save-cache"]
+    assert main([*common, str(tmp_path / "a.safetensors"), "--press", "lookahead"]) == 2
+    assert "--save-cache: LookaheadPress scores by the question" in capsys.readouterr().err
+    assert main([*common, str(tmp_path / "b.safetensors"), "--press", "snapkv", "--max-tokens", "100000"]) == 2
+    assert "max_tokens=100000 is not smaller than the context" in capsys.readouterr().err
+    assert not (tmp_path / "b.safetensors").exists()
+
+
 def test_cli_refuses_flags_it_would_ignore_before_the_model_loads(tmp_path, capsys):
     """--press none with a budget, --load-cache with a chunk size, train-scorer's update modes with training flags
     (or both): refused by name, before a model loads."""
