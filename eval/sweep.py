@@ -71,6 +71,7 @@ from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import PACKAGED_MODELS, cache_dir
 from kvpress.pipeline import answer_ids_from_cache, check_chunk_size, prefill_context, split_prompt
 from kvpress.presses import parse_press_spec, resolve_default
+from kvpress.presses.defaults import default_before_loading
 from kvpress.recording import compress_recording, record_prefill
 
 
@@ -103,6 +104,25 @@ def check_tasks(tasks: list[str]) -> None:
     for task in tasks:
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}; choose one of: {', '.join(sorted(TASKS))}")
+
+
+def check_plan(presses: list[str], tasks: list[str], query_aware: bool, prefill_chunk_size: int | None) -> None:
+    """Refuse presses that cannot run these tasks this way: each is built (a bad parameter named), one that reads
+    the question needs `query_aware`, the perplexity tasks take neither a press scoring the whole context nor
+    chunks of their own."""
+    chunked = [task for task in tasks if task.startswith("perplexity")]  # fed in chunks through the press
+    built = {name: kvpress.press_from_name(name, compression_ratio=0.5) for name in presses}
+    whole = [name for name, press in built.items() if press.needs_whole_context]
+    asking = [name for name, press in built.items() if press.needs_question]
+    if asking and not query_aware:
+        raise ValueError(f"{asking} score by the question: sweep them with --query-aware")
+    if chunked and whole:
+        raise ValueError(f"{whole} score a context once it is all cached; the perplexity tasks {chunked} feed "
+                         "documents in chunks through the press: sweep them separately")  # fmt: skip
+    check_chunk_size(prefill_chunk_size)
+    if chunked and prefill_chunk_size:
+        raise ValueError(f"the perplexity tasks {chunked} feed documents {CHUNK} tokens a forward already: sweep "
+                         "them without --prefill-chunk-size")  # fmt: skip
 
 
 MIN_LENGTH = 64  # context tokens: room for a task's fact and its filler
@@ -139,19 +159,7 @@ def run_sweep(
     configs = configurations(presses, ratios)
     check_tasks(tasks)
     check_sizes(examples, length, seed)
-    chunked = [task for task in tasks if task.startswith("perplexity")]  # fed in chunks through the press
-    built = {name: kvpress.press_from_name(name, compression_ratio=0.5) for name in presses}
-    whole = [name for name, press in built.items() if press.needs_whole_context]
-    asking = [name for name, press in built.items() if press.needs_question]
-    if asking and not query_aware:
-        raise ValueError(f"{asking} score by the question: sweep them with --query-aware")
-    if chunked and whole:
-        raise ValueError(f"{whole} score a context once it is all cached; the perplexity tasks {chunked} feed "
-                         "documents in chunks through the press: sweep them separately")  # fmt: skip
-    check_chunk_size(prefill_chunk_size)
-    if chunked and prefill_chunk_size:
-        raise ValueError(f"the perplexity tasks {chunked} feed documents {CHUNK} tokens a forward already: sweep "
-                         "them without --prefill-chunk-size")  # fmt: skip
+    check_plan(presses, tasks, query_aware, prefill_chunk_size)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rank, world, state = _shard()
@@ -582,9 +590,10 @@ def main(argv: list[str] | None = None) -> int:
         configurations(presses, ratios)
         check_tasks(tasks)  # before the model loads
         check_sizes(args.examples, args.length, args.seed)
-        check_chunk_size(args.prefill_chunk_size)
+        early = [default_before_loading(name, args.model) for name in presses]  # (None: a directory's default)
+        check_plan([name for name in early if name is not None], tasks, args.query_aware, args.prefill_chunk_size)
         check_data(tasks)
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         print(f"kvpress sweep: {err}", file=sys.stderr)
         return 2
     model, tokenizer = kvpress.load_model(args.model)

@@ -311,6 +311,17 @@ def test_a_torn_last_row_is_measured_again(default_model, tmp_path, capsys):
         run_sweep(model, tokenizer, **kwargs)
 
 
+def test_a_sweep_refuses_presses_it_cannot_run_before_its_model_loads(tmp_path, monkeypatch, capsys):
+    """A misspelt parameter, and a press that reads the question without --query-aware, are named before the model
+    loads (they were tracebacks after it)."""
+    from kvpress.eval import sweep
+
+    monkeypatch.setattr(sweep.kvpress, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    for presses, said in (("snapkv:windw_size=3", "windw_size"), ("lookahead", "sweep them with --query-aware")):
+        assert sweep.main(["--presses", presses, "--tasks", "needle_noise", "--out", str(tmp_path / "s")]) == 2
+        assert said in capsys.readouterr().err
+
+
 def test_a_local_model_is_named_by_its_whole_path(tmp_path, monkeypatch):
     """A sweep started with --model ./tiny and resumed with --model /abs/tiny (or from elsewhere) names one model."""
     from types import SimpleNamespace
