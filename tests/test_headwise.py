@@ -553,6 +553,8 @@ def test_duo_over_a_scorer(inner):
                 assert kept == [0, 1, 2, 3, *range(80, 96)] and after.lengths[head] == 20
     with pytest.raises(ValueError, match="takes retrieval_fraction"):
         DuoAttentionPress(compression_ratio=0.5, press=SnapKVPress(0.5))
+    with pytest.raises(ValueError, match="needs retrieval_fraction"):  # (the budget went to the inner press)
+        press_from_name("duo-attention:inner=snapkv", compression_ratio=0.5)
     with pytest.raises(TypeError, match="token-level press"):
         DuoAttentionPress(retrieval_fraction=0.5, press=AdaKVPress(SnapKVPress(0.5)))
 

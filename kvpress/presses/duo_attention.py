@@ -64,9 +64,12 @@ class DuoAttentionPress(HeadwisePress):
                     or not self.press.wrappable:  # fmt: skip
                 raise TypeError(f"DuoAttentionPress's press scores its retrieval heads: a token-level press that "
                                 f"evicts inside a forward (SnapKV, H2O, Knorm, ...), got {self.press!r}")  # fmt: skip
-            if self.retrieval_fraction is None or self.compression_ratio is not None:
+            if self.compression_ratio is not None:
                 raise ValueError("with press=, DuoAttentionPress takes retrieval_fraction (the retrieval heads keep "
                                  "what the press keeps at its own budget), not compression_ratio")  # fmt: skip
+            if self.retrieval_fraction is None:
+                raise ValueError("with press=, DuoAttentionPress needs retrieval_fraction, the share of KV heads that "
+                                 "are retrieval heads (the press's own budget is what they keep)")  # fmt: skip
             if self.press.rerotate or self.press.layer_scales is not None:
                 raise ValueError("DuoAttentionPress's press cannot re-rotate keys or set layer_scales")
             if self.press.kv_bits is not None:  # the whole layer is stored at one width: the inner press's
