@@ -70,6 +70,9 @@ def test_layer_scales_general_and_validated():
         KnormPress(max_tokens=20, layer_scales=(1, 1, 2))(model)
     with pytest.raises(ValueError, match="layer_scales must be positive numbers"):
         KnormPress(max_tokens=20, layer_scales=(1, -1))
+    for one in (1, "(1,2)"):  # (what a press spec gives: a number, a text)
+        with pytest.raises(ValueError, match="layer_scales must be a list of positive numbers"):
+            KnormPress(max_tokens=20, layer_scales=one)
     with pytest.raises(ValueError, match="rerotate=True needs the same budget in every layer"):
         PyramidKVPress(compression_ratio=0.5, rerotate=True)(model)
 

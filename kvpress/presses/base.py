@@ -132,6 +132,9 @@ class BasePress(Installable):
         if self.kv_bits is not None:
             quant.check_bits(self.kv_bits)
         if self.layer_scales is not None:
+            if isinstance(self.layer_scales, (str, bytes)) or not hasattr(self.layer_scales, "__iter__"):
+                raise ValueError(f"layer_scales must be a list of positive numbers, one per layer, got "
+                                 f"{self.layer_scales!r} (a press spec cannot give a list: pass it in Python)")
             self.layer_scales = tuple(self.layer_scales)
             if not self.layer_scales or any(isinstance(x, bool) or not isinstance(x, (int, float)) or
                                             not math.isfinite(x) or x <= 0 for x in self.layer_scales):  # fmt: skip
