@@ -1,6 +1,7 @@
 """The presses: one policy a file, and the one registry every list of press names and parameters comes from
 (the CLI names and spec grammar, the lm-eval bridge's `model_args`, the README's table, the tests)."""
 
+import dataclasses
 import inspect
 import re
 
@@ -162,7 +163,7 @@ def aliases(name: str) -> list[str]:
     return [other for other, factory in PRESSES.items() if factory is PRESSES[name] and other != name]
 
 
-BUDGET_PARAMETERS = ("compression_ratio", "max_tokens", "rerotate", "decode_slack", "layer_scales", "kv_bits")
+BUDGET_PARAMETERS = tuple(field.name for field in dataclasses.fields(BasePress))  # every press takes these
 
 
 def press_class(name: str) -> type:
