@@ -50,8 +50,13 @@ from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import resolve_model_path
 from kvpress.patches.model_access import cache_keyword
 from kvpress.pipeline import check_chunk_size, prefill_context
-from kvpress.presses import BasePress, all_press_parameters, parse_press_spec, press_from_name, resolve_default
-from kvpress.presses.defaults import default_before_loading
+from kvpress.presses import (
+    BasePress,
+    all_press_parameters,
+    press_from_name,
+    resolve_default,
+    spec_before_loading,
+)
 
 
 def _tokens(name: str, value) -> int:
@@ -135,9 +140,7 @@ class KVPressLM(HFLM):
             budget = {"compression_ratio": compression_ratio, "max_tokens": max_tokens}
             named = pretrained if isinstance(pretrained, str) and pretrained != "default" else None
             early = resolve_default(press, pretrained) if isinstance(pretrained, nn.Module) else (
-                default_before_loading(press, named))  # fmt: skip
-            if early is None:  # a directory's default press is known once it loads: its spec only parsed now
-                parse_press_spec(resolve_default(press))
+                spec_before_loading(press, named))  # (None: a directory's default, known once it loads)
             self.press = None if early is None else press_from_name(early, **budget, **press_kwargs)
         later = self.press is None and press is not None and press != "none"  # (built once the model loads)
         _check_question(self.press, self.query_aware)

@@ -70,8 +70,7 @@ from kvpress.eval.tasks import (
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import PACKAGED_MODELS, cache_dir
 from kvpress.pipeline import answer_ids_from_cache, check_chunk_size, prefill_context, split_prompt
-from kvpress.presses import parse_press_spec, resolve_default
-from kvpress.presses.defaults import default_before_loading
+from kvpress.presses import parse_press_spec, resolve_default, spec_before_loading
 from kvpress.recording import compress_recording, record_prefill
 
 
@@ -590,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
         configurations(presses, ratios)
         check_tasks(tasks)  # before the model loads
         check_sizes(args.examples, args.length, args.seed)
-        early = [default_before_loading(name, args.model) for name in presses]  # (None: a directory's default)
+        early = [spec_before_loading(name, args.model) for name in presses]  # (None: a directory's default)
         check_plan([name for name in early if name is not None], tasks, args.query_aware, args.prefill_chunk_size)
         check_data(tasks)
     except (ValueError, TypeError) as err:

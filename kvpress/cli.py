@@ -36,14 +36,10 @@ def _check_press(name: str, ratio: float | None, max_tokens: int | None, model_n
     """The press `name` built before the model `model_name` loads, so that a bad spec is refused at once; `default`
     as that model's default press (a directory's is only parsed, and None returned: its default is known once it
     loads)."""
-    from kvpress.presses import parse_press_spec, resolve_default
-    from kvpress.presses.defaults import default_before_loading
+    from kvpress.presses import spec_before_loading
 
-    spec = default_before_loading(name, model_name)
-    if spec is None:
-        parse_press_spec(resolve_default(name))
-        return None
-    return _press(spec, ratio, max_tokens)
+    spec = spec_before_loading(name, model_name)
+    return None if spec is None else _press(spec, ratio, max_tokens)
 
 
 def _budget(name: str, ratio: float | None, max_tokens: int | None) -> dict:

@@ -13,7 +13,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from kvpress.eval.tasks.example import Example
+from kvpress.eval.tasks.example import Example, drawn_one_at_a_time
 
 _FACTS = (
     ("By the way, my locker code is {v}.", "What is my locker code? Answer with the number.", 10000, 99999),
@@ -69,13 +69,8 @@ def chat_recall_examples(n: int, rounds: int = 10, seed: int = 0, plant_within: 
     pool = [c for c in conversations() if len(c) >= 2 * rounds and all(m.strip() for m in c[: 2 * rounds])]
     if n > len(pool):
         raise ValueError(f"n={n} chats of {rounds} rounds asked; the conversation pool holds {len(pool)} that long")
-    out, used = [], set()
-    for _ in range(n):  # drawn one after the other: example i does not depend on n (resumed and widened sweeps)
-        pick = rng.randrange(len(pool))
-        while pick in used:
-            pick = rng.randrange(len(pool))
-        used.add(pick)
-        convo = pool[pick]
+    out = []
+    for convo in drawn_one_at_a_time(rng, pool, n):
         turns = [[convo[2 * i].strip(), convo[2 * i + 1].strip()] for i in range(rounds)]
         facts = rng.sample(_FACTS, 2)
         where = sorted(rng.sample(range(plant_within), 2))

@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvpress.eval.tasks.example import Example
+from kvpress.eval.tasks.example import Example, drawn_one_at_a_time
 from kvpress.models import cache_dir
 
 SDIST = ("https://files.pythonhosted.org/packages/95/f8/c019b3579df548a04cac12342cfcb878e50ddf6cfcd7fddba8cfc721c157/"
@@ -104,13 +104,8 @@ def quoref_examples(tokenizer, n: int, length: int, seed: int, items: list[dict]
     pool = [item for item in items if item["answers"]]
     if n > len(pool):
         raise ValueError(f"n={n} is more than the {len(pool)} questions")
-    out, used = [], set()
-    for _ in range(n):  # drawn one after the other: example i does not depend on n (resumed sweeps)
-        pick = rng.randrange(len(pool))
-        while pick in used:
-            pick = rng.randrange(len(pool))
-        used.add(pick)
-        item = pool[pick]
+    out = []
+    for item in drawn_one_at_a_time(rng, pool, n):
         size = len(tokenizer(item["passage"], add_special_tokens=False).input_ids)
         context = [item["passage"]]
         for other in rng.sample(passages, len(passages)):

@@ -12,7 +12,7 @@ from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.chunk import ChunkPress
 from kvpress.presses.criticalkv import CriticalKVPress
 from kvpress.presses.cur import CURPress
-from kvpress.presses.defaults import DEFAULT_PRESS, default_press, resolve_default
+from kvpress.presses.defaults import DEFAULT_PRESS, default_before_loading, default_press, resolve_default
 from kvpress.presses.duo_attention import DuoAttentionPress
 from kvpress.presses.expected_attention import ExpectedAttentionPress
 from kvpress.presses.head_budget import HeadwisePress
@@ -241,6 +241,16 @@ def press_from_name(name: str, model: nn.Module | None = None, **kwargs) -> Base
 
 
 # the press classes of the registry, plus the API around them
+def spec_before_loading(spec: str, model_name: str | None) -> str | None:
+    """`spec` as the model `model_name` (a packaged name, a directory, None: the default model) will take it, to
+    check before it loads (`default_before_loading`); None for a directory's `default`, whose press is known once
+    the model loads: its spec is only parsed (refused as `parse_press_spec` refuses)."""
+    early = default_before_loading(spec, model_name)
+    if early is None:
+        parse_press_spec(resolve_default(spec))
+    return early
+
+
 __all__ = sorted({press_class(name).__name__ for name in PRESSES}) + [
     "BUDGET_PARAMETERS",
     "DEFAULT_PRESS",
@@ -260,4 +270,5 @@ __all__ = sorted({press_class(name).__name__ for name in PRESSES}) + [
     "press_parameters",
     "press_table",
     "resolve_default",
+    "spec_before_loading",
 ]
