@@ -236,6 +236,17 @@ def test_quoref_data_that_cannot_be_fetched_is_refused_before_a_sweep_loads_its_
     assert "qa_quoref's data could not be fetched" in capsys.readouterr().err
     assert not any((tmp_path / "bigbench").iterdir())
 
+    class Loading(Exception):
+        pass
+
+    def loading(*args, **kwargs):
+        raise Loading
+
+    monkeypatch.setattr(sweep.kvpress, "load_model", loading)  # a sweep with its default tasks gets that far
+    with pytest.raises(Loading):
+        sweep.main(["--presses", "snapkv", "--out", str(tmp_path / "d")])
+    assert "qa_squad" in sweep.DEFAULT_TASKS
+
 
 def _squad_stand_in() -> tuple[dict, ...]:
     """Items in the form of `squad_items`: article A with 3 paragraphs (one question each), article B with 20."""
