@@ -63,6 +63,7 @@ from kvpress.eval.tasks import (
     DEFAULT_TASKS,
     SCORE_GROWS_WITH_TEXT,
     TASKS,
+    UNAVAILABLE,
     Continuation,
     Document,
     check_data,
@@ -551,8 +552,8 @@ def main(argv: list[str] | None = None) -> int:
                 "tasks": ",".join(DEFAULT_TASKS), "examples": 16, "length": 1024, "seed": 0}  # fmt: skip
     parser.add_argument("--presses", help=f"(default: {defaults['presses']})")
     parser.add_argument("--ratios", help=f"(default: {defaults['ratios']})")
-    left_out = ", ".join(sorted(set(TASKS) - set(DEFAULT_TASKS)))
-    parser.add_argument("--tasks", help=f"(default: every task but {left_out}, whose data left PyPI)")
+    left_out = "; ".join(f"{task}: {why}" for task, why in UNAVAILABLE.items())
+    parser.add_argument("--tasks", help=f"(default: every task but those a fresh set-up cannot build; {left_out})")
     parser.add_argument("--examples", type=int, help=f"(default: {defaults['examples']})")
     parser.add_argument("--length", type=int, help=f"context tokens per example (default: {defaults['length']})")
     parser.add_argument("--seed", type=int, help=f"(default: {defaults['seed']})")
