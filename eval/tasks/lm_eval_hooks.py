@@ -15,7 +15,7 @@ from kvpress.eval.tasks import Document, Example, task_examples
 from kvpress.eval.tasks.arithmetic import first_number_score
 from kvpress.eval.tasks.chat_recall import whole_number_score
 from kvpress.eval.tasks.common_words import top_words_score
-from kvpress.eval.tasks.squad import any_answer_score
+from kvpress.eval.tasks.ruler_qa import any_answer_score
 from kvpress.models import resolve_model_path
 from kvpress.presses import all_press_parameters
 
@@ -76,7 +76,7 @@ def process_results(doc: dict, results: list[str]) -> dict:
 
 
 def process_any_answer(doc: dict, results: list[str]) -> dict:
-    """1 when the generated text holds any one of the reference answers, without case (the SQuAD task)."""
+    """1 when the generated text holds any one of the reference answers, without case (RULER's QA tasks)."""
     return {"score": any_answer_score(tuple(doc["answers"]), results[0])}
 
 

