@@ -52,8 +52,9 @@ TASKS = {
 ANSWER_TOKENS = {"needle_noise": 32, "needle_pydoc": 32, "needle_essay": 32, "variable_tracking": 32,
                  "needle_multikey": 16, "needle_multivalue": 48, "needle_multiquery": 32, "common_words": 48,
                  "arithmetic": 8, "chat_recall": 12, "qa_quoref": 24, "qa_squad": 32, "qa_hotpot": 32}  # fmt: skip
-# Tasks scored by `Example.score` (every expected string found in the answer): more answer text can only
-# raise their score, so a full score stands under a longer answer budget (the sweep relies on it).
+# Tasks scored by `Example.score` (every expected string found in the answer) or by any one answer found
+# (`ruler_qa.AnyAnswerExample`): more answer text can only raise their score, so a full score stands under a
+# longer answer budget (the sweep relies on it).
 SCORE_GROWS_WITH_TEXT = frozenset({"needle_noise", "needle_pydoc", "needle_essay", "variable_tracking",
                                    "needle_multikey", "needle_multivalue", "needle_multiquery",
                                    "qa_quoref", "qa_squad", "qa_hotpot"})  # fmt: skip

@@ -30,18 +30,23 @@ def drawn_one_at_a_time(rng: random.Random, pool: list, n: int) -> Iterator:
         yield pool[pick]
 
 
+def token_count(tokenizer, text: str) -> int:
+    """How many tokens `text` takes in a context (no special tokens)."""
+    return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+
 def placed_among(
     tokenizer, rng: random.Random, text: str, others: Iterable[str], length: int, extra: int = 2
 ) -> list[str]:
     """`text` and as many of `others` (taken in their order) as fit in `length` tokens with `extra` tokens each
     for a separator, each put at a random place among those before it (`rng`): RULER's QA context, a question's
     passage among distractors. It stops at the first of `others` that does not fit."""
-    size = len(tokenizer(text, add_special_tokens=False).input_ids)
+    size = token_count(tokenizer, text)
     out = [text]
     for other in others:
         if other == text:
             continue
-        more = len(tokenizer(other, add_special_tokens=False).input_ids) + extra
+        more = token_count(tokenizer, other) + extra
         if size + more > length:
             break
         out.insert(rng.randrange(len(out) + 1), other)

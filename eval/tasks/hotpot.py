@@ -29,15 +29,15 @@ import json
 import random
 from functools import cache
 
-from kvpress.eval.tasks.example import Example, drawn_one_at_a_time, placed_among
+from kvpress.eval.tasks.example import Example, drawn_one_at_a_time, placed_among, token_count
 from kvpress.eval.tasks.ruler_qa import DOCUMENT_EXTRA, context_budget, package_json, qa_example
 
 SHA256 = "4e9ecb5c8d3b719f624d66b60f8d56bf227f03914f5f0753d6fa1b359d7104ea"  # 26.3's hotpotqa.json
 UNJUDGEABLE = ("yes", "no")  # answers a substring match cannot tell from other words
 
 
-def _tokens(tokenizer, text: str) -> int:
-    return len(tokenizer(text, add_special_tokens=False).input_ids)
+def _title(document: str) -> str:
+    return document.split("\n", 1)[0]
 
 
 @cache
@@ -67,16 +67,15 @@ def hotpot_examples(tokenizer, n: int, length: int, seed: int, items: tuple[dict
     items = hotpot_items() if items is None else items
     if n > len(items):
         raise ValueError(f"n={n} is more than the {len(items)} questions")
-    pool = [(document.split("\n", 1)[0], document)
-            for document in sorted({d for item in items for d in item["supporting"] + item["distractors"]})]
+    pool = [(_title(d), d) for d in sorted({d for item in items for d in item["supporting"] + item["distractors"]})]
     rng = random.Random(f"hotpot-{seed}")
     budget = context_budget(tokenizer, length)
     out: list[Example] = []
     for item in drawn_one_at_a_time(rng, list(items), len(items)):
         first, *rest = item["supporting"]
-        if _tokens(tokenizer, first) + sum(_tokens(tokenizer, d) + DOCUMENT_EXTRA for d in rest) > budget:
+        if token_count(tokenizer, first) + sum(token_count(tokenizer, d) + DOCUMENT_EXTRA for d in rest) > budget:
             continue  # (no random draw for it: where none is passed over, the examples are as without this check)
-        titles = {document.split("\n", 1)[0] for document in item["supporting"] + item["distractors"]}
+        titles = {_title(document) for document in item["supporting"] + item["distractors"]}
         others = [document for title, document in rng.sample(pool, len(pool)) if title not in titles]
         candidates = rest + rng.sample(item["distractors"], len(item["distractors"])) + others
         placed = placed_among(tokenizer, rng, first, candidates, budget, extra=DOCUMENT_EXTRA)

