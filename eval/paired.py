@@ -5,7 +5,10 @@
 For each `--pair A B`, each task and each ratio both were measured at, on the examples both answered: the mean
 score of A and of B, the mean of B - A with its 95% interval (normal, sd / sqrt(n); [0, 0] when no score
 changed) and how many examples' scores changed, then the same pooled over tasks (every example of every task
-counted once). Scores are the sweep's (0 to 1; points = 100 x).
+counted once). Scores are the sweep's (0 to 1; points = 100 x). `--metric` pairs another field of the rows instead:
+an answer row's `answer_top1` or `answer_kl` (its fidelity to the full cache's answer, which does not hang on the
+model answering right) or a continuation row's `kl`; rows without the field are left out. A KL is in nats and lower
+is closer to the full cache: there a negative B - A favours B.
 Prints a Markdown table; `--json` writes the rows too. `--also DIR` adds the rows of another sweep of the same
 examples (model, length, seed), its presses named `press@DIR's name`: a query-aware sweep against a query-agnostic
 one, `--also eval/results/sweep-recall-query-aware-qwen2.5-0.5b --pair recall:inner=snapkv
@@ -23,33 +26,35 @@ from pathlib import Path
 
 from kvpress.eval.sweep import current_rows
 
+METRICS = ("score", "answer_top1", "answer_kl", "kl")  # row fields a pair can be compared on (`sweep.py`)
 
-def paired_rows(rows: list[dict], base: str, variant: str) -> list[dict]:
+
+def paired_rows(rows: list[dict], base: str, variant: str, metric: str = "score") -> list[dict]:
     """One row per (task, ratio) and per ratio over all tasks ("all"): n, mean A, mean B, mean B - A and its
-    95% interval, for the examples both `base` and `variant` answered. The full cache ("none", measured at r = 0
-    only) pairs at every ratio of the other press."""
+    95% interval of the rows' `metric`, for the examples both `base` and `variant` answered with it. The full cache
+    ("none", measured at r = 0 only) pairs at every ratio of the other press."""
     if "none" in (base, variant):
         ratios = {row["ratio"] for row in rows if row["press"] in (base, variant) and row["press"] != "none"}
         rows = [row for row in rows if row["press"] != "none"] + [
             {**row, "ratio": ratio} for row in rows if row["press"] == "none" for ratio in sorted(ratios)]
     scores: dict[tuple, dict[str, float]] = {}
     for row in rows:
-        if row["press"] in (base, variant):
-            scores.setdefault((row["task"], row["ratio"], row["example"]), {})[row["press"]] = row["score"]
+        if row["press"] in (base, variant) and metric in row:
+            scores.setdefault((row["task"], row["ratio"], row["example"]), {})[row["press"]] = row[metric]
     cells: dict[tuple, list[tuple[float, float]]] = {}
     for (task, ratio, _), pair in sorted(scores.items()):
         if base in pair and variant in pair:
             cells.setdefault((task, ratio), []).append((pair[base], pair[variant]))
             cells.setdefault(("all", ratio), []).append((pair[base], pair[variant]))
-    return [_stats(task, ratio, pairs, base, variant) for (task, ratio), pairs in sorted(cells.items())]
+    return [_stats(task, ratio, pairs, base, variant, metric) for (task, ratio), pairs in sorted(cells.items())]
 
 
-def _stats(task: str, ratio: float, pairs: list[tuple[float, float]], base: str, variant: str) -> dict:
+def _stats(task: str, ratio: float, pairs: list[tuple[float, float]], base: str, variant: str, metric: str) -> dict:
     diffs = [b - a for a, b in pairs]
     n = len(diffs)
     half = 1.96 * statistics.stdev(diffs) / math.sqrt(n) if n > 1 else float("nan")
     mean = statistics.fmean(diffs)
-    return {"base": base, "variant": variant, "task": task, "ratio": ratio, "n": n,
+    return {"base": base, "variant": variant, "metric": metric, "task": task, "ratio": ratio, "n": n,
             "changed": sum(d != 0 for d in diffs),
             "base_score": statistics.fmean(a for a, _ in pairs),
             "variant_score": statistics.fmean(b for _, b in pairs),
@@ -57,8 +62,9 @@ def _stats(task: str, ratio: float, pairs: list[tuple[float, float]], base: str,
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| A | B | task | r | n | A | B | B - A (95% interval) | scores changed |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    metric = rows[0].get("metric", "score") if rows else "score"
+    lines = [f"| A | B | task | r | n | A: {metric} | B: {metric} | B - A (95% interval) | {metric} changed |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         interval = f"{r['difference']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}]"
         lines.append(f"| {r['base']} | {r['variant']} | {r['task']} | {r['ratio']} | {r['n']} | "
@@ -74,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a press and its variant, named as the sweep wrote them (repeatable)")
     parser.add_argument("--also", action="append", default=[], metavar="DIR",
                         help="another sweep of the same examples, its presses named press@DIR (repeatable)")
+    parser.add_argument("--metric", choices=METRICS, default="score",
+                        help="what is paired: the score (default), or an answer row's fidelity to the full cache's "
+                             "answer (answer_top1, answer_kl), or a continuation row's kl")  # fmt: skip
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     rows = list(current_rows(Path(args.out)).values())
@@ -88,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = []
     for base, variant in args.pair:
-        found = paired_rows(rows, base, variant)
+        found = paired_rows(rows, base, variant, args.metric)
         if not found:
-            print(f"kvpress paired: no example of {args.out} has both {base!r} and {variant!r}", file=sys.stderr)
+            print(f"kvpress paired: no example of {args.out} has both {base!r} and {variant!r} with {args.metric}",
+                  file=sys.stderr)  # fmt: skip
             return 2
         result += found
     print(table(result))

@@ -12,12 +12,17 @@ an interrupted sweep resumes where it stopped), `summary.json` / `summary.csv` (
 retention against the full cache, kept KV bytes and empty answers per task, press, ratio), `table.md`, `plot.png`
 (score vs kept KV memory per press) and, with several tasks, `heatmap.png` (retention per press and task,
 one panel per ratio); `--replot` redraws both from a finished sweep's rows (`plots.py`).
-A score is the task's: mostly the fraction of expected strings in the answer (see `eval/tasks/`). An
-answer row records its budget (`answer_tokens`, the task's `ANSWER_TOKENS`) and whether that budget cut
-it (`cut`); when a task's budget changes, a resumed sweep (or `--refresh`, which re-measures every such
-row in the directory and nothing else) answers again only where the new budget could change the row
-(`is_final`); the old row is dropped once its new one is written. A resumed sweep refuses a directory
-measured with another model, length, seed or mode.
+A score is the task's: mostly the fraction of expected strings in the answer (see `eval/tasks/`). An answer row
+records its budget (`answer_tokens`, the task's `ANSWER_TOKENS`), whether that budget cut it (`cut`), and the
+answer's fidelity: the full cache's answer is fed after the prompt tokens the cache does not hold (the question)
+over each configuration's cache, nothing more evicted, and `answer_top1` / `answer_kl` are the top-1 agreement and
+mean KL(full || compressed) of the next-token distributions where they predict its tokens (`answer_positions` of
+them), a measure of what a press changes that does not hang on the model answering right (`paired.py --metric`;
+the summary averages both over a cell whose every row has them: not a press that recalls evicted tokens, nor rows
+written before the fields were, which a resumed sweep keeps). When a task's budget changes, a resumed sweep (or
+`--refresh`, which re-measures every such row in the directory and nothing else) answers again only where the new
+budget could change the row (`is_final`); the old row is dropped once its new one is written. A resumed sweep
+refuses a directory measured with another model, length, seed or mode.
 
 Perplexity tasks cannot share a prefill: each token is predicted from the cache compressed so far.
 They run one live chunked pass per (document, configuration) (`tasks/perplexity.py`); a row records
@@ -71,6 +76,7 @@ from kvpress.eval.tasks import (
 )
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import PACKAGED_MODELS, cache_dir
+from kvpress.patches.cache import scratch
 from kvpress.pipeline import answer_ids_from_cache, check_chunk_size, prefill_context, split_prompt
 from kvpress.presses import parse_press_spec, resolve_default, spec_before_loading
 from kvpress.recording import compress_recording, record_prefill
@@ -384,7 +390,12 @@ def append_row(path: Path, row: dict) -> None:
 def answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_aware: bool, progress: bool,
                 chunk: int | None = None):  # fmt: skip
     """One recorded prefill of the example's context, then one row per configuration in `todo` (with `chunk`, a
-    press that evicts as tokens are cached prefills live instead: `_compressed`)."""
+    press that evicts as tokens are cached prefills live instead: `_compressed`). Each row also holds the answer's
+    fidelity: the full cache's answer is fed after the prompt tokens the cache does not hold (the question; with
+    `query_aware`, the prompt's last token) over the configuration's cache, nothing more evicted, and `answer_top1` /
+    `answer_kl` are the top-1 agreement and mean KL(full || compressed) of the next-token distributions at the
+    positions that predict its tokens. A press that recalls evicted tokens (`recalls`) has no such fields: fed the
+    answer at once it would recall by the answer's own queries, not as it does while it generates."""
     from tqdm.auto import tqdm
 
     ctx, question = split_prompt(tokenizer, example.context, example.question, chat_template=False)
@@ -396,18 +407,48 @@ def answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_aware
     else:
         recording = record_prefill(model, ctx.to(model.device), keep_hidden=hidden)
     full_bytes = kvpress.cache_bytes(recording.cache)
+    full_answer = _reference_answer(model, tokenizer, ids, recording, answer_tokens)
+    tail = ids.shape[1] - recording.ids.shape[1]  # the prompt tokens the recorded cache does not hold
+    fed = torch.cat([ids[:, -tail:], full_answer[None, :-1]], dim=-1)  # the last one predicts nothing asked for
+    reference = fed_logp(model, tokenizer, None, recording.cache, fed)[tail - 1 :]
     for name, ratio in tqdm(todo, desc="configurations", leave=False, disable=not progress):
         reset_cuda_peak()
         press = None if name == "none" else kvpress.press_from_name(name, compression_ratio=ratio)
         cache, chunked = _compressed(model, tokenizer, recording, press, chunk)
         kept = kvpress.cache_bytes(cache)
+        fidelity = {}
+        if press is None or not press.recalls:
+            top1, kl = agreement(reference, fed_logp(model, tokenizer, press, cache, fed)[tail - 1 :])
+            fidelity = {"answer_top1": top1, "answer_kl": kl, "answer_positions": reference.shape[0]}
         working = copy.deepcopy(cache) if press is None else cache
         new = answer_ids_from_cache(model, tokenizer, ids, working, press, answer_tokens)
         text = tokenizer.decode(new, skip_special_tokens=True).strip()
         stored = {"offloaded_bytes": kvpress.offloaded_bytes(cache)} if kvpress.offloaded_bytes(cache) else {}
         yield {"press": name, "ratio": ratio, "score": example.score(text), "kept_bytes": kept,
                "full_bytes": full_bytes, "answer": text, "answer_tokens": answer_tokens,
-               "cut": _cut(new, answer_tokens, model), **stored, **chunked, **peak_memory()}  # fmt: skip
+               "cut": _cut(new, answer_tokens, model), **fidelity, **stored, **chunked, **peak_memory()}  # fmt: skip
+
+
+def _reference_answer(model, tokenizer, ids: torch.Tensor, recording, answer_tokens: int) -> torch.Tensor:
+    """The full cache's answer to `ids` (token ids `[k]`), what each row's fidelity is measured along; generated
+    apart from the rows' answers (`answer_ids_from_cache` here is called once per row)."""
+    return kvpress.pipeline.answer_ids_from_cache(model, tokenizer, ids, copy.deepcopy(recording.cache), None,
+                                                  answer_tokens)  # fmt: skip
+
+
+@torch.no_grad()
+def fed_logp(model, tokenizer, press, cache: DynamicCache, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token log-probabilities `[n, vocab]` (float32) at each of the `n` tokens of `ids` (`[1, n]`) fed over
+    `cache` with `press` installed and nothing evicted (None: no press); `cache` is left as it was (`scratch`)."""
+    installation = maybe_installed(press, model, tokenizer)
+    with installation as installed, installed.frozen() if installed else contextlib.nullcontext(), scratch(cache):
+        return model(ids, cache=cache, use_cache=True).logits[0].float().log_softmax(-1)
+
+
+def agreement(reference: torch.Tensor, logp: torch.Tensor) -> tuple[float, float]:
+    """Top-1 agreement and mean KL(reference || logp), in nats, of two `[n, vocab]` log-probability rows."""
+    kl = (reference.exp() * (reference - logp)).sum(-1)
+    return float((logp.argmax(-1) == reference.argmax(-1)).float().mean()), float(kl.mean())
 
 
 def _compressed(model, tokenizer, recording, press, chunk: int | None) -> tuple[DynamicCache, dict]:
@@ -435,19 +476,14 @@ def continuation_rows(model, tokenizer, example: Continuation, todo, progress: b
                  if name != "none")  # fmt: skip
     recording = record_prefill(model, ctx, keep_hidden=hidden)
     full_bytes = kvpress.cache_bytes(recording.cache)
-    reference = model(following, cache=copy.deepcopy(recording.cache), use_cache=True).logits[0].float().log_softmax(-1)
+    reference = fed_logp(model, tokenizer, None, recording.cache, following)
     for name, ratio in tqdm(todo, desc="configurations", leave=False, disable=not progress):
         reset_cuda_peak()
         press = None if name == "none" else kvpress.press_from_name(name, compression_ratio=ratio)
         cache, chunked = _compressed(model, tokenizer, recording, press, chunk)
-        cache = copy.deepcopy(cache) if press is None else cache
         kept = kvpress.cache_bytes(cache)
-        installation = maybe_installed(press, model, tokenizer)
-        with installation as installed, installed.frozen() if installed else contextlib.nullcontext():
-            logp = model(following, cache=cache, use_cache=True).logits[0].float().log_softmax(-1)
-        kl = (reference.exp() * (reference - logp)).sum(-1)
-        agree = (logp.argmax(-1) == reference.argmax(-1)).float()
-        yield {"press": name, "ratio": ratio, "score": float(agree.mean()), "kl": float(kl.mean()),
+        top1, kl = agreement(reference, fed_logp(model, tokenizer, press, cache, following))
+        yield {"press": name, "ratio": ratio, "score": top1, "kl": kl,
                "tokens": following.shape[1], "kept_bytes": kept, "full_bytes": full_bytes, **chunked,
                **peak_memory()}  # fmt: skip
 
@@ -502,6 +538,7 @@ def write_summary(out: Path) -> list[dict]:
             "low": None if low is None else round(low, 4), "high": None if high is None else round(high, 4),
             "ppl": round(1 / score, 4) if "nll_sum" in members[0] else None,
             "kl": round(sum(m["kl"] for m in members) / len(members), 5) if "kl" in members[0] else None,
+            **{field: _mean_of(members, field) for field in ("answer_top1", "answer_kl")},
             "retention": round(score / full_score, 4) if full_score else None,
             "empty": sum(not m["answer"].strip() for m in members) if "answer" in members[0] else None,
             "kept_bytes_ratio": round(sum(m["kept_bytes"] / m["full_bytes"] for m in members) / len(members), 4),
@@ -515,6 +552,11 @@ def write_summary(out: Path) -> list[dict]:
     (out / "table.md").write_text(_table(summary))
     plot_sweep(summary, rows, out)
     return summary
+
+
+def _mean_of(rows: list[dict], field: str) -> float | None:
+    """The mean of `field` over `rows`, None unless every row has it (rows measured before it was recorded)."""
+    return round(sum(r[field] for r in rows) / len(rows), 5) if all(field in r for r in rows) else None
 
 
 def _score(rows: list[dict]) -> float:

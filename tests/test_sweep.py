@@ -453,6 +453,74 @@ def test_continuation_compares_next_token_distributions_with_the_full_cache(toke
     assert 0 < rows["kvzip"]["kl"] and {s["press"]: s["kl"] for s in summary}["kvzip"] == round(rows["kvzip"]["kl"], 5)
 
 
+@pytest.mark.parametrize("query_aware", [False, True])
+def test_answer_rows_measure_fidelity_to_the_full_cache_answer(tokenized, tmp_path, query_aware):
+    """Each answer row holds the top-1 agreement and KL(full || compressed) over the positions that predict the full
+    cache's answer, fed after the prompt tokens the cache does not hold over the configuration's cache, frozen; that
+    forward leaves the cache as it was (dense and head-wise), so the answer is still the one generated from the
+    compressed cache. The full cache agrees with itself; a press that recalls evicted tokens has no such fields."""
+    import torch.nn.functional as F
+
+    from kvpress.eval.sweep import append_row, write_summary
+    from kvpress.eval.tasks import ANSWER_TOKENS, task_examples
+    from kvpress.pipeline import answer_ids_from_cache, split_prompt
+
+    model, tokenizer = tokenized
+    names = ["snapkv:window_size=8", "adakv:window_size=8", "recall:inner=snapkv"]
+    summary = run_sweep(model, tokenizer, names, [0.5], ["needle_noise"], tmp_path, examples=1, length=128,
+                        query_aware=query_aware, progress=False)  # fmt: skip
+    rows = {r["press"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    example = task_examples("needle_noise", tokenizer, 1, 128, seed=0)[0]
+    ctx, question = split_prompt(tokenizer, example.context, example.question, chat_template=False)
+    ids = torch.cat([ctx, question], dim=-1)
+    held = ids.shape[1] - 1 if query_aware else ctx.shape[1]
+    recording = record_prefill(model, ids[:, :held], next_ids=ids[:, held:] if query_aware else None)
+    budget = ANSWER_TOKENS["needle_noise"]
+    full = answer_ids_from_cache(model, tokenizer, ids, copy.deepcopy(recording.cache), None, budget)
+    fed = torch.cat([ids[:, held:], full[None, :-1]], dim=-1)
+    start = ids.shape[1] - held - 1  # the last prompt token predicts the answer's first
+    reference = model(fed, cache=copy.deepcopy(recording.cache)).logits[0, start:].log_softmax(-1)
+    for name in names[:2]:
+        press = kvpress.press_from_name(name, compression_ratio=0.5)
+        with press(model) as installed, installed.frozen():
+            pressed = model(fed, cache=compress_recording(model, recording, press)).logits[0, start:].log_softmax(-1)
+        row = rows[name]
+        assert row["answer_positions"] == rows["none"]["answer_positions"] == full.numel() == pressed.shape[0]
+        kl = float(F.kl_div(pressed, reference, log_target=True, reduction="sum")) / full.numel()
+        assert row["answer_kl"] == pytest.approx(kl, rel=1e-4) and kl > 0
+        assert row["answer_top1"] == float((pressed.argmax(-1) == reference.argmax(-1)).float().mean()) < 1
+        answered = answer_ids_from_cache(model, tokenizer, ids, compress_recording(model, recording, press), press,
+                                         budget)  # fmt: skip
+        assert row["answer"] == tokenizer.decode(answered, skip_special_tokens=True).strip()
+    assert rows["none"]["answer_top1"] == 1.0 and rows["none"]["answer_kl"] == 0.0
+    assert rows["none"]["answer"] == tokenizer.decode(full, skip_special_tokens=True).strip()
+    assert not {"answer_top1", "answer_kl", "answer_positions"} & set(rows["recall:inner=snapkv"])
+    cells = {s["press"]: s for s in summary}
+    assert cells["recall:inner=snapkv"]["answer_top1"] is None
+    row = rows[names[0]]
+    assert (cells[names[0]]["answer_top1"], cells[names[0]]["answer_kl"]) == (round(row["answer_top1"], 5),
+                                                                              round(row["answer_kl"], 5))
+    older = {key: value for key, value in row.items() if key != "answer_top1"}  # measured before the field was
+    append_row(tmp_path / "results.jsonl", {**older, "example": 1})
+    assert {s["press"]: s for s in write_summary(tmp_path)}[names[0]]["answer_top1"] is None  # no mean over the cell
+
+
+def test_paired_metric_pairs_another_field_and_skips_rows_without_it(tmp_path, capsys):
+    from kvpress.eval.paired import main as paired_main
+
+    rows = [{"task": "t", "ratio": 0.5, "example": i, "press": p, "score": 0.0, "answer_top1": t}
+            for i, p, t in [(0, "a", 1.0), (0, "b", 0.5), (1, "a", 1.0), (1, "b", 0.75)]]  # fmt: skip
+    rows.append({"task": "t", "ratio": 0.5, "example": 2, "press": "a", "score": 0.0})
+    rows.append({"task": "t", "ratio": 0.5, "example": 2, "press": "b", "score": 1.0})  # measured before the field
+    cell = paired_rows(rows, "a", "b", "answer_top1")[1]
+    assert (cell["n"], cell["difference"], cell["metric"]) == (2, -0.375, "answer_top1")
+    assert paired_rows(rows, "a", "b")[1]["difference"] == pytest.approx(1 / 3)
+    (tmp_path / "settings.json").write_text(json.dumps({"model": "m", "length": 64, "seed": 0}))
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert paired_main(["--out", str(tmp_path), "--pair", "a", "b", "--metric", "answer_kl"]) == 2
+    assert "with answer_kl" in capsys.readouterr().err
+
+
 def test_ranking_puts_the_best_worst_cell_first_and_leaves_out_tasks_at_chance():
     from kvpress.eval.ranking import ranking, table
 
