@@ -537,8 +537,7 @@ def write_summary(out: Path) -> list[dict]:
             "task": task, "press": press, "ratio": ratio, "examples": len(members), "score": round(score, 4),
             "low": None if low is None else round(low, 4), "high": None if high is None else round(high, 4),
             "ppl": round(1 / score, 4) if "nll_sum" in members[0] else None,
-            "kl": round(sum(m["kl"] for m in members) / len(members), 5) if "kl" in members[0] else None,
-            **{field: _mean_of(members, field) for field in ("answer_top1", "answer_kl")},
+            **{field: _mean_of(members, field) for field in ("kl", "answer_top1", "answer_kl")},
             "retention": round(score / full_score, 4) if full_score else None,
             "empty": sum(not m["answer"].strip() for m in members) if "answer" in members[0] else None,
             "kept_bytes_ratio": round(sum(m["kept_bytes"] / m["full_bytes"] for m in members) / len(members), 4),
@@ -555,7 +554,8 @@ def write_summary(out: Path) -> list[dict]:
 
 
 def _mean_of(rows: list[dict], field: str) -> float | None:
-    """The mean of `field` over `rows`, None unless every row has it (rows measured before it was recorded)."""
+    """The mean of `field` over `rows`, None unless every row has it (another kind of row, or one measured before
+    the field was recorded)."""
     return round(sum(r[field] for r in rows) / len(rows), 5) if all(field in r for r in rows) else None
 
 
