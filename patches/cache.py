@@ -239,9 +239,11 @@ class PressedLayer(DynamicLayer):
     def rewind_point(self) -> dict:
         """What `rewind` needs to drop every slot appended from now on: a copy of the small state (slots held,
         counters, flags, per-row totals); keys, values and per-slot tensors are not copied, but where a recalling
-        press may exchange held slots in place (`offloaded`: its store, shared, not copied) the held ones are."""
+        press may exchange held slots in place (`offloaded`: its store, not copied) the held ones are, and the store
+        is marked (`rewind` forgets the spans stored since and puts back whether a question has read them)."""
         point = copy.deepcopy({name: v for name, v in vars(self).items()
                                if name not in ("keys", "values", "slots", "offloaded")})  # fmt: skip
+        point["store"] = None if self.offloaded is None else self.offloaded.rewind_point()
         if self.offloaded is not None:
             point["held"] = self.copy_slots(torch.ones(self.n, dtype=torch.bool, device=self.keys.device))
         return point
@@ -251,7 +253,11 @@ class PressedLayer(DynamicLayer):
         first `n` are exactly those held then (or their copies, where slots may have been exchanged); they move
         to tensors of their own (the rest is freed)."""
         point = dict(point)
-        held = point.pop("held", None)
+        held, store = point.pop("held", None), point.pop("store", None)
+        if store is None:
+            self.offloaded = None  # a store begun since is forgotten with its spans
+        else:
+            self.offloaded.rewind(store)
         n = point["n"]
         if held is not None:
             self.keys, self.values = held["keys"].clone(), held["values"].clone()
@@ -697,16 +703,20 @@ class Scratch:
     layer (a sliding window, which also drops what leaves the window: bounded) is restored from a copy taken on entry.
     `release(idx)` puts layer `idx` back at once: a pass fed in one forward needs a layer's own tokens only in that
     layer's attention, so releasing each right after it holds one layer's pass at a time, not every layer's (a layer
-    released before a forward raised is put back again on exit: the intercept marks every layer of a torn cache)."""
+    released before a forward raised is put back again on exit: the intercept marks every layer of a torn cache).
+    The layer objects themselves are put back too: a press installed inside adopts a plain layer into one of its own
+    (`DynamicLayer` -> `PressedLayer`), and that one leaves with what it held."""
 
     def __init__(self, cache: Cache) -> None:
         self.cache = cache
+        self._layers: list = []
         self._points: dict[int, dict | object] = {}
         self._released: dict[int, dict | object] = {}
 
     def __enter__(self) -> Scratch:
+        self._layers = list(self.cache.layers)
         self._points = {idx: layer.rewind_point() if _appends_only(layer) else _detached_copy(layer)
-                        for idx, layer in enumerate(self.cache.layers)}  # fmt: skip
+                        for idx, layer in enumerate(self._layers)}  # fmt: skip
         self._released = {}
         return self
 
@@ -717,17 +727,19 @@ class Scratch:
             self._put_back(idx, self._released[idx])
 
     def _put_back(self, idx: int, point: dict | object) -> None:
-        layer = self.cache.layers[idx]
+        layer = self._layers[idx]
         if isinstance(point, dict):
             layer.rewind(point)
         else:
             vars(layer).clear()
             vars(layer).update(vars(point))
+        self.cache.layers[idx] = layer
 
     def __exit__(self, exc_type, *exc) -> None:
         # a forward that raised marks every layer of a cache left uneven as torn, those released before it too
         for idx, point in [*self._points.items(), *(self._released.items() if exc_type is not None else ())]:
             self._put_back(idx, point)
+        del self.cache.layers[len(self._layers) :]  # a cache that grows its layers as they come (no config)
         self._points = self._released = {}
 
 

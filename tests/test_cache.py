@@ -232,3 +232,25 @@ def test_a_press_evicting_every_few_steps_copies_the_layer_once_an_eviction():
         assert layer.keys.shape[-2] <= budget + max(SPARE_MIN, budget * SPARE) + 1
     assert torch.equal(layer.keys[:, :, : layer.n], keys[:, :, 600 - layer.n :])
     assert evictions >= 30 and growths <= 4  # the room ramps up over the first evictions (each grew twice before)
+
+
+@pytest.mark.parametrize("with_config", [True, False])
+def test_scratch_puts_back_a_plain_cache_that_a_press_adopted_inside(with_config):
+    from kvpress.patches.cache import scratch
+
+    model = tiny_model("llama")
+    new = lambda: DynamicCache(config=model.config) if with_config else DynamicCache()  # noqa: E731
+    cache, reference = new(), new()
+    model(prompt(1, 20), cache=cache)
+    model(prompt(1, 20), cache=reference)
+    layers = list(cache.layers)
+    with scratch(cache), SnapKVPress(0.5)(model):
+        model(prompt(1, 25)[:, 20:], cache=cache)
+        assert all(isinstance(layer, PressedLayer) for layer in cache.layers)  # adopted by the press
+    assert all(a is b for a, b in zip(cache.layers, layers, strict=True)) and cache.get_seq_length() == 20
+    torch.testing.assert_close(model(prompt(1, 25)[:, 20:], cache=cache).logits,
+                               model(prompt(1, 25)[:, 20:], cache=reference).logits)  # fmt: skip
+    empty = new()
+    with scratch(empty), SnapKVPress(0.5)(model):
+        model(prompt(1, 20), cache=empty)
+    assert empty.get_seq_length() == 0 and not any(isinstance(layer, PressedLayer) for layer in empty.layers)

@@ -99,7 +99,7 @@ def test_decoding_recalls_every_few_tokens_and_keeps_the_budget():
         model(prompt(2, 30), attention_mask=padded, cache=DynamicCache(config=model.config))
 
 
-def test_scratch_puts_exchanged_slots_back_and_a_two_token_question_recalls():
+def test_scratch_puts_exchanged_slots_and_the_store_back_and_a_two_token_question_recalls():
     from kvpress.patches.cache import scratch
 
     model = tiny_model("llama")
@@ -113,6 +113,20 @@ def test_scratch_puts_exchanged_slots_back_and_a_two_token_question_recalls():
     assert any(moved)
     for layer, (pos, keys) in zip(cache.layers, before, strict=True):
         assert torch.equal(layer.pos[..., : layer.n], pos) and torch.equal(layer.keys[..., : layer.n, :], keys)
+    with scratch(cache), press(model) as installed, installed.frozen():  # the store is unread again: one token recalls
+        model(prompt(1, 61)[:, 60:], cache=cache)
+        assert any(set(layer.pos[0, 0, : layer.n].tolist()) - set(pos[0, 0].tolist()) - {60}
+                   for layer, (pos, _) in zip(cache.layers, before, strict=True))  # fmt: skip
+    stored = offloaded_bytes(cache)
+    with scratch(cache), press(model):  # read as a prompt: its tokens go to the store, and leave it with the scratch
+        model(prompt(1, 70)[:, 60:], cache=cache)
+        assert offloaded_bytes(cache) > stored
+    assert offloaded_bytes(cache) == stored
+    plain = _compressed(model, SnapKVPress(0.5), prompt(1, 60))
+    with scratch(plain), press(model):  # a store begun inside the scratch goes with it
+        model(prompt(1, 70)[:, 60:], cache=plain)
+        assert offloaded_bytes(plain) > 0
+    assert offloaded_bytes(plain) == 0 and all(layer.offloaded is None for layer in plain.layers)
 
 
 def test_it_cannot_be_wrapped_and_its_store_does_not_outlive_the_prompt():

@@ -155,6 +155,15 @@ class SpanStore(RoundStore):
 
     unread: bool = False
 
+    def rewind_point(self) -> tuple[frozenset, bool]:
+        """What `rewind` needs to forget every span stored from now on and whether a question has read them."""
+        return frozenset(self._rounds), self.unread
+
+    def rewind(self, point: tuple[frozenset, bool]) -> None:
+        """Drop the spans stored since `rewind_point` gave `point` and put its `unread` back (`scratch`)."""
+        kept, self.unread = point
+        self._rounds = {key: slots for key, slots in self._rounds.items() if key in kept}
+
 
 def _attention_over(obs: Observation, keys: torch.Tensor) -> torch.Tensor:
     """`[B, Hkv, N]` the softmax attention of `obs`'s new queries over `keys` `[B, Hkv, N, D]` (a context before
