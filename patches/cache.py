@@ -243,7 +243,7 @@ class PressedLayer(DynamicLayer):
         is marked (`rewind` forgets the spans stored since and puts back whether a question has read them)."""
         point = copy.deepcopy({name: v for name, v in vars(self).items()
                                if name not in ("keys", "values", "slots", "offloaded")})  # fmt: skip
-        point["store"] = None if self.offloaded is None else self.offloaded.rewind_point()
+        point["store"] = None if self.offloaded is None else (self.offloaded, self.offloaded.rewind_point())
         if self.offloaded is not None:
             point["held"] = self.copy_slots(torch.ones(self.n, dtype=torch.bool, device=self.keys.device))
         return point
@@ -254,10 +254,9 @@ class PressedLayer(DynamicLayer):
         to tensors of their own (the rest is freed)."""
         point = dict(point)
         held, store = point.pop("held", None), point.pop("store", None)
-        if store is None:
-            self.offloaded = None  # a store begun since is forgotten with its spans
-        else:
-            self.offloaded.rewind(store)
+        self.offloaded = None if store is None else store[0]  # a store begun since is forgotten with its spans
+        if store is not None:
+            store[0].rewind(store[1])
         n = point["n"]
         if held is not None:
             self.keys, self.values = held["keys"].clone(), held["values"].clone()
@@ -699,8 +698,9 @@ def draft_view(cache: DynamicCache, skip: set[int]) -> DynamicCache:
 
 class Scratch:
     """Forwards inside append to `cache`; on exit every layer is put back as it was, also when one raises. A layer of
-    full attention (`PressedLayer`, `HeadwiseLayer`) drops what was appended (no copy of what it holds); any other
-    layer (a sliding window, which also drops what leaves the window: bounded) is restored from a copy taken on entry.
+    full attention (`PressedLayer`, `HeadwiseLayer`) drops what was appended (no copy of what it holds), so nothing
+    may evict from it inside (a press installed there is frozen or only observes); any other layer (a sliding
+    window, which also drops what leaves the window: bounded) is restored from a copy taken on entry.
     `release(idx)` puts layer `idx` back at once: a pass fed in one forward needs a layer's own tokens only in that
     layer's attention, so releasing each right after it holds one layer's pass at a time, not every layer's (a layer
     released before a forward raised is put back again on exit: the intercept marks every layer of a torn cache).
@@ -739,6 +739,8 @@ class Scratch:
         # a forward that raised marks every layer of a cache left uneven as torn, those released before it too
         for idx, point in [*self._points.items(), *(self._released.items() if exc_type is not None else ())]:
             self._put_back(idx, point)
+        for idx in self._released:  # a layer released stays the one put back
+            self.cache.layers[idx] = self._layers[idx]
         del self.cache.layers[len(self._layers) :]  # a cache that grows its layers as they come (no config)
         self._points = self._released = {}
 

@@ -236,7 +236,7 @@ def test_a_press_evicting_every_few_steps_copies_the_layer_once_an_eviction():
 
 @pytest.mark.parametrize("with_config", [True, False])
 def test_scratch_puts_back_a_plain_cache_that_a_press_adopted_inside(with_config):
-    from kvpress.patches.cache import scratch
+    from kvpress.patches.cache import Scratch, scratch
 
     model = tiny_model("llama")
     new = lambda: DynamicCache(config=model.config) if with_config else DynamicCache()  # noqa: E731
@@ -254,3 +254,8 @@ def test_scratch_puts_back_a_plain_cache_that_a_press_adopted_inside(with_config
     with scratch(empty), SnapKVPress(0.5)(model):
         model(prompt(1, 20), cache=empty)
     assert empty.get_seq_length() == 0 and not any(isinstance(layer, PressedLayer) for layer in empty.layers)
+    with Scratch(cache) as pass_:  # a layer released mid-pass and replaced afterwards is the one put back on exit
+        model(prompt(1, 25)[:, 20:], cache=cache)
+        pass_.release(0)
+        cache.layers[0] = PressedLayer()
+    assert all(a is b for a, b in zip(cache.layers, layers, strict=True)) and cache.get_seq_length() == 25

@@ -123,10 +123,13 @@ def test_scratch_puts_exchanged_slots_and_the_store_back_and_a_two_token_questio
         assert offloaded_bytes(cache) > stored
     assert offloaded_bytes(cache) == stored
     plain = _compressed(model, SnapKVPress(0.5), prompt(1, 60))
-    with scratch(plain), press(model):  # a store begun inside the scratch goes with it
+    held = [(layer.pos[..., : layer.n].clone(), layer.keys[..., : layer.n, :].clone()) for layer in plain.layers]
+    with scratch(plain), RecallPress(SnapKVPress(0.0))(model):  # a store begun inside goes with it (nothing evicted)
         model(prompt(1, 70)[:, 60:], cache=plain)
         assert offloaded_bytes(plain) > 0
     assert offloaded_bytes(plain) == 0 and all(layer.offloaded is None for layer in plain.layers)
+    for layer, (pos, keys) in zip(plain.layers, held, strict=True):
+        assert torch.equal(layer.pos[..., : layer.n], pos) and torch.equal(layer.keys[..., : layer.n, :], keys)
 
 
 def test_it_cannot_be_wrapped_and_its_store_does_not_outlive_the_prompt():
