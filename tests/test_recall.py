@@ -118,10 +118,12 @@ def test_scratch_puts_exchanged_slots_and_the_store_back_and_a_two_token_questio
         assert any(set(layer.pos[0, 0, : layer.n].tolist()) - set(pos[0, 0].tolist()) - {60}
                    for layer, (pos, _) in zip(cache.layers, before, strict=True))  # fmt: skip
     stored = offloaded_bytes(cache)
-    with scratch(cache), press(model):  # read as a prompt: its tokens go to the store, and leave it with the scratch
-        model(prompt(1, 70)[:, 60:], cache=cache)
+    with scratch(cache), RecallPress(SnapKVPress(0.0))(model):  # read as a prompt (nothing evicted): its tokens go
+        model(prompt(1, 70)[:, 60:], cache=cache)  # to the store, and leave it with the scratch
         assert offloaded_bytes(cache) > stored
     assert offloaded_bytes(cache) == stored
+    for layer, (pos, keys) in zip(cache.layers, before, strict=True):
+        assert torch.equal(layer.pos[..., : layer.n], pos) and torch.equal(layer.keys[..., : layer.n, :], keys)
     plain = _compressed(model, SnapKVPress(0.5), prompt(1, 60))
     held = [(layer.pos[..., : layer.n].clone(), layer.keys[..., : layer.n, :].clone()) for layer in plain.layers]
     with scratch(plain), RecallPress(SnapKVPress(0.0))(model):  # a store begun inside goes with it (nothing evicted)
