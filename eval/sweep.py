@@ -418,7 +418,8 @@ def answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_aware
         kept = kvpress.cache_bytes(cache)
         fidelity = {}
         if press is None or not press.recalls:
-            top1, kl = agreement(reference, fed_logp(model, tokenizer, press, cache, fed)[tail - 1 :])
+            logp = reference if press is None else fed_logp(model, tokenizer, press, cache, fed)[tail - 1 :]
+            top1, kl = agreement(reference, logp)
             fidelity = {"answer_top1": top1, "answer_kl": kl, "answer_positions": reference.shape[0]}
         working = copy.deepcopy(cache) if press is None else cache
         new = answer_ids_from_cache(model, tokenizer, ids, working, press, answer_tokens)
@@ -482,7 +483,8 @@ def continuation_rows(model, tokenizer, example: Continuation, todo, progress: b
         press = None if name == "none" else kvpress.press_from_name(name, compression_ratio=ratio)
         cache, chunked = _compressed(model, tokenizer, recording, press, chunk)
         kept = kvpress.cache_bytes(cache)
-        top1, kl = agreement(reference, fed_logp(model, tokenizer, press, cache, following))
+        logp = reference if press is None else fed_logp(model, tokenizer, press, cache, following)
+        top1, kl = agreement(reference, logp)  # the full cache's own: 1 and 0, without feeding it again
         yield {"press": name, "ratio": ratio, "score": top1, "kl": kl,
                "tokens": following.shape[1], "kept_bytes": kept, "full_bytes": full_bytes, **chunked,
                **peak_memory()}  # fmt: skip

@@ -243,8 +243,9 @@ class PressedLayer(DynamicLayer):
         is marked (`rewind` forgets the spans stored since and puts back whether a question has read them)."""
         point = copy.deepcopy({name: v for name, v in vars(self).items()
                                if name not in ("keys", "values", "slots", "offloaded")})  # fmt: skip
-        point["store"] = None if self.offloaded is None else (self.offloaded, self.offloaded.rewind_point())
+        point["store"] = None
         if self.offloaded is not None:
+            point["store"] = (self.offloaded, self.offloaded.rewind_point())
             point["held"] = self.copy_slots(torch.ones(self.n, dtype=torch.bool, device=self.keys.device))
         return point
 
@@ -254,9 +255,10 @@ class PressedLayer(DynamicLayer):
         to tensors of their own (the rest is freed)."""
         point = dict(point)
         held, store = point.pop("held", None), point.pop("store", None)
-        self.offloaded = None if store is None else store[0]  # a store begun since is forgotten with its spans
+        self.offloaded = None  # a store begun since is forgotten with its spans
         if store is not None:
-            store[0].rewind(store[1])
+            self.offloaded, mark = store
+            self.offloaded.rewind(mark)
         n = point["n"]
         if held is not None:
             self.keys, self.values = held["keys"].clone(), held["values"].clone()
