@@ -64,6 +64,22 @@ def test_parameters_after_default_replace_the_defaults_own_and_are_checked_as_th
         _check_press("default:pool", None, None, "/some/directory")
 
 
+def test_a_new_inner_press_after_default_leaves_out_the_old_inners_parameters():
+    """`default:inner=snapkv` over AdaKV(KVzap) is AdaKV(SnapKV) with the default's other parameters: KVzap's own
+    (`scorer`, `whole_words`) are left out, not refused as if the user had given them; a given one is still checked."""
+    from kvpress.presses.defaults import with_default
+
+    kvzap = "adakv:normalize=true:inner=kvzap:n_sink=4:whole_words=true:scorer=smollm2-135m-mass"
+    assert with_default("default:inner=snapkv", kvzap) == "adakv:normalize=true:n_sink=4:inner=snapkv"
+    press = press_from_name(with_default("default:inner=snapkv", kvzap), compression_ratio=0.5)
+    assert isinstance(press.press, kvpress.SnapKVPress) and press.press.n_sink == 4 and press.normalize
+    assert with_default("default:inner=kvzap", kvzap) == kvzap.replace("inner=kvzap:", "") + ":inner=kvzap"
+    with pytest.raises(ValueError, match="whole_words"):
+        press_from_name(with_default("default:inner=snapkv:whole_words=true", kvzap), compression_ratio=0.5)
+    with pytest.raises(ValueError, match="takes no parameter inner"):  # a default that wraps no press
+        press_from_name(with_default("default:inner=snapkv", "kvzap:n_sink=4"), compression_ratio=0.5)
+
+
 def test_the_cli_names_the_press_it_resolved(tmp_path, capsys, monkeypatch):
     table = json.loads(_FILE.read_text())
     table["models"]["smollm2-135m"]["press"] = "knorm"

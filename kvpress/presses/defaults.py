@@ -58,12 +58,21 @@ def resolve_default(spec: str, model: nn.Module | None = None) -> str:
 
 def with_default(spec: str, default: str) -> str:
     """`spec` (`default`, then parameters or none) as the press spec `default`, each parameter given after `default`
-    in place of the default's own of that name (`default:n_sink=8` over a default with n_sink=4)."""
+    in place of the default's own of that name (`default:n_sink=8` over a default with n_sink=4). Given `inner`, the
+    default's own parameters that the press with that inner press takes no more (its old inner press's: KVzap's
+    `scorer` under `default:inner=snapkv`) are left out; every parameter given is kept (and checked as usual)."""
     _, sep, rest = spec.partition(":")
     given = rest.split(":") if sep else []  # (an empty one stays, for `parse_press_spec` to refuse)
     names = {pair.partition("=")[0] for pair in given}
     base, *pairs = default.split(":")
-    return ":".join([base, *(pair for pair in pairs if pair.partition("=")[0] not in names), *given])
+    pairs = [pair for pair in pairs if pair.partition("=")[0] not in names]
+    if "inner" in names:
+        from kvpress.presses import parse_press_spec, press_parameters  # (that module imports this one)
+
+        inner = parse_press_spec(":".join([base, *given]))[1]["inner"]
+        taken = press_parameters(base, inner if isinstance(inner, str) else None)
+        pairs = [pair for pair in pairs if pair.partition("=")[0] in taken]
+    return ":".join([base, *pairs, *given])
 
 
 def default_before_loading(spec: str, model_name: str | None) -> str | None:
