@@ -67,6 +67,7 @@ class PressedLayer(DynamicLayer):
     _held_rows: list[int] | None = None
     _trimmed = False  # nothing was appended or inserted since the last `trim_window`
     _spare = 0  # the room the next growth leaves (see `SPARE`)
+    rewrites = 0  # times held slots were evicted or rewritten in place (a `Scratch` cannot undo those)
 
     @property
     def is_croppable(self) -> bool:
@@ -124,7 +125,8 @@ class PressedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         if self.pending or self.torn:
             raise RuntimeError(
-                "this cache was left half-updated by a forward that raised; it cannot be continued (start a new cache)"
+                "this cache was left half-updated by a forward that raised (or by `scratch`, which cannot undo an "
+                "eviction inside); it cannot be continued (start a new cache)"
             )
         if not self.driven and self.padded and self.compressed:
             raise RuntimeError(
@@ -421,6 +423,7 @@ class PressedLayer(DynamicLayer):
         self._held_rows = None if held is None else list(held)
         if "valid" in self.slots and self._all_valid(k, held):
             del self.slots["valid"]
+        self.rewrites += 1
         self._count_evicted()
 
     def copy_slots(self, chosen: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -458,6 +461,7 @@ class PressedLayer(DynamicLayer):
         self.slots = {name: t.index_select(2, order) for name, t in merged.items()}
         added = extra["keys"].shape[2]
         self.n += added
+        self.rewrites += 1
         self.shift = self.shift - added
         self._forget_rows()
         self._trimmed = False
@@ -478,6 +482,7 @@ class PressedLayer(DynamicLayer):
             mask = where if t.dim() == 3 else where[..., None]
             view = t[:, :, : self.n]
             view.scatter_(2, idx, torch.where(mask, held[name].to(t.device, t.dtype), view.gather(2, idx)))
+        self.rewrites += 1
         self._forget_rows()
         self._trimmed = False
 
@@ -497,6 +502,7 @@ class PressedLayer(DynamicLayer):
         for t in self.slots.values():
             t.scatter_(2, index[..., None], t[:, :, last : last + 1].clone())
         self.n = last
+        self.rewrites += 1
         self._forget_rows()
         self._count_evicted()
 
@@ -552,6 +558,7 @@ class PressedLayer(DynamicLayer):
         self.keys = quant.encode(keys, self.key_stats, bits)
         self.values = quant.encode(values, None, bits)
         self.kv_bits = bits
+        self.rewrites += 1
 
     def prune_key_channels(self, index: torch.Tensor) -> None:
         """Keep only the key channels `index` `[B, H, d']` (sorted, distinct, per row and KV head) of the held
@@ -569,6 +576,7 @@ class PressedLayer(DynamicLayer):
             raise ValueError(f"key channels to keep must be sorted, distinct and in [0, {d})")
         self.key_channels = index
         self.keys = self._thin(self.keys).contiguous()
+        self.rewrites += 1
 
     def query_channels(self, query: torch.Tensor) -> torch.Tensor:
         """`query` `[B, Hq, q, D]` cut to the key channels each query head's KV head keeps (itself if all kept)."""
@@ -707,19 +715,22 @@ class Scratch:
     layer's attention, so releasing each right after it holds one layer's pass at a time, not every layer's (a layer
     released before a forward raised is put back again on exit: the intercept marks every layer of a torn cache).
     The layer objects themselves are put back too: a press installed inside adopts a plain layer into one of its own
-    (`DynamicLayer` -> `PressedLayer`), and that one leaves with what it held."""
+    (`DynamicLayer` -> `PressedLayer`), and that one leaves with what it held. A full-attention layer that evicted or
+    rewrote held slots inside (`rewrites`; not one whose held slots the rewind point copied, a recalling press's) is
+    put back wrong: it is marked torn (the cache refuses to go on) and the exit raises, naming the layers."""
 
     def __init__(self, cache: Cache) -> None:
         self.cache = cache
         self._layers: list = []
         self._points: dict[int, dict | object] = {}
         self._released: dict[int, dict | object] = {}
+        self._rewritten: list[int] = []
 
     def __enter__(self) -> Scratch:
         self._layers = list(self.cache.layers)
         self._points = {idx: layer.rewind_point() if _appends_only(layer) else _detached_copy(layer)
                         for idx, layer in enumerate(self._layers)}  # fmt: skip
-        self._released = {}
+        self._released, self._rewritten = {}, []
         return self
 
     def release(self, idx: int) -> None:
@@ -731,7 +742,11 @@ class Scratch:
     def _put_back(self, idx: int, point: dict | object) -> None:
         layer = self._layers[idx]
         if isinstance(point, dict):
+            rewritten = "held" not in point and layer.rewrites != point.get("rewrites", 0)
             layer.rewind(point)
+            if rewritten:  # its first slots are no longer those it held on entry
+                layer.torn = True
+                self._rewritten.append(idx)
         else:
             vars(layer).clear()
             vars(layer).update(vars(point))
@@ -745,6 +760,12 @@ class Scratch:
             self.cache.layers[idx] = self._layers[idx]
         del self.cache.layers[len(self._layers) :]  # a cache that grows its layers as they come (no config)
         self._points = self._released = {}
+        if self._rewritten and exc_type is None:
+            raise RuntimeError(
+                f"layers {sorted(set(self._rewritten))} evicted or rewrote held slots inside `scratch`, which can only "
+                "drop what was appended: the cache is no longer what it held and is marked torn (install the press "
+                "frozen inside, `installed.frozen()`, or outside the block)"
+            )
 
 
 @contextmanager

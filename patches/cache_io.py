@@ -23,7 +23,10 @@ def layer_state(layer, prefix: str) -> tuple[dict[str, torch.Tensor], dict]:
     if name not in LAYER_CLASSES:
         raise ValueError(f"a {name} cache layer cannot be saved (kvpress saves {', '.join(LAYER_CLASSES)})")
     if getattr(layer, "pending", 0) or getattr(layer, "torn", False):
-        raise ValueError("this cache was left half-updated by a forward that raised; it cannot be saved")
+        raise ValueError(
+            "this cache was left half-updated by a forward that raised (or by `scratch`, which cannot undo an "
+            "eviction inside); it cannot be saved"
+        )
     tensors, fields = {}, {"class": name, "plain": {}, "tensor": [], "list": {}, "dict": {}, "dict_list": {}}
     state = vars(layer)
     if isinstance(layer, PressedLayer) and layer.keys is not None and layer.keys.dim() == 4:  # its held slots only:

@@ -48,6 +48,7 @@ class HeadwiseLayer(DynamicLayer):
     _starts: torch.Tensor | None = None
     padded: bool | None = None  # a layer saved before this flag existed: not known (its span is read)
     _seen_rows: list[int] | None = None
+    rewrites = 0  # times held slots were evicted or rewritten in place (see `PressedLayer.rewrites`)
 
     UNDECIDED = -2  # a head budget its press decides later (a new prompt, or a context too short yet): keeps all
 
@@ -140,7 +141,8 @@ class HeadwiseLayer(DynamicLayer):
             )
         if self.pending or self.torn:
             raise RuntimeError(
-                "this cache was left half-updated by a forward that raised; it cannot be continued (start a new cache)"
+                "this cache was left half-updated by a forward that raised (or by `scratch`, which cannot undo an "
+                "eviction inside); it cannot be continued (start a new cache)"
             )
         self._new = (key_states, value_states)
         self.pending = key_states.shape[-2]
@@ -227,6 +229,7 @@ class HeadwiseLayer(DynamicLayer):
         self.store["keys"] = torch.cat([quant.encode(k, ks, bits) for (k, _), ks in zip(pairs, stats, strict=True)])
         self.store["values"] = torch.cat([quant.encode(v, None, bits) for _, v in pairs])
         self.kv_bits, self._fresh = bits, None
+        self.rewrites += 1
 
     def slot(self, name: str, row: int, head: int) -> torch.Tensor:
         """The held part of `store[name]` of one (row, KV head): a view of the storage."""
@@ -326,6 +329,7 @@ class HeadwiseLayer(DynamicLayer):
         for name, t in self.store.items():
             t[start : start + k] = self.slot(name, row, head).index_select(0, index)
         self.lengths[i] = k
+        self.rewrites += 1
         self._ends = None
 
     def keep_marked(self, row: int, keep: torch.Tensor) -> None:
@@ -351,6 +355,7 @@ class HeadwiseLayer(DynamicLayer):
             source = torch.tensor(self.bounds[first : first + h], device=keep.device)[head] + slot
             self._move(source, source - shift[head, slot])
         self.lengths[first : first + h] = counts
+        self.rewrites += 1
         self._ends = None
 
     def keep_ends(self, pairs: list[int], first: int, last: int) -> None:
@@ -377,6 +382,7 @@ class HeadwiseLayer(DynamicLayer):
             self._move(index[1], index[0])
         for i in pairs:
             self.lengths[i] = first + last
+        self.rewrites += 1
         self._ends = None
 
     def compact(self) -> None:
@@ -428,7 +434,7 @@ class HeadwiseLayer(DynamicLayer):
         pass, inside `scratch`): each pair's held slots stay the first of its segment, so its count is enough."""
         return {"lengths": list(self.lengths), "seen": self.seen, "real_seen": self.real_seen.clone(),
                 "seen_rows": None if self._seen_rows is None else list(self._seen_rows),
-                "pending": self.pending, "torn": self.torn}  # fmt: skip
+                "pending": self.pending, "torn": self.torn, "rewrites": self.rewrites}  # fmt: skip
 
     def rewind(self, point: dict) -> None:
         """Drop the slots appended since `rewind_point` gave `point` (the room they took is packed away)."""

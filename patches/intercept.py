@@ -254,7 +254,8 @@ class Intercept:
         if _torn(cache):
             raise ValueError(
                 "this cache was left inconsistent by a forward that raised half-way (its layers hold different "
-                "numbers of tokens); it cannot be continued: start a new cache"
+                "numbers of tokens) or by `scratch`, which cannot undo an eviction inside; it cannot be continued: "
+                "start a new cache"
             )
         self.handler.before_forward(cache, args, kwargs)
         call.cache = cache
@@ -508,6 +509,6 @@ def _sized_for_another_layer(mask, key: torch.Tensor) -> bool:
 
 def _torn(cache: DynamicCache) -> bool:
     """Whether a forward that raised left the layers a press drives at different points (some hold its tokens,
-    some do not, or one holds them uncommitted)."""
+    some do not, or one holds them uncommitted), or a layer is marked torn (so is one `scratch` could not rewind)."""
     ours = [layer for layer in cache.layers if isinstance(layer, _DRIVEN)]
     return len({layer.seen for layer in ours}) > 1 or any(layer.pending or layer.torn for layer in ours)

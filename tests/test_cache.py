@@ -259,3 +259,28 @@ def test_scratch_puts_back_a_plain_cache_that_a_press_adopted_inside(with_config
         pass_.release(0)
         cache.layers[0] = PressedLayer()
     assert all(a is b for a, b in zip(cache.layers, layers, strict=True)) and cache.get_seq_length() == 25
+
+
+@pytest.mark.parametrize("head_wise", [False, True])
+def test_scratch_refuses_to_put_back_a_layer_a_press_evicted_from_inside(head_wise):
+    """Rewinding drops what was appended: a press that evicts inside a scratch would leave other tokens in the held
+    slots, so the exit raises, names the layers and marks the cache torn; frozen inside, the same press is fine."""
+    from kvpress import AdaKVPress
+    from kvpress.patches.cache import scratch
+
+    model = tiny_model("llama")
+    make = lambda: AdaKVPress(SnapKVPress(0.5, window_size=4)) if head_wise else SnapKVPress(0.5, window_size=4)  # noqa: E731
+    cache = DynamicCache(config=model.config)
+    with make()(model):
+        model(prompt(1, 40), cache=cache)
+    held = [layer.held().clone() for layer in cache.layers]
+    with make()(model) as installed, installed.frozen(), scratch(cache):
+        model(prompt(1, 70)[:, 40:], cache=cache)
+    assert cache.get_seq_length() == 40
+    assert all(torch.equal(a.held(), b) for a, b in zip(cache.layers, held, strict=True))
+    with pytest.raises(RuntimeError, match=r"layers \[0, 1.*evicted or rewrote held slots inside `scratch`"):
+        with make()(model), scratch(cache):
+            model(prompt(1, 70)[:, 40:], cache=cache)  # 30 more tokens: over the budget, so the press evicts
+    assert all(layer.torn for layer in cache.layers)
+    with pytest.raises(ValueError, match="or by `scratch`, which cannot undo an eviction inside"), make()(model):
+        model(prompt(1, 41)[:, 40:], cache=cache)
