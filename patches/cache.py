@@ -595,6 +595,7 @@ class PressedLayer(DynamicLayer):
         """Record the positions `[B, H, n]` the held keys are now rotated to."""
         self.rotated = True
         self.slots["rot"] = rot.to(torch.int32)
+        self.rewrites += 1
 
     # ----- helpers ----------------------------------------------------------------------------------
     def _forget_rows(self) -> None:
@@ -654,6 +655,7 @@ class PressedLayer(DynamicLayer):
         self._map_all(fn)
         if self.real_seen is not None:
             self.real_seen, self.shift = fn(self.real_seen), fn(self.shift)
+        self.rewrites += 1  # rows reordered, repeated or selected (beam search)
         self._forget_rows()
 
     def _map_all(self, fn) -> None:
@@ -743,8 +745,8 @@ class Scratch:
         layer = self._layers[idx]
         if isinstance(point, dict):
             rewritten = "held" not in point and layer.rewrites != point.get("rewrites", 0)
-            layer.rewind(point)
-            if rewritten:  # its first slots are no longer those it held on entry
+            layer.rewind(point)  # (a PressedLayer's count goes back with the rest: put back twice, it is known here)
+            if rewritten or idx in self._rewritten:  # its first slots are no longer those it held on entry
                 layer.torn = True
                 self._rewritten.append(idx)
         else:

@@ -509,6 +509,7 @@ class HeadwiseLayer(DynamicLayer):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[rows])
         self.batch = len(rows)
+        self.rewrites += 1  # rows reordered, repeated or selected (beam search)
         self.keys = self.keys.new_empty(self.batch, self.heads, 0, self.keys.shape[-1])
         self.values = self.keys
 

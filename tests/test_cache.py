@@ -266,7 +266,7 @@ def test_scratch_refuses_to_put_back_a_layer_a_press_evicted_from_inside(head_wi
     """Rewinding drops what was appended: a press that evicts inside a scratch would leave other tokens in the held
     slots, so the exit raises, names the layers and marks the cache torn; frozen inside, the same press is fine."""
     from kvpress import AdaKVPress
-    from kvpress.patches.cache import scratch
+    from kvpress.patches.cache import Scratch, scratch
 
     model = tiny_model("llama")
     make = lambda: AdaKVPress(SnapKVPress(0.5, window_size=4)) if head_wise else SnapKVPress(0.5, window_size=4)  # noqa: E731
@@ -284,3 +284,11 @@ def test_scratch_refuses_to_put_back_a_layer_a_press_evicted_from_inside(head_wi
     assert all(layer.torn for layer in cache.layers)
     with pytest.raises(ValueError, match="or by `scratch`, which cannot undo an eviction inside"), make()(model):
         model(prompt(1, 41)[:, 40:], cache=cache)
+    cache = DynamicCache(config=model.config)  # released mid-pass, then put back again as an error leaves: still torn
+    with make()(model):
+        model(prompt(1, 40), cache=cache)
+    with pytest.raises(KeyError), make()(model), Scratch(cache) as pass_:
+        model(prompt(1, 70)[:, 40:], cache=cache)
+        pass_.release(0)
+        raise KeyError("a later failure")
+    assert all(layer.torn for layer in cache.layers)
