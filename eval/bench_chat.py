@@ -10,7 +10,9 @@ facts are planted in early rounds and the last turn asks for one of them. Config
   with a token budget equal, per example, to what RoundPolicy holds per layer at the last turn.
 Reported per configuration: accuracy (and its ratio to the full cache), working-cache bytes at the
 last turn and averaged over turns (ratio to the full cache of the same chat; RoundPolicy's host store
-reported separately), tokens fed per turn. Writes `eval/results/chat.json`.
+reported separately), tokens fed per turn, with the accuracy's 95% interval (Wilson) and n. Writes
+`eval/results/chat[-MODEL].json`; each chat's rows go to `<out>.jsonl` as it finishes, and a run with the same
+settings resumes from them (other settings are refused: another file, `--out`).
 
 `--watershed` instead measures, per layer, how often the round-level attention of the question's
 tokens ranks the asked fact's round first (seeds apart from the reported ones): the rule behind
@@ -22,12 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 import kvpress
 from kvpress.engine import Observation, observe
+from kvpress.eval.plots import wilson
 from kvpress.eval.tasks.chat_recall import ChatExample, chat_recall_examples
 from kvpress.patches import model_access
 from kvpress.recording import QueryRecorder
@@ -82,24 +86,50 @@ def configurations(top_k: int) -> dict:
     }
 
 
-def bench(model, tokenizer, examples: list[ChatExample], top_k: int) -> dict:
-    rows: dict[str, list[dict]] = {"full": []}
+def chat_rows(model, tokenizer, example: ChatExample, top_k: int) -> dict[str, dict]:
+    """One chat played through every configuration: its row per configuration name (`run_chat`'s, plus the
+    working bytes as ratios to the full cache's)."""
     configs = configurations(top_k)
+    full = run_chat(model, tokenizer, example, None)
+    rows = {"full": full, "round": run_chat(model, tokenizer, example, configs["round"](None))}
+    budget = max(48, round(rows["round"]["held_per_layer"]))  # equal working bytes at the last turn
+    for name in ("round+snapkv", "sink-window", "recompress-every-turn"):
+        rows[name] = run_chat(model, tokenizer, example, configs[name](budget))
+    for row in rows.values():
+        turns = zip(row["bytes_per_turn"], full["bytes_per_turn"], strict=True)
+        row["bytes_ratio_last"] = row["bytes_last"] / full["bytes_last"]
+        row["bytes_ratio_mean"] = sum(b / f for b, f in turns) / len(full["bytes_per_turn"])
+    return rows
+
+
+def bench(examples: list[ChatExample], play: Callable[[ChatExample], dict[str, dict]], log: Path | None = None,
+          settings: dict | None = None) -> dict:  # fmt: skip
+    """Every example's rows (`play(example)`, e.g. `chat_rows`) and the summary per configuration. With `log`, each
+    example's rows are appended to it as they come (its first line `settings`) and a log of the same settings is
+    resumed from (one of other settings is refused)."""
+    done: dict[int, dict[str, dict]] = {}
+    if log is not None and log.exists() and log.stat().st_size:
+        first, *lines = log.read_text().splitlines()
+        if json.loads(first) != settings:
+            raise ValueError(f"{log} holds a run with other settings ({first}; this one: {json.dumps(settings)}): "
+                             "remove it or choose another --out")  # fmt: skip
+        done = {entry["example"]: entry["rows"] for entry in map(json.loads, lines)}
+    elif log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(json.dumps(settings) + "\n")
+    rows: dict[str, list[dict]] = {}
     for i, example in enumerate(examples):
         start = time.time()
-        full = run_chat(model, tokenizer, example, None)
-        rows["full"].append(full)
-        round_row = run_chat(model, tokenizer, example, configs["round"](None))
-        rows.setdefault("round", []).append(round_row)
-        budget = max(48, round(round_row["held_per_layer"]))  # equal working bytes at the last turn
-        for name in ("round+snapkv", "sink-window", "recompress-every-turn"):
-            rows.setdefault(name, []).append(run_chat(model, tokenizer, example, configs[name](budget)))
-        for r in rows.values():
-            row, turns = r[-1], zip(r[-1]["bytes_per_turn"], full["bytes_per_turn"], strict=True)
-            row["bytes_ratio_last"] = row["bytes_last"] / full["bytes_last"]
-            row["bytes_ratio_mean"] = sum(b / f for b, f in turns) / len(full["bytes_per_turn"])
-        print(f"example {i}: " + ", ".join(f"{n} {r[-1]['score']:.0f}" for n, r in rows.items())
-              + f" ({time.time() - start:.0f} s)", flush=True)  # fmt: skip
+        played = done.get(i)
+        if played is None:
+            played = play(example)
+            if log is not None:
+                with log.open("a") as f:
+                    f.write(json.dumps({"example": i, "rows": played}) + "\n")
+            print(f"example {i}: " + ", ".join(f"{n} {r['score']:.0f}" for n, r in played.items())
+                  + f" ({time.time() - start:.0f} s)", flush=True)  # fmt: skip
+        for name, row in played.items():
+            rows.setdefault(name, []).append(row)
     full_acc = sum(r["score"] for r in rows["full"]) / len(examples)
     summary = {}
     for name, members in rows.items():
@@ -107,6 +137,8 @@ def bench(model, tokenizer, examples: list[ChatExample], top_k: int) -> dict:
         store = [r["store_bytes"] / f["bytes_last"] for r, f in zip(members, rows["full"], strict=True)]
         summary[name] = {
             "accuracy": round(acc, 4),
+            "accuracy_interval": [round(x, 4) for x in wilson(sum(r["score"] for r in members), len(members))],
+            "n": len(members),
             "retention": round(acc / full_acc, 4) if full_acc else None,
             "working_bytes_last": round(sum(r["bytes_ratio_last"] for r in members) / len(members), 4),
             "working_bytes_mean_over_turns": round(sum(r["bytes_ratio_mean"] for r in members) / len(members), 4),
@@ -166,10 +198,12 @@ def main(argv: list[str] | None = None) -> int:
                   "watershed": choose_watershed(rates)}  # fmt: skip
         out = Path(args.out or OUT / f"watershed{suffix}.json")
     else:
-        result = {"model": args.model or "smollm2-135m", "seed": args.seed, "examples": args.examples,
-                  "rounds": args.rounds, "top_k_rounds": args.top_k,
-                  **bench(model, tokenizer, examples, args.top_k)}  # fmt: skip
         out = Path(args.out or OUT / f"chat{suffix}.json")
+        # a chat is drawn on its own (`chat_recall_examples`), so a run of more examples extends one of fewer
+        settings = {"model": args.model or "smollm2-135m", "seed": args.seed, "rounds": args.rounds,
+                    "top_k_rounds": args.top_k}  # fmt: skip
+        play = lambda example: chat_rows(model, tokenizer, example, args.top_k)  # noqa: E731
+        result = {**settings, "examples": args.examples, **bench(examples, play, out.with_suffix(".jsonl"), settings)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result.get("summary", result), indent=1))

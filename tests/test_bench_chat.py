@@ -1,0 +1,36 @@
+"""`make bench-chat` writes each chat's rows as it goes, resumes from them, and reports intervals."""
+
+import json
+
+import pytest
+
+from kvpress.eval.bench_chat import bench
+
+
+def _rows(example: int) -> dict[str, dict]:
+    row = lambda score: {"score": score, "bytes_ratio_last": 1.0, "bytes_ratio_mean": 1.0, "store_bytes": 0,  # noqa: E731
+                         "bytes_last": 10, "tokens_fed_per_turn": [4, 6], "selected": [1], "fact_round": 1}  # fmt: skip
+    return {"full": row(1.0), "round": row(float(example % 2))}
+
+
+def test_a_run_resumes_from_its_rows_and_reports_wilson_intervals(tmp_path):
+    log, settings, played = tmp_path / "chat.jsonl", {"model": "m", "seed": 0}, []
+
+    def play(example):
+        played.append(example)
+        if played == [0, 1, 2]:
+            raise KeyboardInterrupt  # a run stopped in its third chat
+        return _rows(example)
+
+    with pytest.raises(KeyboardInterrupt):
+        bench([0, 1, 2, 3], play, log, settings)
+    assert len(log.read_text().splitlines()) == 3  # the settings and two chats, written as they finished
+    result = bench([0, 1, 2, 3], play, log, settings)
+    assert played == [0, 1, 2, 2, 3]  # only the chats not written were played again
+    summary = result["summary"]["round"]
+    assert summary["accuracy"] == 0.5 and summary["n"] == 4
+    assert summary["accuracy_interval"] == pytest.approx([0.15, 0.85], abs=0.01)  # Wilson's, 2 of 4
+    assert result["summary"]["full"]["accuracy_interval"][1] == 1.0 and len(result["rows"]["round"]) == 4
+    assert [json.loads(line).get("example") for line in log.read_text().splitlines()] == [None, 0, 1, 2, 3]
+    with pytest.raises(ValueError, match="other settings"):
+        bench([0], play, log, {"model": "m", "seed": 1})
