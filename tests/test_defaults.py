@@ -80,6 +80,18 @@ def test_a_new_inner_press_after_default_leaves_out_the_old_inners_parameters():
         press_from_name(with_default("default:inner=snapkv", "kvzap:n_sink=4"), compression_ratio=0.5)
 
 
+def test_keyword_arguments_replace_the_defaults_own_parameters_as_those_after_default_do():
+    """`press_from_name("default", model, n_sink=8)` was refused as n_sink given twice (the default's own 4)."""
+    assert DEFAULT_PRESS == "adakv:normalize=true:inner=kvzip:value_norm=true:n_sink=4"  # (what this test reads)
+    press = press_from_name("default", None, compression_ratio=0.5, n_sink=8)
+    assert press.press.n_sink == 8 and press.press.value_norm and press.normalize
+    assert press_from_name("default", None, compression_ratio=0.5, n_sink=None).press.n_sink == 4  # None: not given
+    press = press_from_name("default", None, compression_ratio=0.5, inner="snapkv")  # KVzip's value_norm left out
+    assert isinstance(press.press, kvpress.SnapKVPress) and press.press.n_sink == 4
+    with pytest.raises(ValueError, match="given both"):  # written after `default:` and as a keyword: refused
+        press_from_name("default:n_sink=8", None, compression_ratio=0.5, n_sink=2)
+
+
 def test_the_cli_names_the_press_it_resolved(tmp_path, capsys, monkeypatch):
     table = json.loads(_FILE.read_text())
     table["models"]["smollm2-135m"]["press"] = "knorm"

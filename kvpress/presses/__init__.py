@@ -224,8 +224,10 @@ def _value(text: str):
 
 def press_from_name(name: str, model: nn.Module | None = None, **kwargs) -> BasePress:
     """Build a press by its CLI name (see `PRESSES`), optionally with parameters: `"snapkv:window_size=16"`;
-    `"default"` is `model`'s default press (`kvpress.presses.defaults`; without a model, the one for any model)."""
-    name, params = parse_press_spec(resolve_default(name, model))
+    `"default"` is `model`'s default press (`kvpress.presses.defaults`; without a model, the one for any model),
+    whose own parameters the keyword arguments replace as parameters after `default:` do (`n_sink=8`)."""
+    given_beside = {key: value for key, value in kwargs.items() if value is not None}  # they replace a default's own
+    name, params = parse_press_spec(resolve_default(name, model, given_beside))
     kwargs = {key: value for key, value in kwargs.items() if not (key in params and value is None)}
     both = sorted(set(params) & set(kwargs))
     if both:

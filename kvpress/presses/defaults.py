@@ -48,28 +48,30 @@ def default_for(name: str | None) -> str | None:
     return None if entry is None else entry["press"]
 
 
-def resolve_default(spec: str, model: nn.Module | None = None) -> str:
-    """`spec` with a leading `default` replaced by `model`'s default press (`with_default`); any other spec
-    unchanged."""
+def resolve_default(spec: str, model: nn.Module | None = None, keywords: dict | None = None) -> str:
+    """`spec` with a leading `default` replaced by `model`'s default press (`with_default`, `keywords` the parameters
+    given beside the spec); any other spec unchanged."""
     if not isinstance(spec, str) or spec.partition(":")[0] != NAME:
         return spec
-    return with_default(spec, default_press(model))
+    return with_default(spec, default_press(model), keywords)
 
 
-def with_default(spec: str, default: str) -> str:
+def with_default(spec: str, default: str, keywords: dict | None = None) -> str:
     """`spec` (`default`, then parameters or none) as the press spec `default`, each parameter given after `default`
-    in place of the default's own of that name (`default:n_sink=8` over a default with n_sink=4). Given `inner`, the
-    default's own parameters that the press with that inner press takes no more (its old inner press's: KVzap's
-    `scorer` under `default:inner=snapkv`) are left out; every parameter given is kept (and checked as usual)."""
+    or in `keywords` (given beside the spec: `press_from_name("default", model, n_sink=8)`; left out of the spec
+    returned) in place of the default's own of that name (`default:n_sink=8` over a default with n_sink=4). Given
+    `inner`, the default's own parameters that the press with that inner press takes no more (its old inner press's:
+    KVzap's `scorer` under `default:inner=snapkv`) are left out; every parameter given is kept (and checked)."""
+    keywords = keywords or {}
     _, sep, rest = spec.partition(":")
     given = rest.split(":") if sep else []  # (an empty one stays, for `parse_press_spec` to refuse)
-    names = {pair.partition("=")[0] for pair in given}
+    names = {pair.partition("=")[0] for pair in given} | set(keywords)
     base, *pairs = default.split(":")
     pairs = [pair for pair in pairs if pair.partition("=")[0] not in names]
     if "inner" in names:
         from kvpress.presses import parse_press_spec, press_parameters  # (that module imports this one)
 
-        inner = parse_press_spec(":".join([base, *given]))[1]["inner"]
+        inner = keywords["inner"] if "inner" in keywords else parse_press_spec(":".join([base, *given]))[1]["inner"]
         taken = press_parameters(base, inner if isinstance(inner, str) else None)
         pairs = [pair for pair in pairs if pair.partition("=")[0] in taken]
     return ":".join([base, *pairs, *given])
