@@ -224,6 +224,18 @@ def test_a_default_spec_for_a_directory_waits_for_its_model(tmp_path):
         KVPressLM(pretrained=str(tmp_path), press="default:pool")
 
 
+def test_a_default_press_takes_its_parameters_as_model_args(default_model):
+    """`press=default,n_sink=8`: the argument replaces the default's own n_sink=4 (it was refused as given twice),
+    before the model loads (checked against the named model's default) and once it has."""
+    from kvpress.presses import spec_before_loading
+
+    model, tokenizer = default_model
+    bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="default", compression_ratio=0.5, n_sink=8)
+    assert bridge.press.press.n_sink == 8 and bridge.press.press.whole_words  # the default's other parameters kept
+    early = spec_before_loading("default", "smollm2-135m", {"n_sink": 8, "compression_ratio": 0.5})
+    assert "n_sink" not in early and "whole_words=true" in early
+
+
 def test_query_agnostic_mode_needs_the_question(default_model):
     model, tokenizer = default_model
     bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="knorm", compression_ratio=0.5)

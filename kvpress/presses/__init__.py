@@ -243,11 +243,12 @@ def press_from_name(name: str, model: nn.Module | None = None, **kwargs) -> Base
 
 
 # the press classes of the registry, plus the API around them
-def spec_before_loading(spec: str, model_name: str | None) -> str | None:
+def spec_before_loading(spec: str, model_name: str | None, keywords: dict | None = None) -> str | None:
     """`spec` as the model `model_name` (a packaged name, a directory, None: the default model) will take it, to
-    check before it loads (`default_before_loading`); None for a directory's `default`, whose press is known once
-    the model loads: its spec is only parsed (refused as `parse_press_spec` refuses)."""
-    early = default_before_loading(spec, model_name)
+    check before it loads (`default_before_loading`, `keywords` the parameters given beside it); None for a
+    directory's `default`, whose press is known once the model loads: its spec is only parsed (refused as
+    `parse_press_spec` refuses)."""
+    early = default_before_loading(spec, model_name, keywords)
     if early is None:
         parse_press_spec(resolve_default(spec))
     return early

@@ -77,14 +77,14 @@ def with_default(spec: str, default: str, keywords: dict | None = None) -> str:
     return ":".join([base, *pairs, *given])
 
 
-def default_before_loading(spec: str, model_name: str | None) -> str | None:
+def default_before_loading(spec: str, model_name: str | None, keywords: dict | None = None) -> str | None:
     """`spec` resolved before the model `model_name` (a packaged name, a directory, None: the default model) loads,
-    to check it early: as that packaged model's default press, or None for a directory (whose default depends on
-    its architecture, known once it loads); any spec but `default` unchanged."""
+    to check it early: as that packaged model's default press (`keywords` as in `with_default`), or None for a
+    directory (whose default depends on its architecture, known once it loads); any spec but `default` unchanged."""
     if not isinstance(spec, str) or spec.partition(":")[0] != NAME:
         return spec
     default = default_for(model_name or DEFAULT_MODEL)
-    return None if default is None else with_default(spec, default)
+    return None if default is None else with_default(spec, default, keywords)
 
 
 DEFAULT_PRESS = default_press()  # the press for any model (the `any` entry)
