@@ -20,8 +20,7 @@ import torch
 import kvpress
 from kvpress.cli import DEMO_QUESTION, demo_document
 from kvpress.models import DEFAULT_MODEL
-from kvpress.presses import press_from_name, press_names
-from kvpress.presses.defaults import resolve_default
+from kvpress.presses import press_from_name, press_names, resolve_default
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORDS = (150, 300, 450)

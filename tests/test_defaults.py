@@ -41,7 +41,7 @@ def test_parameters_after_default_replace_the_defaults_own_and_are_checked_as_th
     """`default:n_sink=8` over a default with n_sink=4 gives n_sink=8 (it was refused as given twice); before the
     model loads, a spec after `default` is checked against the default of the model named, not of any model."""
     from kvpress.cli import _check_press
-    from kvpress.presses.defaults import default_before_loading, with_default
+    from kvpress.presses import default_before_loading, with_default
 
     assert with_default("default:n_sink=8", "adakv:inner=kvzap:n_sink=4:window_size=8") == \
         "adakv:inner=kvzap:window_size=8:n_sink=8"  # fmt: skip
@@ -67,7 +67,7 @@ def test_parameters_after_default_replace_the_defaults_own_and_are_checked_as_th
 def test_a_new_inner_press_after_default_leaves_out_the_old_inners_parameters():
     """`default:inner=snapkv` over AdaKV(KVzap) is AdaKV(SnapKV) with the default's other parameters: KVzap's own
     (`scorer`, `whole_words`) are left out, not refused as if the user had given them; a given one is still checked."""
-    from kvpress.presses.defaults import with_default
+    from kvpress.presses import with_default
 
     kvzap = "adakv:normalize=true:inner=kvzap:n_sink=4:whole_words=true:scorer=smollm2-135m-mass"
     assert with_default("default:inner=snapkv", kvzap) == "adakv:normalize=true:n_sink=4:inner=snapkv"

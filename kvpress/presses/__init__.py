@@ -7,12 +7,14 @@ import re
 
 from torch import nn
 
+from kvpress.models import DEFAULT_MODEL
 from kvpress.presses.adakv import AdaKVPress
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.chunk import ChunkPress
 from kvpress.presses.criticalkv import CriticalKVPress
 from kvpress.presses.cur import CURPress
-from kvpress.presses.defaults import DEFAULT_PRESS, default_before_loading, default_press, resolve_default
+from kvpress.presses.defaults import DEFAULT_PRESS, default_for, default_press
+from kvpress.presses.defaults import NAME as DEFAULT_NAME
 from kvpress.presses.duo_attention import DuoAttentionPress
 from kvpress.presses.expected_attention import ExpectedAttentionPress
 from kvpress.presses.head_budget import HeadwisePress
@@ -240,6 +242,43 @@ def press_from_name(name: str, model: nn.Module | None = None, **kwargs) -> Base
         raise ValueError(f"press {name!r} takes no parameter {', '.join(unknown)}; its parameters: "
                          f"{', '.join(allowed)}")  # fmt: skip
     return PRESSES[name](**given)
+
+
+def resolve_default(spec: str, model: nn.Module | None = None, keywords: dict | None = None) -> str:
+    """`spec` with a leading `default` replaced by `model`'s default press (`with_default`, `keywords` the parameters
+    given beside the spec); any other spec unchanged."""
+    if not isinstance(spec, str) or spec.partition(":")[0] != DEFAULT_NAME:
+        return spec
+    return with_default(spec, default_press(model), keywords)
+
+
+def with_default(spec: str, default: str, keywords: dict | None = None) -> str:
+    """`spec` (`default`, then parameters or none) as the press spec `default`, each parameter given after `default`
+    or in `keywords` (given beside the spec: `press_from_name("default", model, n_sink=8)`; left out of the spec
+    returned) in place of the default's own of that name (`default:n_sink=8` over a default with n_sink=4). Given
+    `inner`, the default's own parameters that the press with that inner press takes no more (its old inner press's:
+    KVzap's `scorer` under `default:inner=snapkv`) are left out; every parameter given is kept (and checked)."""
+    keywords = keywords or {}
+    _, sep, rest = spec.partition(":")
+    given = rest.split(":") if sep else []  # (an empty one stays, for `parse_press_spec` to refuse)
+    names = {pair.partition("=")[0] for pair in given} | set(keywords)
+    base, *pairs = default.split(":")
+    pairs = [pair for pair in pairs if pair.partition("=")[0] not in names]
+    if "inner" in names:
+        inner = keywords["inner"] if "inner" in keywords else parse_press_spec(":".join([base, *given]))[1]["inner"]
+        taken = press_parameters(base, inner if isinstance(inner, str) else None)
+        pairs = [pair for pair in pairs if pair.partition("=")[0] in taken]
+    return ":".join([base, *pairs, *given])
+
+
+def default_before_loading(spec: str, model_name: str | None, keywords: dict | None = None) -> str | None:
+    """`spec` resolved before the model `model_name` (a packaged name, a directory, None: the default model) loads,
+    to check it early: as that packaged model's default press (`keywords` as in `with_default`), or None for a
+    directory (whose default depends on its architecture, known once it loads); any spec but `default` unchanged."""
+    if not isinstance(spec, str) or spec.partition(":")[0] != DEFAULT_NAME:
+        return spec
+    default = default_for(model_name or DEFAULT_MODEL)
+    return None if default is None else with_default(spec, default, keywords)
 
 
 # the press classes of the registry, plus the API around them
