@@ -11,8 +11,9 @@ facts are planted in early rounds and the last turn asks for one of them. Config
 Reported per configuration: accuracy (and its ratio to the full cache), working-cache bytes at the
 last turn and averaged over turns (ratio to the full cache of the same chat; RoundPolicy's host store
 reported separately), tokens fed per turn, with the accuracy's 95% interval (Wilson) and n. Writes
-`eval/results/chat[-MODEL].json`; each chat's rows go to `<out>.jsonl` as it finishes, and a run with the same
-settings resumes from them (other settings are refused: another file, `--out`).
+`eval/results/chat[-MODEL].json`; each chat's rows go to `<out>.jsonl` as it finishes, so that a stopped run with
+the same settings resumes from them (other settings are refused: another file, `--out`); once the result is written
+the `.jsonl` is removed (the rows are in the result), so the next run measures anew.
 
 `--watershed` instead measures, per layer, how often the round-level attention of the question's
 tokens ranks the asked fact's round first (seeds apart from the reported ones): the rule behind
@@ -102,21 +103,36 @@ def chat_rows(model, tokenizer, example: ChatExample, top_k: int) -> dict[str, d
     return rows
 
 
+def _resumed(log: Path, settings: dict | None) -> dict[int, dict[str, dict]]:
+    """The chats `log` holds (a run stopped with these `settings`), a line cut off by the stop dropped; a new log
+    begun where there is none."""
+    text = log.read_text() if log.exists() else ""
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):  # written half when the run stopped
+        lines.pop()
+    try:
+        first = json.loads(lines[0]) if lines else None
+    except json.JSONDecodeError:
+        first = lines[0]
+    if lines and first != settings:
+        raise ValueError(f"{log} holds a run with other settings ({lines[0].strip()}; this one: "
+                         f"{json.dumps(settings)}): remove it or choose another --out")  # fmt: skip
+    if not lines:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps(settings) + "\n"]
+    log.write_text("".join(lines))
+    done = {entry["example"]: entry["rows"] for entry in map(json.loads, lines[1:])}
+    if done:
+        print(f"resumed {len(done)} chats from {log}", flush=True)
+    return done
+
+
 def bench(examples: list[ChatExample], play: Callable[[ChatExample], dict[str, dict]], log: Path | None = None,
           settings: dict | None = None) -> dict:  # fmt: skip
     """Every example's rows (`play(example)`, e.g. `chat_rows`) and the summary per configuration. With `log`, each
     example's rows are appended to it as they come (its first line `settings`) and a log of the same settings is
-    resumed from (one of other settings is refused)."""
-    done: dict[int, dict[str, dict]] = {}
-    if log is not None and log.exists() and log.stat().st_size:
-        first, *lines = log.read_text().splitlines()
-        if json.loads(first) != settings:
-            raise ValueError(f"{log} holds a run with other settings ({first}; this one: {json.dumps(settings)}): "
-                             "remove it or choose another --out")  # fmt: skip
-        done = {entry["example"]: entry["rows"] for entry in map(json.loads, lines)}
-    elif log is not None:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(json.dumps(settings) + "\n")
+    resumed from (one of other settings is refused); the caller removes it once the result is written."""
+    done = _resumed(log, settings) if log is not None else {}
     rows: dict[str, list[dict]] = {}
     for i, example in enumerate(examples):
         start = time.time()
@@ -206,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         result = {**settings, "examples": args.examples, **bench(examples, play, out.with_suffix(".jsonl"), settings)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
+    if not args.watershed:  # the run is whole: its rows are in `out`, and the next run measures anew
+        out.with_suffix(".jsonl").unlink()
     print(json.dumps(result.get("summary", result), indent=1))
     print(f"wrote {out}")
     return 0

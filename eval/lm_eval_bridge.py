@@ -139,7 +139,7 @@ class KVPressLM(HFLM):
         else:  # `default`: built as the named model's default press, and as the model's own once it loads
             budget = {"compression_ratio": compression_ratio, "max_tokens": max_tokens}
             named = pretrained if isinstance(pretrained, str) and pretrained != "default" else None
-            beside = {key: value for key, value in {**budget, **press_kwargs}.items() if value is not None}
+            beside = {**budget, **press_kwargs}
             early = resolve_default(press, pretrained, beside) if isinstance(pretrained, nn.Module) else (
                 spec_before_loading(press, named, beside))  # (None: a directory's default, known once it loads)
             self.press = None if early is None else press_from_name(early, **budget, **press_kwargs)

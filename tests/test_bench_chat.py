@@ -25,8 +25,10 @@ def test_a_run_resumes_from_its_rows_and_reports_wilson_intervals(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         bench([0, 1, 2, 3], play, log, settings)
     assert len(log.read_text().splitlines()) == 3  # the settings and two chats, written as they finished
+    with log.open("a") as f:
+        f.write('{"example": 2, "rows": {"full"')  # a line the stop cut off: dropped, played again
     result = bench([0, 1, 2, 3], play, log, settings)
-    assert played == [0, 1, 2, 2, 3]  # only the chats not written were played again
+    assert played == [0, 1, 2, 2, 3]  # only the chats not written whole were played again
     summary = result["summary"]["round"]
     assert summary["accuracy"] == 0.5 and summary["n"] == 4
     assert summary["accuracy_interval"] == pytest.approx([0.15, 0.85], abs=0.01)  # Wilson's, 2 of 4

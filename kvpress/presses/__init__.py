@@ -228,8 +228,7 @@ def press_from_name(name: str, model: nn.Module | None = None, **kwargs) -> Base
     """Build a press by its CLI name (see `PRESSES`), optionally with parameters: `"snapkv:window_size=16"`;
     `"default"` is `model`'s default press (`kvpress.presses.defaults`; without a model, the one for any model),
     whose own parameters the keyword arguments replace as parameters after `default:` do (`n_sink=8`)."""
-    given_beside = {key: value for key, value in kwargs.items() if value is not None}  # they replace a default's own
-    name, params = parse_press_spec(resolve_default(name, model, given_beside))
+    name, params = parse_press_spec(resolve_default(name, model, kwargs))
     kwargs = {key: value for key, value in kwargs.items() if not (key in params and value is None)}
     both = sorted(set(params) & set(kwargs))
     if both:
@@ -257,8 +256,9 @@ def with_default(spec: str, default: str, keywords: dict | None = None) -> str:
     or in `keywords` (given beside the spec: `press_from_name("default", model, n_sink=8)`; left out of the spec
     returned) in place of the default's own of that name (`default:n_sink=8` over a default with n_sink=4). Given
     `inner`, the default's own parameters that the press with that inner press takes no more (its old inner press's:
-    KVzap's `scorer` under `default:inner=snapkv`) are left out; every parameter given is kept (and checked)."""
-    keywords = keywords or {}
+    KVzap's `scorer` under `default:inner=snapkv`) are left out; every parameter given is kept (and checked). A keyword
+    of value None is not given."""
+    keywords = {key: value for key, value in (keywords or {}).items() if value is not None}
     _, sep, rest = spec.partition(":")
     given = rest.split(":") if sep else []  # (an empty one stays, for `parse_press_spec` to refuse)
     names = {pair.partition("=")[0] for pair in given} | set(keywords)
