@@ -33,6 +33,7 @@ import torch
 import kvpress
 from kvpress.engine import Observation, observe
 from kvpress.eval.plots import wilson
+from kvpress.eval.sweep import append_row, read_rows
 from kvpress.eval.tasks.chat_recall import ChatExample, chat_recall_examples
 from kvpress.patches import model_access
 from kvpress.recording import QueryRecorder
@@ -104,24 +105,17 @@ def chat_rows(model, tokenizer, example: ChatExample, top_k: int) -> dict[str, d
 
 
 def _resumed(log: Path, settings: dict | None) -> dict[int, dict[str, dict]]:
-    """The chats `log` holds (a run stopped with these `settings`), a line cut off by the stop dropped; a new log
-    begun where there is none."""
-    text = log.read_text() if log.exists() else ""
-    lines = text.splitlines(keepends=True)
-    if lines and not lines[-1].endswith("\n"):  # written half when the run stopped
-        lines.pop()
-    try:
-        first = json.loads(lines[0]) if lines else None
-    except json.JSONDecodeError:
-        first = lines[0]
-    if lines and first != settings:
-        raise ValueError(f"{log} holds a run with other settings ({lines[0].strip()}; this one: "
-                         f"{json.dumps(settings)}): remove it or choose another --out")  # fmt: skip
-    if not lines:
+    """The chats `log` holds (`read_rows`: a row torn by the stop is dropped), whose first row must be `settings`;
+    a new log begun where there is none."""
+    rows = read_rows(log, "kvpress bench-chat")
+    if not rows:
         log.parent.mkdir(parents=True, exist_ok=True)
-        lines = [json.dumps(settings) + "\n"]
-    log.write_text("".join(lines))
-    done = {entry["example"]: entry["rows"] for entry in map(json.loads, lines[1:])}
+        append_row(log, {"settings": settings})
+        return {}
+    if rows[0] != {"settings": settings}:
+        raise ValueError(f"{log} holds a run with other settings ({json.dumps(rows[0])}; this one: "
+                         f"{json.dumps(settings)}): remove it or choose another --out")  # fmt: skip
+    done = {row["example"]: row["rows"] for row in rows[1:]}
     if done:
         print(f"resumed {len(done)} chats from {log}", flush=True)
     return done
@@ -130,8 +124,8 @@ def _resumed(log: Path, settings: dict | None) -> dict[int, dict[str, dict]]:
 def bench(examples: list[ChatExample], play: Callable[[ChatExample], dict[str, dict]], log: Path | None = None,
           settings: dict | None = None) -> dict:  # fmt: skip
     """Every example's rows (`play(example)`, e.g. `chat_rows`) and the summary per configuration. With `log`, each
-    example's rows are appended to it as they come (its first line `settings`) and a log of the same settings is
-    resumed from (one of other settings is refused); the caller removes it once the result is written."""
+    example's rows are appended to it as they come (its first row `{"settings": settings}`) and a log of the same
+    settings is resumed from (one of other settings is refused); the caller removes it once the result is written."""
     done = _resumed(log, settings) if log is not None else {}
     rows: dict[str, list[dict]] = {}
     for i, example in enumerate(examples):
@@ -140,8 +134,7 @@ def bench(examples: list[ChatExample], play: Callable[[ChatExample], dict[str, d
         if played is None:
             played = play(example)
             if log is not None:
-                with log.open("a") as f:
-                    f.write(json.dumps({"example": i, "rows": played}) + "\n")
+                append_row(log, {"example": i, "rows": played})
             print(f"example {i}: " + ", ".join(f"{n} {r['score']:.0f}" for n, r in played.items())
                   + f" ({time.time() - start:.0f} s)", flush=True)  # fmt: skip
         for name, row in played.items():

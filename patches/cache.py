@@ -726,13 +726,13 @@ class Scratch:
         self._layers: list = []
         self._points: dict[int, dict | object] = {}
         self._released: dict[int, dict | object] = {}
-        self._rewritten: list[int] = []
+        self._rewritten: set[int] = set()
 
     def __enter__(self) -> Scratch:
         self._layers = list(self.cache.layers)
         self._points = {idx: layer.rewind_point() if _appends_only(layer) else _detached_copy(layer)
                         for idx, layer in enumerate(self._layers)}  # fmt: skip
-        self._released, self._rewritten = {}, []
+        self._released, self._rewritten = {}, set()
         return self
 
     def release(self, idx: int) -> None:
@@ -748,7 +748,7 @@ class Scratch:
             layer.rewind(point)  # (a PressedLayer's count goes back with the rest: put back twice, it is known here)
             if rewritten or idx in self._rewritten:  # its first slots are no longer those it held on entry
                 layer.torn = True
-                self._rewritten.append(idx)
+                self._rewritten.add(idx)
         else:
             vars(layer).clear()
             vars(layer).update(vars(point))
@@ -764,7 +764,7 @@ class Scratch:
         self._points = self._released = {}
         if self._rewritten and exc_type is None:
             raise RuntimeError(
-                f"layers {sorted(set(self._rewritten))} evicted or rewrote held slots inside `scratch`, which can only "
+                f"layers {sorted(self._rewritten)} evicted or rewrote held slots inside `scratch`, which can only "
                 "drop what was appended: the cache is no longer what it held and is marked torn (install the press "
                 "frozen inside, `installed.frozen()`, or outside the block)"
             )
