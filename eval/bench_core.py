@@ -15,6 +15,9 @@ is shared and noisy. Writes `eval/results/core.json`:
      attention weights computed once, for the output and the scores / computed again for the scores
      (`reconstruction_scores(from_output=False)`), alternating}
 
+`varlen_vs_dense_decode` compares SnapKV and AdaKV(SnapKV) at `--ratio` whatever `--presses` lists. `--measure`
+runs some parts only (a part left out leaves its keys out).
+
 Run: `make bench` (or `python -m kvpress.eval.bench_core --help`).
 """
 
@@ -37,6 +40,7 @@ from kvpress.recording import record_prefill
 
 PRESSES = ("snapkv", "h2o", "sink-window", "knorm", "random", "adakv", "duo-attention", "snapkv:kv_bits=4",
            "adakv:kv_bits=4", "default")  # default: the model's own (`resolve_default`), the main road
+MEASURES = ("prefill", "generate", "varlen", "kvzip", "decode")  # the parts of a run, in order (`--measure`)
 
 
 def long_ids(tokenizer, n_tokens: int) -> torch.Tensor:
@@ -125,7 +129,7 @@ def run(args: argparse.Namespace) -> dict:
     # prefill overhead: press and no press alternate, medians of the paired runs
     ids = long_ids(tokenizer, args.prefill_tokens)
     prefill(model, ids[:, :64])  # warm-up
-    for name, press in presses.items():
+    for name, press in presses.items() if "prefill" in args.measure else ():
         base, pressed = [], []
         for _ in range(args.repeats):
             base.append(prefill(model, ids)[1])
@@ -136,7 +140,8 @@ def run(args: argparse.Namespace) -> dict:
         print(f"prefill {args.prefill_tokens} tokens  {name:12s} overhead x{result['prefill_overhead'][name]}")
 
     # the main road: model.generate's prefill inside the press (whole-context presses included), alternating
-    for name in dict.fromkeys(kvpress.resolve_default(spec, model) for spec in args.generate_presses):  # once each
+    generated = args.generate_presses if "generate" in args.measure else ()
+    for name in dict.fromkeys(kvpress.resolve_default(spec, model) for spec in generated):  # once each
         press = kvpress.press_from_name(name, compression_ratio=args.ratio)
         timed_generate(model, tokenizer, ids[:, :64], press)  # warm-up (a scorer's first load)
         base, pressed = [], []
@@ -149,26 +154,31 @@ def run(args: argparse.Namespace) -> dict:
 
     # decode: one full cache and one compressed cache per press; steps alternate between them
     ids = long_ids(tokenizer, args.decode_context)
-    full, _ = prefill(model, ids)
-    full_bytes = kvpress.cache_bytes(full)
-    result["full_bytes"] = full_bytes
     token = ids[:, -1:]
-    if "snapkv" in presses and "adakv" in presses:  # variable-length vs dense attention, side by side
-        caches = {name: prefill(model, ids, presses[name])[0] for name in ("snapkv", "adakv")}
+    if "decode" in args.measure:
+        full, _ = prefill(model, ids)
+        result["full_bytes"] = full_bytes = kvpress.cache_bytes(full)
+    if "varlen" in args.measure:  # variable-length vs dense attention, side by side
+        sides = {name: kvpress.press_from_name(name, compression_ratio=args.ratio) for name in ("snapkv", "adakv")}
+        caches = {name: prefill(model, ids, press)[0] for name, press in sides.items()}
         times: dict = {"snapkv": [], "adakv": []}
         for step in range(args.varlen_steps + 2):
             for name in sorted(caches, reverse=step % 2 == 1):  # each side first every other step
-                t = timed_forward(model, token, caches[name], presses[name])
+                t = timed_forward(model, token, caches[name], sides[name])
                 if step >= 2:
                     times[name].append(t)
         ratio = statistics.median(times["adakv"]) / statistics.median(times["snapkv"])
         result["varlen_vs_dense_decode"] = round(ratio, 3)
+        for name, side in times.items():
+            result["seconds"][f"varlen_decode_step_{name}"] = round(statistics.median(side), 4)
         print(f"decode at {args.decode_context}: variable-length / dense step x{result['varlen_vs_dense_decode']}")
-    result["kvzip_scoring_peak_ratio"] = round(kvzip_scoring_peak(model, tokenizer, ids), 3)
-    print(f"KVzip scoring at {args.decode_context}: the cache peaks at x{result['kvzip_scoring_peak_ratio']} of full")
-    result["kvzip_pass_ratio"] = round(kvzip_pass_ratio(model, tokenizer, ids, args.repeats), 3)
-    print(f"KVzip scoring at {args.decode_context}: weights computed once / twice x{result['kvzip_pass_ratio']}")
-    for name, press in presses.items():
+    if "kvzip" in args.measure:
+        result["kvzip_scoring_peak_ratio"] = round(kvzip_scoring_peak(model, tokenizer, ids), 3)
+        print(f"KVzip scoring at {args.decode_context}: the cache peaks at x{result['kvzip_scoring_peak_ratio']} "
+              "of full")  # fmt: skip
+        result["kvzip_pass_ratio"] = round(kvzip_pass_ratio(model, tokenizer, ids, args.repeats), 3)
+        print(f"KVzip scoring at {args.decode_context}: weights computed once / twice x{result['kvzip_pass_ratio']}")
+    for name, press in presses.items() if "decode" in args.measure else ():
         cache, _ = prefill(model, ids, press)
         result["kept_bytes_ratio"][name] = round(kvpress.cache_bytes(cache) / full_bytes, 4)
         base, pressed = [], []
@@ -203,6 +213,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--varlen-steps", type=int, default=120,
                         help="decode steps of each side of varlen_vs_dense_decode (its two sides differ by a few "
                              "percent: more steps steady their medians)")
+    parser.add_argument("--measure", default=",".join(MEASURES), type=lambda s: s.split(","),
+                        help=f"the parts to run, comma-separated (default: all of {','.join(MEASURES)}; a part "
+                             "left out leaves its keys out of the result): varlen_vs_dense_decode alone at 16K on "
+                             "Qwen2.5 is `--model qwen2.5-0.5b --decode-context 16384 --measure varlen`")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "core.json"))
     args = parser.parse_args(argv)
@@ -211,6 +225,9 @@ def main(argv: list[str] | None = None) -> None:
                             "decode_context": 1})  # fmt: skip
     except ValueError as err:
         parser.error(str(err))
+    unknown = [part for part in args.measure if part not in MEASURES]
+    if unknown:
+        parser.error(f"--measure takes parts among {', '.join(MEASURES)}, got {','.join(args.measure)!r}")
     for flag, names in (("--presses", args.presses), ("--generate-presses", args.generate_presses)):
         for name in names:
             try:

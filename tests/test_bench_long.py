@@ -133,6 +133,8 @@ def test_bad_arguments_are_refused_before_anything_runs(argv, tmp_path, capsys):
 @pytest.mark.parametrize("bench, argv, said", [
     ("bench_core", ["--decode-steps", "0"], "--decode-steps must be an integer >= 1, got 0"),
     ("bench_core", ["--repeats", "0"], "--repeats must be an integer >= 1, got 0"),
+    ("bench_core", ["--measure", "varlen,speed"],
+     "--measure takes parts among prefill, generate, varlen, kvzip, decode, got 'varlen,speed'"),
     ("bench_heads", ["--ratios", "0.5,0.5"], "ratios given twice: 0.5"),
     ("bench_stream", ["--tokens", "600"], "--tokens must be an integer >= 10001, got 600"),
     ("bench_stream", ["--short-tokens", "100"], "--short-tokens must be an integer >= 513, got 100"),
@@ -146,3 +148,20 @@ def test_the_other_benchmarks_refuse_sizes_before_they_run(bench, argv, said, ca
     with pytest.raises(SystemExit):
         importlib.import_module(f"kvpress.eval.{bench}").main(argv)
     assert said in capsys.readouterr().err
+
+
+def test_bench_core_runs_only_the_parts_asked(tokenized, tmp_path, monkeypatch):
+    """`--measure varlen` times AdaKV against SnapKV (whatever `--presses` lists) and nothing else."""
+    import json
+
+    from kvpress.eval import bench_core
+
+    monkeypatch.setattr(kvpress, "load_model", lambda *a, **k: tokenized)
+    out = tmp_path / "core.json"
+    bench_core.main(["--measure", "varlen", "--presses", "h2o", "--decode-context", "320", "--varlen-steps", "2",
+                     "--prefill-tokens", "32", "--out", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["varlen_vs_dense_decode"] > 0
+    assert set(result["seconds"]) == {"varlen_decode_step_snapkv", "varlen_decode_step_adakv"}
+    assert not (result["prefill_overhead"] or result["generate_prefill_overhead"] or result["decode_step_ratio"])
+    assert not {"full_bytes", "kvzip_pass_ratio", "kvzip_scoring_peak_ratio"} & set(result)
