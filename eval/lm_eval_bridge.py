@@ -22,9 +22,14 @@ every token is predicted from the compressed past, not from HFLM's full-cache wi
 longer than `max_length` are not cut into windows: the press bounds the cache, and a document past the
 model's positions is refused unless the press re-rotates (`rerotate=True`).
 
+With a press, loglikelihood requests and query-agnostic generation run one at a time (`batch_size` shapes only
+query-aware generation and the press-free model); `mixed_precision_dtype` and `softmax_dtype` are refused with a
+press (its forwards are the bridge's, not HFLM's). A loglikelihood request longer than `max_length` + 1 tokens
+is cut from the left, as HFLM cuts it, with a warning.
+
 Every request records the KV bytes it held (summed over the cache's tensors) next to what a full
 cache would hold; `kv_summary()` (also in lm-eval's results under `config.kvpress`) gives their
-means, the peak resident memory of the process and, on a GPU, the peak allocated CUDA memory.
+means per request, the peak resident memory of the process and, on a GPU, the peak allocated CUDA memory.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import functools
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -153,6 +159,11 @@ class KVPressLM(HFLM):
         if self.press is None and not later and any(unused.values()):
             raise ValueError(f"{', '.join(k for k, v in unused.items() if v)} only shape how a press compresses; with "
                              "no press lm-eval's own model runs: drop them, or give a press")  # fmt: skip
+        dtypes = [key for key in ("mixed_precision_dtype", "softmax_dtype") if kwargs.get(key) is not None]
+        if dtypes and (self.press is not None or later):
+            raise ValueError(f"{', '.join(dtypes)} shape lm-eval's own forwards, not the press's (its prefill and "
+                             "scoring run in the model's dtype, log-probabilities in float32): load the model in "
+                             "the dtype wanted (dtype=bfloat16), or drop them")  # fmt: skip
         if isinstance(pretrained, str):  # a local directory: HFLM loads it (and shards data under accelerate)
             pretrained = str(resolve_model_path(None if pretrained == "default" else pretrained))
             kwargs.setdefault("dtype", "float32")
@@ -198,6 +209,10 @@ class KVPressLM(HFLM):
                                      "before the question; raise max_length or pass query_aware=True")  # fmt: skip
             tokens.append((full, split))
             groups.setdefault(tuple(full[: split + 1 if self.query_aware else split]), []).append(i)
+        cut = sum(len(full) < len(requests[i][1]) + len(requests[i][2]) for i, (full, _) in enumerate(tokens))
+        if cut:  # as lm-eval's own model does (it logs it too)
+            warnings.warn(f"{cut} of {len(requests)} loglikelihood requests were cut from the left to "
+                          f"max_length={self.max_length} + 1 tokens", stacklevel=2)  # fmt: skip
         results: list = [None] * len(requests)
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="kvpress loglikelihood")
         for key, members in groups.items():  # query-aware: the prefix and the token fed next (Lookahead drafts)
@@ -344,13 +359,15 @@ class KVPressLM(HFLM):
 
     # ----- memory records ----------------------------------------------------------------------------------
     def _record(self, cache: DynamicCache, tokens: int, batch: int = 1) -> None:
-        """Bytes `cache` holds, next to a full cache of `batch` rows of `tokens` (padding included)."""
+        """Bytes `cache` holds, next to a full cache of `batch` rows of `tokens` (padding included): one record
+        per cache, which served `batch` requests."""
         full = batch * full_cache_bytes(self.model, tokens)
-        self.kv_records.append({"kept_bytes": kvpress.cache_bytes(cache), "full_bytes": full})
+        self.kv_records.append({"kept_bytes": kvpress.cache_bytes(cache), "full_bytes": full, "requests": batch})
 
     def kv_summary(self) -> dict:
-        """Mean kept and full KV bytes per request, their ratio, and peak process / CUDA memory."""
-        n = len(self.kv_records)
+        """Mean kept and full KV bytes per request (a batch's cache counted for each of its rows), their ratio, and
+        peak process / CUDA memory."""
+        n = sum(r["requests"] for r in self.kv_records)
         kept = sum(r["kept_bytes"] for r in self.kv_records) / max(n, 1)
         full = sum(r["full_bytes"] for r in self.kv_records) / max(n, 1)
         return {

@@ -46,6 +46,10 @@ def test_compressed_context_scores_against_the_compressed_cache(default_model):
     assert pressed[0][0] != pytest.approx(plain[0][0], abs=1e-3)
     summary = bridge.kv_summary()
     assert summary["requests"] == 2 and 0.45 < summary["kept_ratio"] < 0.55
+    short = KVPressLM(pretrained=model, tokenizer=tokenizer, press="knorm", compression_ratio=0.5, query_aware=True,
+                      max_length=32)  # fmt: skip
+    with pytest.warns(UserWarning, match="1 of 2 loglikelihood requests were cut from the left to max_length=32"):
+        _loglikelihood(short, [(context, " Item 0."), ("Two plus two equals", " four")])
     tokens = len(tokenizer(context + " Item 0.").input_ids) - 1
     assert bridge.kv_records[0]["full_bytes"] == full_cache_bytes(model, tokens) == tokens * 46080
 
@@ -60,6 +64,8 @@ def test_generate_until_compresses_the_prompt(default_model):
     out = bridge.generate_until(requests, disable_tqdm=True)
     assert len(out) == 2 and "Paris" in out[0]
     assert len(bridge.kv_records) == 1 and bridge.kv_records[0]["kept_bytes"] < 0.6 * bridge.kv_records[0]["full_bytes"]
+    summary = bridge.kv_summary()  # one cache served the batch's two requests: means per request
+    assert summary["requests"] == 2 and summary["mean_kept_kv_bytes"] == round(bridge.kv_records[0]["kept_bytes"] / 2)
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -133,6 +139,13 @@ def test_bad_arguments_are_refused(default_model):
         KVPressLM(pretrained=model, tokenizer=tokenizer, query_aware="true", rolling_chunk=64)
     with pytest.raises(ValueError, match="question_regex only shape how a press compresses"):
         KVPressLM(pretrained=model, tokenizer=tokenizer, question_regex="Q:")
+    with pytest.raises(ValueError, match="mixed_precision_dtype shape lm-eval's own forwards, not the press's"):
+        KVPressLM(pretrained=model, tokenizer=tokenizer, press="knorm", compression_ratio=0.5,
+                  mixed_precision_dtype="bfloat16")  # fmt: skip
+    with pytest.raises(ValueError, match="softmax_dtype shape lm-eval's own forwards"):
+        KVPressLM(pretrained=model, tokenizer=tokenizer, press="default", compression_ratio=0.5,
+                  softmax_dtype="float64")  # fmt: skip
+    KVPressLM(pretrained=model, tokenizer=tokenizer, mixed_precision_dtype="bfloat16")  # no press: HFLM's own
 
 
 def test_cli_refuses_bad_press_task_and_model(default_model, capsys):
