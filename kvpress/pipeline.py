@@ -135,7 +135,7 @@ def prefill_context(
     `scores_later_chunks`); other presses that score the whole context cannot take chunks (refused)."""
     chunk = check_chunk_size(prefill_chunk_size, press)
     if press is not None and press.needs_whole_context and chunk is None:
-        recording = record_prefill(model, ids, cache, next_ids)
+        recording = record_prefill(model, ids, cache, next_ids, keep_hidden=press.needs_hidden)
         compress_recording(model, recording, press, tokenizer, in_place=True)
     else:
         chunk = chunk or ids.shape[1]

@@ -185,6 +185,11 @@ def test_cli_budget_in_the_press_name_is_the_budget():
     press = _press("snapkv:compression_ratio=0.3", None, None)
     assert press.compression_ratio == 0.3 and press.max_tokens is None
     assert _press("knorm", None, None).compression_ratio == 0.5
+    assert _press("sink-window:window=100", None, None).max_tokens == 104  # its window is its budget
+    assert _press("streaming-llm:window=100", None, None).max_tokens == 104
+    assert _press("duo-attention:retrieval_fraction=0.3", None, None).compression_ratio is None
+    duo = _press("duo-attention:retrieval_fraction=0.3:inner=snapkv", None, None)  # the ratio is the inner press's
+    assert duo.retrieval_fraction == 0.3 and duo.press.compression_ratio == 0.5
 
 
 def test_protected_tokens_over_the_budget_are_said_once():

@@ -46,3 +46,20 @@ def test_a_prompt_without_the_marker_is_refused(tokenized):
         compress_recording(model, record_prefill(model, ids), ShotKVPress(SnapKVPress(0.5)), tokenizer)
     with pytest.raises(ValueError, match="shot_marker"):
         ShotKVPress(SnapKVPress(0.5), shot_marker=" ")
+
+
+def test_shots_over_a_press_that_scores_hidden_states_run_through_generate(tokenized):
+    """ShotKV over KVzap (which scores each layer's input hidden states): `kvpress.generate` records them."""
+    from transformers import DynamicCache
+
+    import kvpress
+
+    model, tokenizer = tokenized
+    press = ShotKVPress(kvpress.KVzapPress(compression_ratio=0.5))
+    assert press.needs_hidden and press.needs_whole_context
+    cache = DynamicCache(config=model.config)
+    kvpress.generate(model, tokenizer, PROMPT, "What is 6 plus 5?", press, max_new_tokens=2, cache=cache,
+                     chat_template=False)  # fmt: skip
+    n = len(tokenizer(PROMPT).input_ids)
+    fed = cache.get_seq_length() - n  # the question and the answer, after the context was compressed
+    assert fed > 0 and all(layer.n == n - n // 2 + fed for layer in cache.layers)

@@ -113,6 +113,9 @@ class BasePress(Installable):
     # False for presses that cannot sit inside a wrapper (AdaKV, PyramidKV, ...): they plan layers themselves
     # (SimLayerKV) or exchange slots between forwards (RecallPress)
     wrappable: ClassVar[bool] = True
+    # the press's own parameters that set its budget in place of compression_ratio / max_tokens (SinkWindow's
+    # window): a spec that gives one has its budget (the CLI adds no ratio beside it)
+    budget_parameters: ClassVar[tuple[str, ...]] = ()
 
     compression_ratio: float | None = None
     max_tokens: int | None = None

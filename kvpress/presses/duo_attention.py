@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -51,6 +52,8 @@ class DuoAttentionPress(HeadwisePress):
             `compression_ratio` or `max_tokens`, its sinks and window), during prefill and decoding
             (default None: retrieval heads keep everything). Needs `retrieval_fraction`.
     """
+
+    budget_parameters: ClassVar[tuple[str, ...]] = ("retrieval_fraction",)
 
     head_pattern: str | dict = "auto"
     retrieval_fraction: float | None = None

@@ -8,6 +8,7 @@ tokens, provided keys are re-rotated to positions inside the cache (`rerotate=Tr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -24,6 +25,8 @@ class SinkWindowPress(BasePress):
         n_sink: leading tokens always kept (default 4, as in the paper).
         rerotate: re-rotate kept keys to positions inside the cache, as StreamingLLM does.
     """
+
+    budget_parameters: ClassVar[tuple[str, ...]] = ("window",)
 
     n_sink: int = 4
     window: int | None = None
