@@ -417,14 +417,20 @@ def main(argv: list[str] | None = None) -> int:
         check_counts(args)  # before any model loads
         if args.command == "demo":
             for name in args.presses.split(","):
-                _check_press(name, args.ratio, None, args.model)  # validate before loading the model
+                press = _check_press(name, args.ratio, None, args.model)  # validate before loading the model
+                if press is not None and press.needs_question:
+                    raise ValueError(f"--presses {name}: {type(press).__name__} scores by the question, and the "
+                                     "demo compresses the document without it (kvpress generate --query-aware "
+                                     "runs it)")  # fmt: skip
         elif args.command == "generate":
             _check_generate(args)
         elif args.command == "train-scorer":
             _check_update(args)  # before the model loads
-        if getattr(args, "out", None) is not None and not Path(args.out).resolve().parent.is_dir():
-            raise ValueError(f"--out {args.out}: its directory does not exist (the result would be lost after the "
-                             "run): create it first")  # fmt: skip
+        for flag in ("out", "save_cache"):  # files written after the run
+            path = getattr(args, flag, None)
+            if path is not None and not Path(path).resolve().parent.is_dir():
+                raise ValueError(f"--{flag.replace('_', '-')} {path}: its directory does not exist (the result "
+                                 "would be lost after the run): create it first")  # fmt: skip
         return args.fn(args)
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"kvpress {args.command}: {err}", file=sys.stderr)

@@ -21,19 +21,21 @@ from transformers import DynamicCache
 from kvpress.patches import model_access
 from kvpress.patches.cache_io import layer_from_state, layer_state
 from kvpress.patterns import config_hash
-from kvpress.presses import press_from_name
+from kvpress.presses import press_from_name, resolve_default
 
 FORMAT = 1
 
 
 def save_cache(cache: DynamicCache, path: str | Path, model: nn.Module, press: str | None = None) -> None:
-    """Write `cache` (made by `model`, compressed by the press spec `press` if given) to the safetensors file `path`."""
+    """Write `cache` (made by `model`, compressed by the press spec `press` if given, budget included; `default` is
+    recorded as the press it names for `model`) to the safetensors file `path`."""
     if not isinstance(cache, DynamicCache):
         raise TypeError(f"save_cache saves a DynamicCache, got {type(cache).__name__}")
     if press is not None and press != "none":  # a spec the loaded cache can be continued with, budget included
         if not isinstance(press, str):
             raise TypeError(f"press= is the spec of the press that compressed the cache, such as "
                             f"'snapkv:compression_ratio=0.5' (or None), got {press!r}")  # fmt: skip
+        press = resolve_default(press, model)  # what `default` names for this model, not for the one loading it
         press_from_name(press)  # refuses an unknown name or parameter, or a spec without its budget
     if any(getattr(layer, "offloaded", None) is not None for layer in cache.layers):
         raise ValueError("this cache keeps a RecallPress store of evicted spans, which save_cache does not write: "

@@ -27,11 +27,18 @@ TASK = "kv-press-text-generation"
 class KVPressTextGenerationPipeline(Pipeline):
     """See the module docstring."""
 
-    def __call__(self, context, *args, **kwargs):
+    def __call__(self, context, *args, batch_size: int | None = None, **kwargs):
+        if args:  # (transformers' Pipeline would drop them with a logged warning)
+            raise TypeError(f"{TASK} takes the context (or a list of contexts) as its one positional argument; pass "
+                            f"the question as question= (or questions=), got {len(args)} more")  # fmt: skip
+        size = self._batch_size if batch_size is None else batch_size
+        if size not in (None, 1):  # a batch would stack contexts of different lengths, and answer its first row
+            raise ValueError(f"{TASK} compresses each context alone, one at a time: batch_size must be 1, got "
+                             f"{size!r}")  # fmt: skip
         if kwargs.get("cache") is not None and not isinstance(context, str) and len(context) > 1:
             raise ValueError(f"cache= receives one compressed context; {len(context)} contexts were given: call the "
                              "pipeline once per context")  # fmt: skip
-        return super().__call__(context, *args, **kwargs)
+        return super().__call__(context, **kwargs)
 
     def _sanitize_parameters(self, question=None, questions=None, answer_prefix="", press=None, max_new_tokens=50,
                              cache=None, chat_template=True, **unknown):  # fmt: skip
@@ -47,6 +54,9 @@ class KVPressTextGenerationPipeline(Pipeline):
         if cache is not None and not isinstance(cache, DynamicCache):
             raise TypeError(f"cache= takes a DynamicCache, got {type(cache).__name__}")
         check_press(press)
+        if press is not None and press.needs_question:  # (refused before the prefill, not after it)
+            raise ValueError(f"{TASK} compresses the context once, without the questions: {type(press).__name__} "
+                             "scores by the question (use kvpress.generate(..., query_aware=True))")  # fmt: skip
         asked = {"questions": [question] if questions is None else list(questions), "answer_prefix": answer_prefix,
                  "chat_template": chat_template}  # fmt: skip
         return asked, {"press": press, "max_new_tokens": max_new_tokens, "cache": cache}, {"one": questions is None}

@@ -167,7 +167,12 @@ def test_cli_refuses_flags_it_would_ignore_before_the_model_loads(tmp_path, caps
               "so --texts, --seed would be ignored"),
              (["calibrate-heads", "--out", str(tmp_path / "no" / "p.json")], "its directory does not exist"),
              (["train-gates", "--out", str(tmp_path / "no" / "g.safetensors")],
-              "its directory does not exist")]  # fmt: skip
+              "its directory does not exist"),
+             (ask + ["--save-cache", str(tmp_path / "no" / "c.safetensors")],
+              f"--save-cache {tmp_path / 'no' / 'c.safetensors'}: its directory does not exist"),
+             (["demo", "--presses", "snapkv,lookahead"], "--presses lookahead: LookaheadPress scores by the question"),
+             (["generate", "--context-file", str(tmp_path / "c.txt"), "--question", "q", "--press",
+               "sink-window:window=100", "--ratio", "0.5"], "SinkWindowPress takes window= or a budget")]  # fmt: skip
     for argv, said in cases:
         assert main(argv) == 2
         assert said in capsys.readouterr().err

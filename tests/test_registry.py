@@ -112,3 +112,5 @@ def test_wrong_types_and_non_finite_numbers_are_refused_when_built(name):
 def test_press_names_must_be_text():
     with pytest.raises(TypeError, match="a press is named by a string"):
         press_from_name(None)
+    with pytest.raises(TypeError, match="second argument is the model .* got 0.5: give the budget by name"):
+        press_from_name("snapkv", 0.5, max_tokens=256)  # (the 0.5 is not a ratio: it was dropped)

@@ -97,3 +97,7 @@ def test_another_architecture_or_a_damaged_file_is_refused(tmp_path):
         kvpress.save_cache(cache, path, model, press="nonsense:xyz=1")  # --load-cache would continue with it
     with pytest.raises(FileNotFoundError, match="does not exist"):
         kvpress.load_cache(tmp_path / "none.safetensors", model)
+    kvpress.save_cache(cache, path, model, press="default:compression_ratio=0.5")  # recorded as this model's default
+    assert kvpress.saved_cache.read_metadata(path)["press"] == kvpress.resolve_default("default:compression_ratio=0.5",
+                                                                                        model)  # fmt: skip
+    assert not kvpress.saved_cache.read_metadata(path)["press"].startswith("default")

@@ -52,6 +52,17 @@ def test_bad_calls_are_refused(tokenized):
         pipe(CONTEXT, question="a", press="snapkv")
     with pytest.raises(ValueError, match="chat_template must be True or False, got 'false'"):
         pipe(CONTEXT, question="a", chat_template="false")
+    with pytest.raises(ValueError, match="LookaheadPress scores by the question"):  # before any prefill
+        pipe(CONTEXT, question="a", press=kvpress.LookaheadPress(compression_ratio=0.5))
+    with pytest.raises(TypeError, match="pass the question as question="):
+        pipe(CONTEXT, "a")  # transformers' Pipeline would drop it
+    with pytest.raises(ValueError, match="batch_size must be 1, got 2"):
+        pipe([CONTEXT, CONTEXT], question="a", batch_size=2)
+    batched = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, batch_size=2)
+    with pytest.raises(ValueError, match="batch_size must be 1, got 2"):
+        batched([CONTEXT, CONTEXT], question="a")
+    both = pipe([CONTEXT, "The bicycle is in the shed. " * 4], question=QUESTIONS[1], max_new_tokens=4)
+    assert len(both) == 2 and all(isinstance(out["answer"], str) for out in both)  # one at a time, none lost
 
 
 def test_generate_refuses_arguments_of_the_wrong_kind(tokenized):

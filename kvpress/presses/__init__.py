@@ -228,6 +228,9 @@ def press_from_name(name: str, model: nn.Module | None = None, **kwargs) -> Base
     """Build a press by its CLI name (see `PRESSES`), optionally with parameters: `"snapkv:window_size=16"`;
     `"default"` is `model`'s default press (`kvpress.presses.defaults`; without a model, the one for any model),
     whose own parameters the keyword arguments replace as parameters after `default:` do (`n_sink=8`)."""
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"press_from_name's second argument is the model (whose default press `default` names), got "
+                        f"{model!r}: give the budget by name, compression_ratio= or max_tokens=")  # fmt: skip
     name, params = parse_press_spec(resolve_default(name, model, kwargs))
     kwargs = {key: value for key, value in kwargs.items() if not (key in params and value is None)}
     both = sorted(set(params) & set(kwargs))
