@@ -22,6 +22,7 @@ from pathlib import Path
 
 from kvpress.eval.fidelity import NEAR_CHANCE
 from kvpress.eval.paired import paired_rows
+from kvpress.eval.plots import intervals
 from kvpress.eval.sweep import current_rows
 from kvpress.presses.defaults import default_for
 
@@ -52,7 +53,11 @@ def ranking(rows: list[dict]) -> dict:
         presses.append({"press": press, "worst": worst, "mean": mean, "mean_low": mean - half,
                         "mean_high": mean + half, "cells": stats})  # fmt: skip
     presses.sort(key=lambda p: (-p["worst"]["difference"], -p["mean"], p["press"]))
-    return {"cells": cells, "left_out": left_out, "full": full_score, "presses": presses, "not_ranked": not_ranked}
+    bands = intervals(full)
+    full_n = {task: sum(r["task"] == task for r in full) for task in full_score}
+    full_interval = {task: list(bands.get((task, "none", 0.0), (math.nan, math.nan))) for task in full_score}
+    return {"cells": cells, "left_out": left_out, "full": full_score, "full_n": full_n, "full_interval": full_interval,
+            "presses": presses, "not_ranked": not_ranked}  # fmt: skip
 
 
 def _mean(values: list[float]) -> float:
@@ -69,13 +74,19 @@ def table(result: dict, default: str | None = None) -> str:
         lines.append(f"| {rank} | {name} | {w['task']}, r = {w['ratio']} | {w['difference']:+.3f} "
                      f"{_interval(w['low'], w['high'])} | "
                      f"{w['n']} | {p['mean']:+.3f} {_interval(p['mean_low'], p['mean_high'])} |")  # fmt: skip
-    full = ", ".join(f"{task} {score:.3f}" for task, score in sorted(result["full"].items()))
+    full = ", ".join(f"{task} {score:.3f} {_band(*result['full_interval'][task])} (n = {result['full_n'][task]})"
+                     for task, score in sorted(result["full"].items()))  # fmt: skip
     lines.append(f"\nfull cache: {full}; left out (full cache below {NEAR_CHANCE}): "
                  f"{', '.join(result['left_out']) or 'none'}")  # fmt: skip
     for press, missing in result["not_ranked"].items():
         cells = ", ".join(f"{task} r = {ratio}" for task, ratio in missing[:3]) + (", ..." if len(missing) > 3 else "")
         lines.append(f"not ranked: {press}, not measured in {len(missing)} of {len(result['cells'])} cells ({cells})")
     return "\n".join(lines)
+
+
+def _band(low: float, high: float) -> str:
+    """A score's 95% interval (Wilson's for 0/1 scores, `plots.intervals`)."""
+    return "(one example: no interval)" if math.isnan(low) else f"[{low:.2f}, {high:.2f}]"
 
 
 def _interval(low: float, high: float) -> str:

@@ -17,12 +17,12 @@ records its budget (`answer_tokens`, the task's `ANSWER_TOKENS`), whether that b
 answer's fidelity: the full cache's answer is fed after the prompt tokens the cache does not hold (the question)
 over each configuration's cache, nothing more evicted, and `answer_top1` / `answer_kl` are the top-1 agreement and
 mean KL(full || compressed) of the next-token distributions where they predict its tokens (`answer_positions` of
-them), a measure of what a press changes that does not hang on the model answering right (`paired.py --metric`;
-the summary averages both over a cell whose every row has them: not a press that recalls evicted tokens, nor rows
-written before the fields were, which a resumed sweep keeps). When a task's budget changes, a resumed sweep (or
-`--refresh`, which re-measures every such row in the directory and nothing else) answers again only where the new
-budget could change the row (`is_final`); the old row is dropped once its new one is written. A resumed sweep
-refuses a directory measured with another model, length, seed or mode.
+them; `reference_cut`: whether the budget cut that answer), a measure of what a press changes that does not hang on
+the model answering right (`paired.py --metric`; the summary averages both over a cell whose every row has them: not
+a press that recalls evicted tokens, nor rows written before the fields were, which a resumed sweep keeps). When a
+task's budget changes, a resumed sweep (or `--refresh`, which re-measures every such row in the directory and
+nothing else) answers again only where the new budget could change the row (`is_final`); the old row is dropped once
+its new one is written. A resumed sweep refuses a directory measured with another model, length, seed or mode.
 
 Perplexity tasks cannot share a prefill: each token is predicted from the cache compressed so far.
 They run one live chunked pass per (document, configuration) (`tasks/perplexity.py`); a row records
@@ -119,6 +119,9 @@ def check_plan(presses: list[str], tasks: list[str], query_aware: bool, prefill_
     chunks of their own."""
     chunked = [task for task in tasks if task.startswith("perplexity")]  # fed in chunks through the press
     built = {name: kvpress.press_from_name(name, compression_ratio=0.5) for name in presses}
+    same = [(a, b) for i, a in enumerate(presses) for b in presses[i + 1 :] if repr(built[a]) == repr(built[b])]
+    if same:  # (another name, or its parameters in another order: the rows would be measured twice)
+        raise ValueError(f"{same[0][0]!r} and {same[0][1]!r} are the same press: give it once")
     whole = [name for name, press in built.items() if press.needs_whole_context]
     asking = [name for name, press in built.items() if press.needs_question]
     if asking and not query_aware:
@@ -246,11 +249,15 @@ def is_final(row: dict) -> bool:
     """Whether the task's current answer budget could not change `row`: greedy decoding makes a longer
     answer begin with the shorter one, so an answer that ended on an end of sequence stands, and so does a
     full score on a task whose score only grows with more text (`SCORE_GROWS_WITH_TEXT`). A row that lacks
-    `answer_tokens` or `cut` (an older sweep's) counts as cut, with an unknown (zero) budget."""
+    `answer_tokens` or `cut` (an older sweep's) counts as cut, with an unknown (zero) budget. A row with answer
+    fidelity under another budget stands only if the full cache's answer it was measured along ended on an end of
+    sequence (`reference_cut` False): else that answer, hence the fidelity, changes with the budget."""
     if "answer" not in row:  # perplexity and continuation rows
         return True
     budget = ANSWER_TOKENS[row["task"]]
     if row.get("answer_tokens", 0) > budget:  # the budget shrank: the answer may be longer than it allows
+        return False
+    if "answer_top1" in row and row.get("answer_tokens", 0) != budget and row.get("reference_cut", True):
         return False
     if not row.get("cut", True) or (row["score"] >= 1 and row["task"] in SCORE_GROWS_WITH_TEXT):
         return True
@@ -420,7 +427,8 @@ def answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_aware
         if press is None or not press.recalls:
             logp = reference if press is None else fed_logp(model, tokenizer, press, cache, fed)[tail - 1 :]
             top1, kl = agreement(reference, logp)
-            fidelity = {"answer_top1": top1, "answer_kl": kl, "answer_positions": reference.shape[0]}
+            fidelity = {"answer_top1": top1, "answer_kl": kl, "answer_positions": reference.shape[0],
+                        "reference_cut": _cut(full_answer, answer_tokens, model)}  # fmt: skip
         working = copy.deepcopy(cache) if press is None else cache
         new = answer_ids_from_cache(model, tokenizer, ids, working, press, answer_tokens)
         text = tokenizer.decode(new, skip_special_tokens=True).strip()
@@ -525,6 +533,9 @@ def _shard():
 def write_summary(out: Path) -> list[dict]:
     """Aggregate `results.jsonl` into summary.json / summary.csv / table.md / plot.png (+ heatmap.png)."""
     rows = list(current_rows(out).values())
+    if not rows:
+        raise ValueError(f"{out} holds no result rows yet (a sweep stopped before its first): run the sweep again "
+                         "there, it resumes")  # fmt: skip
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["task"], r["press"], r["ratio"]), []).append(r)

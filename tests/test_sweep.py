@@ -11,7 +11,7 @@ from transformers import DynamicCache
 import kvpress
 from kvpress import AdaKVPress, DuoAttentionPress, HeavyHitterPress, PyramidKVPress, SnapKVPress
 from kvpress.eval.paired import paired_rows
-from kvpress.eval.sweep import configurations, main, run_sweep
+from kvpress.eval.sweep import check_plan, configurations, main, run_sweep
 from kvpress.patterns import config_hash
 from kvpress.recording import compress_recording, record_prefill
 from tiny import prompt, quoref_stand_in, tiny_model
@@ -268,6 +268,10 @@ def test_which_rows_a_changed_budget_leaves_alone(default_model):
     assert not is_final({**row, "task": "arithmetic", "score": 1.0})  # first-number scoring: more text can change it
     assert not is_final({k: v for k, v in row.items() if k not in ("cut", "answer_tokens")})  # measured before both
     assert is_final({"task": "perplexity", "score": 0.1, "ppl": 10.0})
+    measured = {**row, "cut": False, "answer_top1": 0.9}  # its fidelity follows the full cache's answer at 2 tokens
+    assert not is_final(measured) and not is_final({**measured, "reference_cut": True})
+    assert is_final({**measured, "reference_cut": False})  # that answer ended: the same under any larger budget
+    assert is_final({**measured, "answer_tokens": 32})
     for eos in (2, [2, 7]):
         model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=eos))
         assert _cut(torch.tensor([5, 6, 8]), 3, model)
@@ -285,6 +289,11 @@ def test_refresh_refuses_a_directory_without_a_sweep_or_of_another_model(default
     assert "--refresh takes --out and --model only, not --tasks, --seed" in capsys.readouterr().err
     (tmp_path / "settings.json").write_text(json.dumps({"model": "qwen2.5-0.5b", "examples": 1}))
     with pytest.raises(ValueError, match="measured with 'qwen2.5-0.5b', not 'smollm2-135m'"):
+        refresh_sweep(*default_model, tmp_path)
+    settings = {"model": "smollm2-135m", "examples": 1, "length": 256, "seed": 0, "query_aware": False}
+    (tmp_path / "settings.json").write_text(json.dumps(settings))  # stopped in its first example
+    (tmp_path / "results.jsonl").write_text('{"task": "needle_noise", "exa')
+    with pytest.raises(ValueError, match="holds no result rows yet"):
         refresh_sweep(*default_model, tmp_path)
 
 
@@ -394,6 +403,10 @@ def test_a_quantizing_press_is_also_measured_at_ratio_zero():
         configurations(["snapkv", "snapkv:kv_bits=4"], [0.0])
     with pytest.raises(ValueError, match="presses given twice: snapkv"):
         configurations(["snapkv", "snapkv"], [0.5])
+    for a, b in (("h2o", "heavy-hitter"), ("snapkv:window_size=8:kernel_size=3", "snapkv:kernel_size=3:window_size=8")):
+        with pytest.raises(ValueError, match=f"'{a}' and '{b}' are the same press: give it once"):
+            check_plan([a, "knorm", b], ["needle_noise"], False, None)
+    check_plan(["snapkv:window_size=8", "snapkv:window_size=16"], ["needle_noise"], False, None)
     with pytest.raises(ValueError, match="ratios given twice: 0.5"):
         configurations(["snapkv"], [0.5, 0.5])
 
@@ -404,6 +417,9 @@ def test_paired_differences_count_only_examples_both_answered():
     cell, pooled = paired_rows(rows, "a", "b")[1], paired_rows(rows, "a", "b")[0]
     assert pooled["task"] == "all" and cell["task"] == "t" and cell["n"] == 2  # example 2 has no "b"
     assert cell["difference"] == -0.5 and cell["low"] < -0.5 < cell["high"]
+    from kvpress.eval.paired import table
+
+    assert "| 1 | 1.000 | 0.000 | -1.000 (one example: no interval) | 1 |" in table(paired_rows(rows[:2], "a", "b"))
     full = [{"task": "t", "ratio": 0.0, "example": i, "press": "none", "score": 1.0} for i in range(3)]
     cells = paired_rows(full + rows, "none", "a")  # the full cache, measured at r = 0, pairs at a's ratio
     assert [(c["task"], c["ratio"], c["n"], c["difference"]) for c in cells] == [("all", 0.75, 3, 0.0),
@@ -486,6 +502,7 @@ def test_answer_rows_measure_fidelity_to_the_full_cache_answer(tokenized, tmp_pa
             pressed = model(fed, cache=compress_recording(model, recording, press)).logits[0, start:].log_softmax(-1)
         row = rows[name]
         assert row["answer_positions"] == rows["none"]["answer_positions"] == full.numel() == pressed.shape[0]
+        assert row["reference_cut"] is (full.numel() == budget and int(full[-1]) != tokenizer.eos_token_id)
         kl = float(F.kl_div(pressed, reference, log_target=True, reduction="sum")) / full.numel()
         assert row["answer_kl"] == pytest.approx(kl, rel=1e-4) and kl > 0
         assert row["answer_top1"] == float((pressed.argmax(-1) == reference.argmax(-1)).float().mean()) < 1
@@ -537,6 +554,7 @@ def test_ranking_puts_the_best_worst_cell_first_and_leaves_out_tasks_at_chance()
     assert [p["press"] for p in result["presses"]] == ["steady", "spiky"]  # worst -0.25 beats -0.5
     assert result["not_ranked"] == {"partial": [("hard", 0.5)]}
     assert "not ranked: partial, not measured in 1 of 2 cells (hard r = 0.5)" in table(result)
+    assert "full cache: floor 0.000 [0.00, 0.49] (n = 4), hard 0.500 [0.15, 0.85] (n = 4)" in table(result)  # Wilson
     steady_ = result["presses"][0]
     assert steady_["worst"]["task"] == "needle" and steady_["worst"]["difference"] == -0.25
     assert steady_["mean"] == -0.125 and steady_["mean_low"] < -0.125 < steady_["mean_high"]
