@@ -39,7 +39,7 @@ def test_a_whole_layer_after_a_compressed_one_gets_its_own_mask(attn):
     cache = DynamicCache(config=model.config)
     with press(model) as installed:
         model(ids, cache=cache)
-        assert [layer.n for layer in cache.layers] == [3, 40]  # transformers sizes its mask from layer 0
+        assert [layer.n for layer in cache.layers] == [20, 40]  # transformers sizes its mask from layer 0
         with installed.frozen():
             logits = model(prompt(1, 5, seed=1), cache=cache).logits
     assert logits.shape == (1, 5, 128) and torch.isfinite(logits).all()  # was a mask size mismatch
@@ -117,3 +117,18 @@ def test_layer_scales_must_be_finite():
     for bad in ((1.0, float("nan")), (1.0, float("inf")), (True, 1.0)):
         with pytest.raises(ValueError, match="layer_scales must be positive numbers"):
             KnormPress(compression_ratio=0.5, layer_scales=bad)
+
+
+def test_shares_over_a_whole_context_go_to_the_other_layers():
+    """At r = 0.1 PyramidKV's bottom layers would keep more than they hold: they keep it all and the layers above
+    share the rest, so the total is the budget's (it removed 27% at r = 0.1 when the surplus was dropped)."""
+    press = PyramidKVPress(SnapKVPress(compression_ratio=0.1, window_size=4))
+    budgets = [press.budget_of(1000, press.layer_scale(i, 30)) for i in range(30)]
+    assert budgets[0] == 1000 and budgets == sorted(budgets, reverse=True) and budgets[-1] < 900
+    assert 30 * 900 - 30 <= sum(budgets) <= 30 * 900
+    assert [press.layer_scale(i, 8) for i in range(8)] == [press.layer_scale(i, 8) for i in range(8)]
+    steep = PyramidKVPress(compression_ratio=0.5, beta=4)  # no share over 2: the line as it was
+    assert [round(steep.layer_scale(i, 8), 4) for i in (0, 7)] == [1.75, 0.25]
+    knorm = KnormPress(max_tokens=50, layer_scales=(1, 3))  # a fixed budget cannot move: said
+    with pytest.warns(UserWarning, match=r"share of max_tokens=50 \(75 tokens\) is more than the 60 it holds"):
+        assert knorm.budget_of(60, knorm.layer_scale(1, 2)) == 60

@@ -27,6 +27,25 @@ from kvpress.patches.cache import PressedLayer
 from kvpress.patches.head_cache import HeadwiseLayer
 
 
+@functools.lru_cache(maxsize=256)
+def shares_within(shares: tuple[float, ...], compression_ratio: float | None = None) -> tuple[float, ...]:
+    """Per-layer budget `shares` (positive) normalised to average 1, none above the whole context at
+    `compression_ratio` (a share of 1 / (1 - r)): what a capped layer cannot hold goes to the others in proportion
+    to their shares (water-filling), so the layers together keep the budget. None or r = 0: normalised only."""
+    n = len(shares)
+    norm = [s * n / sum(shares) for s in shares]
+    if not compression_ratio:
+        return tuple(norm)
+    cap, capped = 1 / (1 - compression_ratio), set()
+    while True:
+        free = [i for i in range(n) if i not in capped]
+        m = (n - len(capped) * cap) / sum(norm[i] for i in free)  # (mean 1 <= cap: some layer stays free)
+        over = {i for i in free if norm[i] * m > cap}
+        if not over:
+            return tuple(cap if i in capped else s * m for i, s in enumerate(norm))
+        capped |= over
+
+
 def _check_ratio(value: float | None) -> None:
     if value is None:
         return
@@ -93,7 +112,9 @@ class BasePress(Installable):
         rerotate: re-rotate kept keys to positions inside the cache (StreamingLLM), so the model never
             sees a position beyond the cache size and can run past `max_position_embeddings`.
         layer_scales: optional relative budgets per layer (normalised to average 1): layers keep
-            different numbers of tokens, the total staying that of the budget.
+            different numbers of tokens, the total staying that of the budget (with compression_ratio, a layer
+            whose share is more than its whole context keeps it all and the others share the rest,
+            `shares_within`; with max_tokens such a layer keeps its context, said once, and the total is less).
         decode_slack: while decoding, a row over its budget is cut to `budget - decode_slack * budget`
             tokens at once, so scoring and copying run every few steps instead of every step (the cache
             never exceeds its budget). 0 evicts one token per step. A press that scores the whole context
@@ -219,7 +240,7 @@ class BasePress(Installable):
             return 1.0
         if len(self.layer_scales) != n_layers:
             raise ValueError(f"layer_scales has {len(self.layer_scales)} entries but the model has {n_layers} layers")
-        return self.layer_scales[layer_idx] * len(self.layer_scales) / sum(self.layer_scales)
+        return shares_within(self.layer_scales, self.compression_ratio)[layer_idx]
 
     # ----- budgets ------------------------------------------------------------------------------------
     def row_budgets(self, layer_idx: int, n_layers: int, spans: list[int]) -> list[int]:
@@ -235,6 +256,11 @@ class BasePress(Installable):
         """Tokens a row that would hold `seen` tokens with no press may keep in a layer of share `scale`."""
         if self.max_tokens is not None:
             keep = min(seen, math.floor(self.max_tokens * scale))
+            if keep < math.floor(self.max_tokens * scale) and not self.__dict__.get("_said_share"):
+                self.__dict__["_said_share"] = True
+                warnings.warn(f"{type(self).__name__}: a layer's share of max_tokens={self.max_tokens} "
+                              f"({math.floor(self.max_tokens * scale)} tokens) is more than the {seen} it holds: it "
+                              "keeps them all, so the layers keep less than the budget in total", stacklevel=2)
         else:
             keep = seen - math.floor(seen * self.compression_ratio)
             if scale != 1.0 and self.compression_ratio:  # r = 0 keeps everything, in every layer

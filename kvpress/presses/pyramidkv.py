@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpress.presses.base import BasePress
+from kvpress.presses.base import BasePress, shares_within
 from kvpress.presses.head_budget import HeadwisePress
 from kvpress.presses.snapkv import SnapKVPress
 from kvpress.presses.wrapping import WrapsPress
@@ -68,8 +68,11 @@ class PyramidKVPress(WrapsPress, BasePress):
         return self.press.ranked_scores(obs, budgets, per_head_scale)  # the wrapped press's own (CriticalKV's stages)
 
     def layer_scale(self, layer_idx: int, n_layers: int) -> float:
+        """The pyramid's share of layer `layer_idx`, within what the layer holds (`shares_within`: at a small
+        compression ratio the bottom layers keep their whole context and the layers above share the rest)."""
         if n_layers == 1:
             return 1.0
         top = 1.0 / self.beta
         bottom = 2.0 - top
-        return bottom - (bottom - top) * layer_idx / (n_layers - 1)
+        line = tuple(bottom - (bottom - top) * i / (n_layers - 1) for i in range(n_layers))
+        return shares_within(line, self.compression_ratio)[layer_idx]
