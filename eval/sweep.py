@@ -546,10 +546,16 @@ def write_summary(out: Path) -> list[dict]:
         full_score = _score(full) if full else None
         score = _score(members)
         low, high = bands.get((task, press, ratio), (None, None))
+        ppl = "nll_sum" in members[0]  # (its band is of the perplexity: the score's is its inverse)
+        ppl_band = (low, high) if ppl and low is not None else (None, None)
+        if ppl_band[0] is not None:
+            low, high = 1 / ppl_band[1], 1 / ppl_band[0]
         summary.append({
             "task": task, "press": press, "ratio": ratio, "examples": len(members), "score": round(score, 4),
             "low": None if low is None else round(low, 4), "high": None if high is None else round(high, 4),
-            "ppl": round(1 / score, 4) if "nll_sum" in members[0] else None,
+            "ppl": round(1 / score, 4) if ppl else None,
+            "ppl_low": None if ppl_band[0] is None else round(ppl_band[0], 4),
+            "ppl_high": None if ppl_band[1] is None else round(ppl_band[1], 4),
             **{field: _mean_of(members, field) for field in ("kl", "answer_top1", "answer_kl")},
             "retention": round(score / full_score, 4) if full_score else None,
             "empty": sum(not m["answer"].strip() for m in members) if "answer" in members[0] else None,
@@ -591,8 +597,9 @@ def _table(summary: list[dict]) -> str:
         for t in tasks:
             s = cell.get((t, press, ratio))
             value = None if s is None else f"{s['ppl']:.2f}" if is_ppl[t] else f"{s['score']:.3f}"
-            if s is not None and s.get("low") is not None:  # 95% interval (of the perplexity, for its tasks)
-                value += f" [{s['low']:.2f}, {s['high']:.2f}]"
+            band = ("ppl_low", "ppl_high") if is_ppl[t] else ("low", "high")
+            if s is not None and s.get(band[0]) is not None:  # 95% interval (of the perplexity, for its tasks)
+                value += f" [{s[band[0]]:.2f}, {s[band[1]]:.2f}]"
             empty = f" empty={s['empty']}" if s is not None and s.get("empty") else ""  # the model answered nothing
             cells.append("" if s is None else f"{value} n={s['examples']}{empty} ({s['kept_bytes_ratio']:.3f})")
         lines.append(f"| {'full cache' if press == 'none' else press} | {ratio} | " + " | ".join(cells) + " |")

@@ -117,8 +117,9 @@ def test_perplexity_runs_a_live_chunked_pass_per_configuration(default_model, tm
         assert s["retention"] == pytest.approx(by[("none", 0.0)]["ppl"] / s["ppl"], rel=1e-3)
     table = (tmp_path / "table.md").read_text()
     assert "perplexity_pydoc: ppl, lower is better (kept bytes)" in table
-    low, high = by[("none", 0.0)]["low"], by[("none", 0.0)]["high"]
+    low, high = by[("none", 0.0)]["ppl_low"], by[("none", 0.0)]["ppl_high"]
     assert low < by[("none", 0.0)]["ppl"] < high  # the pooled perplexity's interval
+    assert by[("none", 0.0)]["low"] < by[("none", 0.0)]["score"] < by[("none", 0.0)]["high"]  # the score's, 1 / ppl
     assert f"| full cache | 0.0 | {by[('none', 0.0)]['ppl']:.2f} [{low:.2f}, {high:.2f}] n=2 (1.000) |" in table
 
 
