@@ -40,7 +40,7 @@ class ChatSession:
                  round_policy: RoundPolicy | None = None):  # fmt: skip
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"{type(tokenizer).__name__} has no chat template; ChatSession needs one")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if isinstance(press, RoundPolicy):
             raise TypeError("a RoundPolicy is a chat policy, not a press: pass it as round_policy=")

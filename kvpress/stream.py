@@ -70,8 +70,8 @@ def stream(
                          "cache (its NLLs would be conditioned on the earlier text); pass an empty DynamicCache")
     ids = stream_ids(tokenizer, text_or_ids)
     if limit is not None:
-        if limit < 2:
-            raise ValueError(f"limit must be at least 2 tokens, got {limit}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 2:
+            raise ValueError(f"limit must be an integer of at least 2 tokens, got {limit!r}")
         ids = ids[:limit]
     max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if press is None and max_positions is not None and ids.numel() > max_positions:

@@ -56,6 +56,8 @@ def test_errors_leave_the_session_unchanged(default_model):
     assert _state(session) == before
     with pytest.raises(TypeError, match="press must be a kvpress press"):
         kvpress.ChatSession(model, tokenizer, press="snapkv")
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive integer, got True"):
+        kvpress.ChatSession(model, tokenizer, max_new_tokens=True)
     with pytest.raises(ValueError, match="LookaheadPress compresses the first prompt of a cache"):
         kvpress.ChatSession(model, tokenizer, press=kvpress.press_from_name("lookahead", compression_ratio=0.5))
 

@@ -57,6 +57,9 @@ def test_bad_arguments():
         next(kvpress.stream(model, None, prompt(1, 10)[0], chunk=0))
     with pytest.raises(ValueError, match="at least 2 token ids"):
         next(kvpress.stream(model, None, torch.tensor([5])))
+    for limit in (100.0, True, 1):
+        with pytest.raises(ValueError, match=f"limit must be an integer of at least 2 tokens, got {limit!r}"):
+            next(kvpress.stream(model, None, prompt(1, 10)[0], limit=limit))
     with pytest.raises(TypeError, match="press must be a kvpress press"):
         next(kvpress.stream(model, None, prompt(1, 10)[0], "sink-window"))
     with pytest.raises(ValueError, match="KVzipPress compresses a whole prompt once"):
