@@ -59,6 +59,11 @@ def test_budget_smaller_than_protected_window():
     with pytest.raises(ValueError, match="smaller than the protected"):
         HeavyHitterPress(max_tokens=8, window=16)
     assert SnapKVPress(max_tokens=64).max_tokens == 64
+    for field in ("n_sink", "window_size"):  # None is no count (it reached `None + 64` with max_tokens)
+        with pytest.raises(ValueError, match=f"{field} must be a (non-negative|positive) integer, got None"):
+            SnapKVPress(max_tokens=100, **{field: None})
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*31\), got 1000000000000"):
+        kvpress.RandomPress(compression_ratio=0.5, seed=10**12)  # (it overflowed int64 at the first eviction)
 
 
 def test_bad_max_tokens():

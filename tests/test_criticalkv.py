@@ -88,6 +88,13 @@ def test_wrappers_keep_its_two_stages_or_refuse_it():
         CriticalKVPress(ExpectedAttentionPress(0.5))
     with pytest.raises(TypeError, match="cannot wrap SimLayerKVPress"):
         CriticalKVPress(SimLayerKVPress(0.5))
+    # the same refusals through a wrapper between them (it only passes scores on)
+    with pytest.raises(TypeError, match="it wraps a CriticalKVPress, which ChunkPress cannot wrap either"):
+        ChunkPress(PyramidKVPress(CriticalKVPress(SnapKVPress(0.5))))  # its first stage would be skipped
+    with pytest.raises(ValueError, match="give ExpectedAttentionPress use_vnorm=False"):
+        CriticalKVPress(ChunkPress(ExpectedAttentionPress(0.5)))  # the value norm counted twice
+    with pytest.raises(ValueError, match="the wrapped SnapKVPress cannot set its own"):
+        PyramidKVPress(CriticalKVPress(SnapKVPress(0.5, layer_scales=(3, 1))))  # its scales replaced silently
     model = tiny_model("llama")
     ids = prompt(1, 40)
     pyramid = PyramidKVPress(critical, beta=1.0)  # beta 1: every layer the same budget, so the same tokens

@@ -56,7 +56,9 @@ def test_parameters_after_default_replace_the_defaults_own_and_are_checked_as_th
     assert default_before_loading("default:pool=max", None) == "adakv:inner=kvzap:n_sink=4:pool=max"
     assert default_before_loading("default:pool=max", "/some/directory") is None  # its default: once it loads
     assert default_before_loading("knorm", None) == "knorm"
-    _check_press("default:pool=max:n_sink=8", None, None, None)  # KVzap's parameter, SmolLM2's default's
+    _check_press("default:pool=max:kernel_size=3:n_sink=8", None, None, None)  # KVzap's, SmolLM2's default's
+    with pytest.raises(ValueError, match="kernel_size=1 pools nothing"):  # (KVzap's kernel is 1 unless given)
+        _check_press("default:pool=max", None, None, None)
     with pytest.raises(ValueError, match="pool"):
         _check_press("default:pool=max", None, None, "qwen2.5-0.5b")  # its default has no pool (SnapKV here)
     _check_press("default:pool=max", None, None, "/some/directory")  # only parsed

@@ -217,6 +217,11 @@ def test_layer_budgets_follow_the_scorers_profile_at_the_press_ratio():
             model(prompt(1, 40), cache=cache)
         held[g] = [layer.n for layer in cache.layers]
     assert held[0.0] == [20, 20] and held[0.5] == [25, 15] and held[1.0] == [30, 10]  # (1 - g) + g x share
+    scorer.layer_profile = torch.tensor([[1.9, 0.1], [1.9, 0.1]])  # at r = 0.25: 1.45, more than layer 0 holds
+    cache = DynamicCache(config=model.config)
+    with KVzapPress(compression_ratio=0.25, window_size=0, scorer=scorer, global_budget=1.0)(model):
+        model(prompt(1, 40), cache=cache)
+    assert [layer.n for layer in cache.layers] == [40, 20]  # layer 0 keeps all, layer 1 the rest (16 before)
 
 
 def test_layer_budgets_need_a_ratio_and_leave_layer_scales_to_the_user():

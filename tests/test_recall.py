@@ -72,6 +72,8 @@ def test_refuses_presses_it_cannot_wrap_and_bad_parameters():
         RecallPress(SnapKVPress(0.5), span_size=0)
     with pytest.raises(ValueError, match="recall_fraction"):
         RecallPress(SnapKVPress(0.5), recall_fraction=1.5)
+    with pytest.raises(ValueError, match="recall_fraction=0 recalls nothing"):
+        RecallPress(SnapKVPress(0.5), recall_fraction=0, recall_every=8)
 
 
 def test_a_cache_with_a_store_is_not_saved_without_it(tmp_path):

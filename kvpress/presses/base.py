@@ -110,14 +110,14 @@ class BasePress(Installable):
         compression_ratio: fraction r in [0, 1) of each row's cached tokens removed (r = 0: no eviction).
         max_tokens: a fixed budget of tokens per layer and KV head instead. Exactly one of the two.
         rerotate: re-rotate kept keys to positions inside the cache (StreamingLLM), so the model never
-            sees a position beyond the cache size and can run past `max_position_embeddings`.
+            sees a position beyond the cache size and can run past `max_position_embeddings` (default False).
         layer_scales: optional relative budgets per layer (normalised to average 1): layers keep
             different numbers of tokens, the total staying that of the budget (with compression_ratio, a layer
             whose share is more than its whole context keeps it all and the others share the rest,
             `shares_within`; with max_tokens such a layer keeps its context, said once, and the total is less).
         decode_slack: while decoding, a row over its budget is cut to `budget - decode_slack * budget`
             tokens at once, so scoring and copying run every few steps instead of every step (the cache
-            never exceeds its budget). 0 evicts one token per step. A press that scores the whole context
+            never exceeds its budget; default 0.02). 0 evicts one token per step. A press that scores the whole context
             (`needs_whole_context`: KVzip, ...) compresses it once and keeps the tokens generated after it,
             so it takes no decode_slack.
         kv_bits: store the kept keys and values in 8 or 4 bits (None: in the model's dtype), once the press
@@ -146,9 +146,10 @@ class BasePress(Installable):
     kv_bits: int | None = None
 
     def __post_init__(self) -> None:
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name in PROTECTED_FIELDS:  # before anything reads them (the max_tokens check below)
             value = getattr(self, name, 0)
-            if value is None:  # a wrapper's field for the press it builds (PyramidKV's SnapKV)
+            if value is None and defaults.get(name) is None:  # a wrapper's field for the press it builds (PyramidKV's)
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")

@@ -19,7 +19,7 @@ import torch
 from kvpress.patches import model_access
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.head_budget import HeadwisePress, descending_rank
-from kvpress.presses.wrapping import WrapsPress
+from kvpress.presses.wrapping import WrapsPress, wrapped_chain
 
 
 @dataclass
@@ -46,9 +46,10 @@ class CriticalKVPress(WrapsPress, BasePress):
 
     def __post_init__(self) -> None:
         self.adopt_press(refused=(HeadwisePress,))
-        if getattr(self.press, "use_vnorm", False):
+        weighed = [p for p in wrapped_chain(self.press) if getattr(p, "use_vnorm", False)]  # (through wrappers too)
+        if weighed:
             raise ValueError(f"CriticalKVPress weighs attention by the projected value norm itself: give "
-                             f"{type(self.press).__name__} use_vnorm=False")  # fmt: skip
+                             f"{type(weighed[0]).__name__} use_vnorm=False")  # fmt: skip
         ratio = self.first_stage_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
             raise ValueError(f"first_stage_ratio must be a fraction in [0, 1], got {ratio!r}")

@@ -20,7 +20,7 @@ from torch import nn
 
 from kvpress.patches import model_access
 from kvpress.patches.head_cache import HeadwiseLayer
-from kvpress.presses.base import BasePress, Observation
+from kvpress.presses.base import BasePress, Observation, shares_within
 from kvpress.presses.head_budget import head_observation
 from kvpress.presses.snapkv import check_kernel_size, pool_by_position
 from kvpress.scorers import Scorer, find_scorer, load_scorer
@@ -86,7 +86,7 @@ class KVzapPress(BasePress):
     whole_words: bool = False
     _weights: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _edges: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    _shares: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _shares: tuple[float, ...] | None = field(default=None, init=False, repr=False, compare=False)  # layer scales
     _uses_mass: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -122,14 +122,18 @@ class KVzapPress(BasePress):
             if self.whole_words:
                 self._edges[module] = scorer.word_edges
         self._uses_mass = scorer.mass_weight is not None
-        if self.global_budget:  # layer budgets: of the model it was installed on last
+        if self.global_budget:  # layer budgets: of the model it was installed on last, once (not at every step)
             g = self.global_budget
-            self._shares = (1 - g) + g * scorer.layer_shares(self.compression_ratio)
+            shares = (1 - g) + g * scorer.layer_shares(self.compression_ratio)
+            scales = tuple(float(share * len(shares) / shares.sum()) for share in shares)
+            if max(scales) > 1 / (1 - self.compression_ratio):  # a layer would keep more than it holds
+                scales = shares_within(scales, self.compression_ratio)
+            self._shares = scales
 
     def layer_scale(self, layer_idx: int, n_layers: int) -> float:
         if self._shares is None:
             return super().layer_scale(layer_idx, n_layers)
-        return float(self._shares[layer_idx] * len(self._shares) / self._shares.sum())
+        return self._shares[layer_idx]
 
     def observe(self, obs: Observation) -> None:
         """Predict the scores of the new tokens (the last `hidden.shape[1]` held slots) from their hidden states."""

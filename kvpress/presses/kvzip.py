@@ -34,7 +34,8 @@ class KVzipPress(BasePress):
 
     Parameters:
         compression_ratio / max_tokens: the budget (see `BasePress`).
-        prompt: the repeat request fed between the cached context and its copy.
+        prompt: the repeat request fed between the cached context and its copy (default `REPEAT_PROMPT`,
+            "Repeat the previous context exactly." between blank lines).
         reconstruction_chunk: context tokens rebuilt per pass (default 2048; the paper's ~2K): each pass
             is dropped before the next, each layer dropping it right after its attention in the pass's last
             forward (`reconstruction_scores`), so scoring holds the cache plus at most one pass.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kvpress.presses.base import BasePress, shares_within
 from kvpress.presses.head_budget import HeadwisePress
 from kvpress.presses.snapkv import SnapKVPress
-from kvpress.presses.wrapping import WrapsPress
+from kvpress.presses.wrapping import WrapsPress, wrapped_chain
 
 
 @dataclass
@@ -54,8 +54,9 @@ class PyramidKVPress(WrapsPress, BasePress):
             raise ValueError(f"PyramidKVPress takes {', '.join(snapkv)} for its own SnapKV only; set them on the "
                              "wrapped press")  # fmt: skip
         self.adopt_press(refused=(HeadwisePress, PyramidKVPress))
-        if self.press.layer_scales is not None or getattr(self.press, "global_budget", 0):
-            name = type(self.press).__name__
+        own = [p for p in wrapped_chain(self.press) if p.layer_scales is not None or getattr(p, "global_budget", 0)]
+        if own:  # (through a wrapper too: CriticalKV keeps its inner press's scales there)
+            name = type(own[0]).__name__
             raise ValueError(f"PyramidKVPress sets the per-layer budgets itself: the wrapped {name} "
                              "cannot set its own (layer_scales, or KVzip's global_budget=0)")  # fmt: skip
         self.rerotate = self.press.rerotate

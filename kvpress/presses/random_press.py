@@ -21,6 +21,11 @@ class RandomPress(BasePress):
 
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**31:
+            raise ValueError(f"seed must be an integer in [0, 2**31), got {self.seed!r}")  # (hashed in int64)
+        super().__post_init__()
+
     def score(self, obs: Observation) -> torch.Tensor:
         pos = obs.layer.pos.long()
         head = torch.arange(pos.shape[1], device=pos.device)[None, :, None]

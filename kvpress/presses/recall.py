@@ -75,6 +75,9 @@ class RecallPress(WrapsPress, BasePress):
         if isinstance(self.recall_every, bool) or not isinstance(self.recall_every, int) or self.recall_every < 0:
             raise ValueError(f"recall_every must be a non-negative integer (0: none while decoding), got "
                              f"{self.recall_every!r}")  # fmt: skip
+        if self.recall_every and not f:
+            raise ValueError(f"recall_every={self.recall_every} recalls recall_fraction of the held context, and "
+                             "recall_fraction=0 recalls nothing: give a fraction > 0, or recall_every=0")  # fmt: skip
         super().__post_init__()
 
     def score(self, obs: Observation) -> torch.Tensor:

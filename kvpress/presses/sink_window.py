@@ -21,7 +21,8 @@ class SinkWindowPress(BasePress):
 
     Parameters:
         compression_ratio / max_tokens: the budget (see `BasePress`); or `window`:
-        window: recent tokens kept besides the sinks; sets `max_tokens = n_sink + window`.
+        window: recent tokens kept besides the sinks; sets `max_tokens = n_sink + window` (default None: the
+            budget is given instead).
         n_sink: leading tokens always kept (default 4, as in the paper).
         rerotate: re-rotate kept keys to positions inside the cache, as StreamingLLM does.
     """

@@ -56,6 +56,9 @@ def check_kernel_size(kernel_size: object, pool: object = "mean") -> None:
         raise ValueError(f"kernel_size must be a positive odd integer, got {kernel_size!r}")
     if not isinstance(pool, str) or pool not in POOLS:
         raise ValueError(f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
+    if pool != "mean" and kernel_size == 1:
+        raise ValueError(f"pool={pool!r} pools over kernel_size neighbours, and kernel_size=1 pools nothing: give "
+                         "kernel_size=3 or more, or drop pool")  # fmt: skip
 
 
 def pool_by_position(scores: torch.Tensor, layer: PressedLayer, kernel_size: int, pool: str = "mean") -> torch.Tensor:

@@ -79,7 +79,10 @@ class SpecAttnPress(BasePress):
         if model_access.has_sliding_layers(model):
             raise ValueError(f"SpecAttnPress pairs layers by their attention over the whole context; "
                              f"{type(model).__name__} has layers that attend to a window or less")  # fmt: skip
-        model_access.decoder_layers(model)  # refuses a decoder whose layers it cannot skip
+        n_layers = len(model_access.decoder_layers(model))  # refuses a decoder whose layers it cannot skip
+        if self.skip_every and not layers_to_skip(n_layers, self.skip_every):
+            raise ValueError(f"skip_every={self.skip_every} skips no layer of {type(model).__name__}'s {n_layers} "
+                             f"(never the first or the last): give 2 to {n_layers - 1}, or 0 to skip none")  # fmt: skip
 
     def prepare(self, model: nn.Module, recording, tokenizer=None) -> None:
         """Draft the answer with layers skipped, then pair every layer with its closest drafted one (once per

@@ -13,6 +13,15 @@ def inner_flag(name: str) -> property:
                     doc=f"the wrapped press's {name}")  # fmt: skip
 
 
+def wrapped_chain(press) -> list[BasePress]:
+    """`press` and every press it wraps, the outermost first (`ChunkPress(PyramidKVPress(SnapKVPress))`: all three)."""
+    chain = []
+    while isinstance(press, BasePress):
+        chain.append(press)
+        press = getattr(press, "press", None)
+    return chain
+
+
 class WrapsPress:
     """Mixin of presses built around another press (`press`), which keeps its own budget and protections."""
 
@@ -24,8 +33,10 @@ class WrapsPress:
         name = type(self).__name__
         if self.press is None and isinstance(self.compression_ratio, BasePress):  # Wrapper(SnapKVPress(...))
             self.press, self.compression_ratio = self.compression_ratio, None
-        if not isinstance(self.press, BasePress) or isinstance(self.press, refused):
-            raise TypeError(f"{name} wraps a token-level press such as SnapKVPress, got {self.press!r}")
+        deep = next((p for p in wrapped_chain(self.press)[1:] if isinstance(p, refused)), None)
+        if not isinstance(self.press, BasePress) or isinstance(self.press, refused) or deep is not None:
+            inside = "" if deep is None else f" (it wraps a {type(deep).__name__}, which {name} cannot wrap either)"
+            raise TypeError(f"{name} wraps a token-level press such as SnapKVPress, got {self.press!r}{inside}")
         if not self.press.wrappable:
             raise TypeError(f"{name} cannot wrap {type(self.press).__name__}: it decides its layers or slots itself "
                             "(use it alone)")  # fmt: skip
