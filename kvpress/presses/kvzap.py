@@ -133,6 +133,10 @@ class KVzapPress(BasePress):
     def layer_scale(self, layer_idx: int, n_layers: int) -> float:
         if self._shares is None:
             return super().layer_scale(layer_idx, n_layers)
+        if len(self._shares) != n_layers:
+            raise ValueError(f"KVzapPress's layer budgets (global_budget) are those of the model it was installed on "
+                             f"last ({len(self._shares)} layers), not of this one ({n_layers}): use one press per "
+                             "model")  # fmt: skip
         return self._shares[layer_idx]
 
     def observe(self, obs: Observation) -> None:
