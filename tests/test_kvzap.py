@@ -222,6 +222,10 @@ def test_layer_budgets_follow_the_scorers_profile_at_the_press_ratio():
     with KVzapPress(compression_ratio=0.25, window_size=0, scorer=scorer, global_budget=1.0)(model):
         model(prompt(1, 40), cache=cache)
     assert [layer.n for layer in cache.layers] == [40, 20]  # layer 0 keeps all, layer 1 the rest (16 before)
+    press = KVzapPress(compression_ratio=0.5, scorer=scorer, global_budget=0.5)
+    press.check_model(model)
+    with pytest.raises(ValueError, match=r"installed on last \(2 layers\), not of this one \(3\)"):
+        press.layer_scale(0, 3)  # another model's (it was an IndexError, or silently wrong budgets)
 
 
 def test_layer_budgets_need_a_ratio_and_leave_layer_scales_to_the_user():
