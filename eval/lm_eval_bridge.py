@@ -161,9 +161,9 @@ class KVPressLM(HFLM):
                              "no press lm-eval's own model runs: drop them, or give a press")  # fmt: skip
         dtypes = [key for key in ("mixed_precision_dtype", "softmax_dtype") if kwargs.get(key) is not None]
         if dtypes and (self.press is not None or later):
-            raise ValueError(f"{', '.join(dtypes)} shape lm-eval's own forwards, not the press's (its prefill and "
-                             "scoring run in the model's dtype, log-probabilities in float32): load the model in "
-                             "the dtype wanted (dtype=bfloat16), or drop them")  # fmt: skip
+            raise ValueError(f"{', '.join(dtypes)} shape lm-eval's own forwards, and the bridge's prefill and scoring "
+                             "with a press run outside them (in the model's dtype, log-probabilities in float32): "
+                             "load the model in the dtype wanted (dtype=bfloat16), or drop them")  # fmt: skip
         if isinstance(pretrained, str):  # a local directory: HFLM loads it (and shards data under accelerate)
             pretrained = str(resolve_model_path(None if pretrained == "default" else pretrained))
             kwargs.setdefault("dtype", "float32")

@@ -686,6 +686,10 @@ def _refresh(args) -> int:
     if name is None:
         print(f"kvpress sweep: {settings_path} does not name its model: pass --model", file=sys.stderr)
         return 2
+    if not current_rows(Path(args.out)):  # (before the model loads)
+        print(f"kvpress sweep: {args.out} holds no result rows yet (a sweep stopped before its first): run the "
+              "sweep again there, it resumes", file=sys.stderr)  # fmt: skip
+        return 2
     model, tokenizer = kvpress.load_model(name)
     summary = refresh_sweep(model, tokenizer, args.out)
     print(_table(summary))

@@ -38,7 +38,7 @@ class KVPressTextGenerationPipeline(Pipeline):
         if kwargs.get("cache") is not None and not isinstance(context, str) and len(context) > 1:
             raise ValueError(f"cache= receives one compressed context; {len(context)} contexts were given: call the "
                              "pipeline once per context")  # fmt: skip
-        return super().__call__(context, **kwargs)
+        return super().__call__(context, batch_size=1, **kwargs)  # (not the batch_size it was built with)
 
     def _sanitize_parameters(self, question=None, questions=None, answer_prefix="", press=None, max_new_tokens=50,
                              cache=None, chat_template=True, **unknown):  # fmt: skip

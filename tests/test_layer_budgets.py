@@ -126,9 +126,15 @@ def test_shares_over_a_whole_context_go_to_the_other_layers():
     budgets = [press.budget_of(1000, press.layer_scale(i, 30)) for i in range(30)]
     assert budgets[0] == 1000 and budgets == sorted(budgets, reverse=True) and budgets[-1] < 900
     assert 30 * 900 - 30 <= sum(budgets) <= 30 * 900
-    assert [press.layer_scale(i, 8) for i in range(8)] == [press.layer_scale(i, 8) for i in range(8)]
-    steep = PyramidKVPress(compression_ratio=0.5, beta=4)  # no share over 2: the line as it was
-    assert [round(steep.layer_scale(i, 8), 4) for i in (0, 7)] == [1.75, 0.25]
+    steep = PyramidKVPress(compression_ratio=0.5, beta=20)  # no share over 2: the line itself, to the last bit
+    assert [steep.layer_scale(i, 30) for i in range(30)] == [1.95 - 1.9 * i / 29 for i in range(30)]
+    scaled = KnormPress(compression_ratio=0.5, layer_scales=(1, 1, 2, 4))
+    assert [scaled.layer_scale(i, 4) for i in range(4)] == [s * 4 / 8 for s in (1, 1, 2, 4)]
     knorm = KnormPress(max_tokens=50, layer_scales=(1, 3))  # a fixed budget cannot move: said
+    import warnings
+
+    with warnings.catch_warnings():  # a context under the budget loses nothing to the cap: nothing said
+        warnings.simplefilter("error")
+        assert knorm.budget_of(40, knorm.layer_scale(1, 2)) == KnormPress(max_tokens=50).budget_of(30) + 10 == 40
     with pytest.warns(UserWarning, match=r"share of max_tokens=50 \(75 tokens\) is more than the 60 it holds"):
         assert knorm.budget_of(60, knorm.layer_scale(1, 2)) == 60

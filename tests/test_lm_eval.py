@@ -139,7 +139,7 @@ def test_bad_arguments_are_refused(default_model):
         KVPressLM(pretrained=model, tokenizer=tokenizer, query_aware="true", rolling_chunk=64)
     with pytest.raises(ValueError, match="question_regex only shape how a press compresses"):
         KVPressLM(pretrained=model, tokenizer=tokenizer, question_regex="Q:")
-    with pytest.raises(ValueError, match="mixed_precision_dtype shape lm-eval's own forwards, not the press's"):
+    with pytest.raises(ValueError, match="mixed_precision_dtype shape lm-eval's own forwards, and the bridge's"):
         KVPressLM(pretrained=model, tokenizer=tokenizer, press="knorm", compression_ratio=0.5,
                   mixed_precision_dtype="bfloat16")  # fmt: skip
     with pytest.raises(ValueError, match="softmax_dtype shape lm-eval's own forwards"):

@@ -296,6 +296,8 @@ def test_refresh_refuses_a_directory_without_a_sweep_or_of_another_model(default
     (tmp_path / "results.jsonl").write_text('{"task": "needle_noise", "exa')
     with pytest.raises(ValueError, match="holds no result rows yet"):
         refresh_sweep(*default_model, tmp_path)
+    assert main(["--out", str(tmp_path), "--refresh"]) == 2  # said before the model loads, not a traceback
+    assert "holds no result rows yet" in capsys.readouterr().err
 
 
 def test_replay_samples_every_press_in_turn():

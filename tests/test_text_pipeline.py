@@ -61,6 +61,7 @@ def test_bad_calls_are_refused(tokenized):
     batched = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, batch_size=2)
     with pytest.raises(ValueError, match="batch_size must be 1, got 2"):
         batched([CONTEXT, CONTEXT], question="a")
+    assert len(batched([CONTEXT, CONTEXT], question="a", batch_size=1, max_new_tokens=2)) == 2  # not batched
     both = pipe([CONTEXT, "The bicycle is in the shed. " * 4], question=QUESTIONS[1], max_new_tokens=4)
     assert len(both) == 2 and all(isinstance(out["answer"], str) for out in both)  # one at a time, none lost
 

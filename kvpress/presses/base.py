@@ -34,7 +34,7 @@ def shares_within(shares: tuple[float, ...], compression_ratio: float | None = N
     to their shares (water-filling), so the layers together keep the budget. None or r = 0: normalised only."""
     n = len(shares)
     norm = [s * n / sum(shares) for s in shares]
-    if not compression_ratio:
+    if not compression_ratio or max(norm) <= 1 / (1 - compression_ratio):  # no layer over its context: as given
         return tuple(norm)
     cap, capped = 1 / (1 - compression_ratio), set()
     while True:
@@ -257,7 +257,7 @@ class BasePress(Installable):
         """Tokens a row that would hold `seen` tokens with no press may keep in a layer of share `scale`."""
         if self.max_tokens is not None:
             keep = min(seen, math.floor(self.max_tokens * scale))
-            if keep < math.floor(self.max_tokens * scale) and not self.__dict__.get("_said_share"):
+            if self.max_tokens <= seen < math.floor(self.max_tokens * scale) and not self.__dict__.get("_said_share"):
                 self.__dict__["_said_share"] = True
                 warnings.warn(f"{type(self).__name__}: a layer's share of max_tokens={self.max_tokens} "
                               f"({math.floor(self.max_tokens * scale)} tokens) is more than the {seen} it holds: it "

@@ -51,8 +51,9 @@ class KVzapPress(BasePress):
             spreads it (default 0: every layer keeps the same number; KVzipPress's default is 0.5): each layer
             keeps (1 - g) + g x its share of KVzip's ranking of all layers' scores together, read from the
             scorer's layer profile (measured at training, per compression ratio, interpolated between), since a
-            live prefill evicts each layer before the next one has scores. Needs compression_ratio (the profile
-            is per ratio), not max_tokens.
+            live prefill evicts each layer before the next one has scores (a layer whose share is more than
+            its context keeps it, the others sharing the rest: `shares_within`). Needs compression_ratio (the
+            profile is per ratio), not max_tokens.
         kernel_size: width of the pooling of the scores over neighbouring positions (default 1: none; odd), as
             SnapKV pools its attention, so a kept token's neighbours (the rest of a number, of a name) stay with it.
         pool: "mean" (default: SnapKV's average) or "max" (a token scores as its best neighbour). Neither kept more

@@ -3,7 +3,9 @@
 Cai et al. 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling"
 (arXiv:2406.02069): attention spreads widely in lower layers and concentrates in higher ones, so
 lower layers get more of the budget. With an average budget k, the top layer keeps k / beta, the
-bottom one 2k - k / beta, and the layers in between follow the line; the total equals the uniform one.
+bottom one 2k - k / beta, and the layers in between follow the line; the total equals the uniform one. Where
+the line asks a bottom layer for more than its context (at small compression ratios), it keeps the context and
+the layers above share the rest (`shares_within`).
 The paper scores with SnapKV (the default here); any token-level press can score instead
 (`PyramidKVPress(KnormPress(compression_ratio=0.5))`, `pyramidkv:inner=knorm`).
 """
@@ -58,7 +60,7 @@ class PyramidKVPress(WrapsPress, BasePress):
         if own:  # (through a wrapper too: CriticalKV keeps its inner press's scales there)
             name = type(own[0]).__name__
             raise ValueError(f"PyramidKVPress sets the per-layer budgets itself: the wrapped {name} "
-                             "cannot set its own (layer_scales, or KVzip's global_budget=0)")  # fmt: skip
+                             "cannot set its own (layer_scales, or KVzip's / KVzap's global_budget > 0)")  # fmt: skip
         self.rerotate = self.press.rerotate
         super().__post_init__()
 
@@ -76,4 +78,6 @@ class PyramidKVPress(WrapsPress, BasePress):
         top = 1.0 / self.beta
         bottom = 2.0 - top
         line = tuple(bottom - (bottom - top) * i / (n_layers - 1) for i in range(n_layers))
+        if not self.compression_ratio or bottom <= 1 / (1 - self.compression_ratio):
+            return line[layer_idx]  # (the line itself, its mean 1 up to rounding)
         return shares_within(line, self.compression_ratio)[layer_idx]

@@ -81,8 +81,9 @@ class SpecAttnPress(BasePress):
                              f"{type(model).__name__} has layers that attend to a window or less")  # fmt: skip
         n_layers = len(model_access.decoder_layers(model))  # refuses a decoder whose layers it cannot skip
         if self.skip_every and not layers_to_skip(n_layers, self.skip_every):
+            fits = f"give 2 to {n_layers - 1}, or 0" if n_layers > 2 else "give 0"
             raise ValueError(f"skip_every={self.skip_every} skips no layer of {type(model).__name__}'s {n_layers} "
-                             f"(never the first or the last): give 2 to {n_layers - 1}, or 0 to skip none")  # fmt: skip
+                             f"(never the first or the last): {fits} to skip none")  # fmt: skip
 
     def prepare(self, model: nn.Module, recording, tokenizer=None) -> None:
         """Draft the answer with layers skipped, then pair every layer with its closest drafted one (once per
