@@ -359,3 +359,24 @@ def test_train_scorer_takes_attention_mass_as_a_switch(monkeypatch, flags, expec
     monkeypatch.setattr(cli, "cmd_train_scorer", lambda args: seen.update(cli._trainer_args(train_scorer, args)) or 0)
     assert cli.main(["train-scorer", "--out", "scorer.safetensors", *flags]) == 0
     assert seen["attention_mass"] is expected and seen["texts"] == 48
+
+
+def test_presses_keep_no_attention_module_alive():
+    """What a press reads per attention module (KVzap's scorer weights, NAtS's gates, ExpectedAttention's RoPE
+    frequencies) goes with the model: one press used on model after model keeps none of their modules alive."""
+    import gc
+
+    from transformers import AutoModelForCausalLM
+
+    from tiny import CONFIGS
+
+    model = AutoModelForCausalLM.from_config(CONFIGS["llama"](), dtype=torch.float32)  # (not tiny_model's cached one)
+    presses = [KVzapPress(compression_ratio=0.5, scorer=tiny_scorer(model)), kvpress.NAtSPress(compression_ratio=0.5),
+               kvpress.ExpectedAttentionPress(compression_ratio=0.5)]  # fmt: skip
+    for press in presses:
+        press.check_model(model)
+    held = [presses[0]._weights, presses[1]._gates, presses[2]._freqs]
+    assert all(len(per_module) == model.config.num_hidden_layers for per_module in held)
+    del model
+    gc.collect()
+    assert not any(len(per_module) for per_module in held)

@@ -13,6 +13,7 @@ own press; here written from the paper's formula.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +45,8 @@ class ExpectedAttentionPress(BasePress):
     use_covariance: bool = True
     use_vnorm: bool = True
     epsilon: float = 0.0
-    _freqs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _freqs: weakref.WeakKeyDictionary = field(  # by attention module: a model's go with it
+        default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         value = self.n_future_positions

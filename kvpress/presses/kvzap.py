@@ -12,6 +12,7 @@ by `kvpress train-scorer` on text no task here uses and shipped per model with i
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -85,8 +86,10 @@ class KVzapPress(BasePress):
     kernel_size: int = 1
     pool: str = "mean"
     whole_words: bool = False
-    _weights: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    _edges: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _weights: weakref.WeakKeyDictionary = field(  # by attention module: a model's go with it
+        default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False)
+    _edges: weakref.WeakKeyDictionary = field(  # by attention module: a model's go with it
+        default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False)
     _shares: tuple[float, ...] | None = field(default=None, init=False, repr=False, compare=False)  # layer scales
     _uses_mass: bool = field(default=False, init=False, repr=False, compare=False)
 

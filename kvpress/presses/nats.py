@@ -14,6 +14,7 @@ token count) like every press.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -50,7 +51,8 @@ class NAtSPress(BasePress):
     gates: str | Gates = "auto"
     n_sink: int = 0
     window_size: int = 16
-    _gates: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _gates: weakref.WeakKeyDictionary = field(  # by attention module: a model's go with it
+        default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.gates, (str, Gates)) or (isinstance(self.gates, str) and not self.gates):
