@@ -28,15 +28,20 @@ from kvpress.patches.head_cache import HeadwiseLayer
 
 
 @functools.lru_cache(maxsize=256)
+def normalised(shares: tuple[float, ...]) -> tuple[float, ...]:
+    """Positive per-layer `shares` scaled to average 1."""
+    return tuple(s * len(shares) / sum(shares) for s in shares)
+
+
+@functools.lru_cache(maxsize=256)
 def shares_within(shares: tuple[float, ...], compression_ratio: float | None = None) -> tuple[float, ...]:
-    """Per-layer budget `shares` (positive) normalised to average 1, none above the whole context at
-    `compression_ratio` (a share of 1 / (1 - r)): what a capped layer cannot hold goes to the others in proportion
-    to their shares (water-filling), so the layers together keep the budget. None or r = 0: normalised only."""
-    n = len(shares)
-    norm = [s * n / sum(shares) for s in shares]
-    if not compression_ratio or max(norm) <= 1 / (1 - compression_ratio):  # no layer over its context: as given
-        return tuple(norm)
-    cap, capped = 1 / (1 - compression_ratio), set()
+    """Per-layer budget `shares` (average 1) with none above the whole context at `compression_ratio` (a share of
+    1 / (1 - r)): what a capped layer cannot hold goes to the others in proportion to their shares (water-filling),
+    so the layers together keep the budget. Returned as given where no layer is over (or r is None or 0)."""
+    if not compression_ratio or max(shares) <= 1 / (1 - compression_ratio):
+        return shares
+    n, cap, capped = len(shares), 1 / (1 - compression_ratio), set()
+    norm = normalised(shares)
     while True:
         free = [i for i in range(n) if i not in capped]
         m = (n - len(capped) * cap) / sum(norm[i] for i in free)  # (mean 1 <= cap: some layer stays free)
@@ -241,7 +246,7 @@ class BasePress(Installable):
             return 1.0
         if len(self.layer_scales) != n_layers:
             raise ValueError(f"layer_scales has {len(self.layer_scales)} entries but the model has {n_layers} layers")
-        return shares_within(self.layer_scales, self.compression_ratio)[layer_idx]
+        return shares_within(normalised(self.layer_scales), self.compression_ratio)[layer_idx]
 
     # ----- budgets ------------------------------------------------------------------------------------
     def row_budgets(self, layer_idx: int, n_layers: int, spans: list[int]) -> list[int]:

@@ -130,9 +130,7 @@ class KVzapPress(BasePress):
             g = self.global_budget
             shares = (1 - g) + g * scorer.layer_shares(self.compression_ratio)
             scales = tuple(float(share * len(shares) / shares.sum()) for share in shares)
-            if max(scales) > 1 / (1 - self.compression_ratio):  # a layer would keep more than it holds
-                scales = shares_within(scales, self.compression_ratio)
-            self._shares = scales
+            self._shares = shares_within(scales, self.compression_ratio)
 
     def layer_scale(self, layer_idx: int, n_layers: int) -> float:
         if self._shares is None:

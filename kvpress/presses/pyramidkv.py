@@ -12,6 +12,7 @@ The paper scores with SnapKV (the default here); any token-level press can score
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from kvpress.presses.base import BasePress, shares_within
@@ -73,11 +74,14 @@ class PyramidKVPress(WrapsPress, BasePress):
     def layer_scale(self, layer_idx: int, n_layers: int) -> float:
         """The pyramid's share of layer `layer_idx`, within what the layer holds (`shares_within`: at a small
         compression ratio the bottom layers keep their whole context and the layers above share the rest)."""
-        if n_layers == 1:
-            return 1.0
-        top = 1.0 / self.beta
-        bottom = 2.0 - top
-        line = tuple(bottom - (bottom - top) * i / (n_layers - 1) for i in range(n_layers))
-        if not self.compression_ratio or bottom <= 1 / (1 - self.compression_ratio):
-            return line[layer_idx]  # (the line itself, its mean 1 up to rounding)
-        return shares_within(line, self.compression_ratio)[layer_idx]
+        return shares_within(pyramid(self.beta, n_layers), self.compression_ratio)[layer_idx]
+
+
+@functools.lru_cache(maxsize=64)
+def pyramid(beta: float, n_layers: int) -> tuple[float, ...]:
+    """The line of per-layer shares from 2 - 1/beta (the bottom layer) to 1/beta (the top one), average 1."""
+    if n_layers == 1:
+        return (1.0,)
+    top = 1.0 / beta
+    bottom = 2.0 - top
+    return tuple(bottom - (bottom - top) * i / (n_layers - 1) for i in range(n_layers))
