@@ -107,6 +107,13 @@ def intervals(rows: list[dict]) -> dict[tuple[str, str, float], tuple[float, flo
     return out
 
 
+def score_intervals(rows: list[dict]) -> dict[tuple[str, str, float], tuple[float, float]]:
+    """`intervals` as bounds of the score: a perplexity cell's is the inverse of its perplexity's (score = 1 / ppl)."""
+    perplexity = {(r["task"], r["press"], r["ratio"]) for r in rows if "nll_sum" in r}
+    return {key: (1 / high, 1 / low) if key in perplexity else (low, high)
+            for key, (low, high) in intervals(rows).items()}  # fmt: skip
+
+
 def wilson(successes: float, n: int, z: float = Z) -> tuple[float, float]:
     """Wilson's 95% interval for `successes` of `n` trials."""
     p, zz = successes / n, z * z / n

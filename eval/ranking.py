@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvpress.eval.fidelity import NEAR_CHANCE
 from kvpress.eval.paired import paired_rows
-from kvpress.eval.plots import intervals
+from kvpress.eval.plots import score_intervals
 from kvpress.eval.sweep import current_rows
 from kvpress.presses.defaults import default_for
 
@@ -53,13 +53,9 @@ def ranking(rows: list[dict]) -> dict:
         presses.append({"press": press, "worst": worst, "mean": mean, "mean_low": mean - half,
                         "mean_high": mean + half, "cells": stats})  # fmt: skip
     presses.sort(key=lambda p: (-p["worst"]["difference"], -p["mean"], p["press"]))
-    bands = intervals(full)  # (of the perplexity for perplexity rows: their score's is its inverse)
+    bands = score_intervals(full)
     full_n = {task: sum(r["task"] == task for r in full) for task in full_score}
-    full_interval = {}
-    for task in full_score:
-        low, high = bands.get((task, "none", 0.0), (math.nan, math.nan))
-        ppl = any("nll_sum" in r for r in full if r["task"] == task)
-        full_interval[task] = [1 / high, 1 / low] if ppl and not math.isnan(low) else [low, high]
+    full_interval = {task: list(bands.get((task, "none", 0.0), (math.nan, math.nan))) for task in full_score}
     return {"cells": cells, "left_out": left_out, "full": full_score, "full_n": full_n, "full_interval": full_interval,
             "presses": presses, "not_ranked": not_ranked}  # fmt: skip
 

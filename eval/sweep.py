@@ -62,7 +62,7 @@ from transformers import DynamicCache
 import kvpress
 from kvpress.engine import maybe_installed
 from kvpress.eval.memory import full_cache_bytes, peak_memory, reset_cuda_peak
-from kvpress.eval.plots import intervals, plot_sweep
+from kvpress.eval.plots import intervals, plot_sweep, score_intervals
 from kvpress.eval.tasks import (
     ANSWER_TOKENS,
     DEFAULT_TASKS,
@@ -539,17 +539,15 @@ def write_summary(out: Path) -> list[dict]:
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["task"], r["press"], r["ratio"]), []).append(r)
-    bands = intervals(rows)
+    bands, score_bands = intervals(rows), score_intervals(rows)
     summary = []
     for (task, press, ratio), members in sorted(groups.items()):
         full = groups.get((task, "none", 0.0), [])
         full_score = _score(full) if full else None
         score = _score(members)
-        low, high = bands.get((task, press, ratio), (None, None))
-        ppl = "nll_sum" in members[0]  # (its band is of the perplexity: the score's is its inverse)
-        ppl_band = (low, high) if ppl and low is not None else (None, None)
-        if ppl_band[0] is not None:
-            low, high = 1 / ppl_band[1], 1 / ppl_band[0]
+        low, high = score_bands.get((task, press, ratio), (None, None))
+        ppl = "nll_sum" in members[0]
+        ppl_band = bands.get((task, press, ratio), (None, None)) if ppl else (None, None)
         summary.append({
             "task": task, "press": press, "ratio": ratio, "examples": len(members), "score": round(score, 4),
             "low": None if low is None else round(low, 4), "high": None if high is None else round(high, 4),
