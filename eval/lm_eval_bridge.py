@@ -24,8 +24,8 @@ model's positions is refused unless the press re-rotates (`rerotate=True`).
 
 With a press, loglikelihood requests and query-agnostic generation run one at a time (`batch_size` shapes only
 query-aware generation and the press-free model); `mixed_precision_dtype` and `softmax_dtype` are refused with a
-press (its forwards are the bridge's, not HFLM's). A loglikelihood request longer than `max_length` + 1 tokens
-is cut from the left, as HFLM cuts it, with a warning.
+press (its prefill and scoring run outside HFLM's autocast and softmax). A loglikelihood request longer than
+`max_length` + 1 tokens is cut from the left, as HFLM cuts it, with a warning.
 
 Every request records the KV bytes it held (summed over the cache's tensors) next to what a full
 cache would hold; `kv_summary()` (also in lm-eval's results under `config.kvpress`) gives their

@@ -534,8 +534,7 @@ def write_summary(out: Path) -> list[dict]:
     """Aggregate `results.jsonl` into summary.json / summary.csv / table.md / plot.png (+ heatmap.png)."""
     rows = list(current_rows(out).values())
     if not rows:
-        raise ValueError(f"{out} holds no result rows yet (a sweep stopped before its first): run the sweep again "
-                         "there, it resumes")  # fmt: skip
+        raise ValueError(_no_rows(out))
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["task"], r["press"], r["ratio"]), []).append(r)
@@ -568,6 +567,10 @@ def write_summary(out: Path) -> list[dict]:
     (out / "table.md").write_text(_table(summary))
     plot_sweep(summary, rows, out)
     return summary
+
+
+def _no_rows(out: str | Path) -> str:
+    return f"{out} holds no result rows yet (a sweep stopped before its first): run the sweep again there, it resumes"
 
 
 def _mean_of(rows: list[dict], field: str) -> float | None:
@@ -685,8 +688,7 @@ def _refresh(args) -> int:
         print(f"kvpress sweep: {settings_path} does not name its model: pass --model", file=sys.stderr)
         return 2
     if not current_rows(Path(args.out)):  # (before the model loads)
-        print(f"kvpress sweep: {args.out} holds no result rows yet (a sweep stopped before its first): run the "
-              "sweep again there, it resumes", file=sys.stderr)  # fmt: skip
+        print(f"kvpress sweep: {_no_rows(args.out)}", file=sys.stderr)
         return 2
     model, tokenizer = kvpress.load_model(name)
     summary = refresh_sweep(model, tokenizer, args.out)
