@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -114,7 +115,7 @@ class ChatSession:
         benchmark's scripted turns); it is fed to the model, not generated, and returned.
         """
         if self._broken:
-            raise RuntimeError(f"this session was interrupted mid-turn ({self._broken}); start a new one")
+            raise RuntimeError(f"this session cannot go on ({self._broken}); start a new one")
         _check_one_of(self.press, self.round_policy)  # both are attributes a caller may set between turns
         if not isinstance(text, str) or not text.strip():
             raise ValueError("the message is empty")
@@ -161,10 +162,14 @@ class ChatSession:
             advanced = [layer for layer in self.cache.layers if layer.get_seq_length() > start]
             unchanged = self.press is None and policy is None  # nothing but appends: the turn can be undone
             if advanced and unchanged and all(getattr(layer, "is_croppable", False) for layer in advanced):
-                for layer in advanced:  # a full cache goes back to the history before this turn
-                    layer.crop(start - layer.get_seq_length())
+                try:  # a full cache goes back to the history before this turn
+                    for layer in advanced:
+                        layer.crop(start - layer.get_seq_length())
+                except Exception as refused:  # (a sliding-window layer past its window holds no earlier tokens)
+                    self._broken = (f"interrupted mid-turn by {type(err).__name__}: {err}; the cache could not be "
+                                    f"cropped back: {refused}")  # fmt: skip
             elif advanced:  # compressed: the evicted tokens are gone, the turn cannot be undone
-                self._broken = f"{type(err).__name__}: {err}"
+                self._broken = f"interrupted mid-turn by {type(err).__name__}: {err}"
             raise
         finally:
             if policy is not None:
@@ -178,8 +183,31 @@ class ChatSession:
         if reply is not None:
             self._rendered = with_reply
         else:
-            self._rendered = self._render(messages) + self.tokenizer.decode(answer_ids, skip_special_tokens=False)
+            self._end_answer(messages, answer_ids)
         return self.messages[-1]["content"]
+
+    def _end_answer(self, messages: list[dict], answer_ids: list[int]) -> None:
+        """What the generated answer stands for in the template's text: its tokens as generated, or, where it
+        ended on a stop token the template does not write there (Qwen2.5's `<|endoftext|>` where the template
+        closes the turn with `<|im_end|>`), its tokens before it, the stop token left unfed. An answer the
+        template writes otherwise (a special token inside it, whitespace the template trims) leaves the session
+        unable to go on: said now, and by the next `send`."""
+        prompt = self._render(messages)
+        after = self._render(self.messages + [{"role": "user", "content": "."}])  # how the next turn renders this one
+        ends = [answer_ids]
+        if answer_ids and answer_ids[-1] in self.tokenizer.all_special_ids:
+            ends.append(answer_ids[:-1])
+        for fed in ends:
+            rendered = prompt + self.tokenizer.decode(fed, skip_special_tokens=False)
+            if after.startswith(rendered):
+                self._rendered, self._pending = rendered, self._pending if fed is answer_ids else []
+                return
+        self._rendered = prompt + self.tokenizer.decode(answer_ids, skip_special_tokens=False)
+        self._broken = (f"the answer's tokens {self.tokenizer.convert_ids_to_tokens(answer_ids)[-8:]} (the last 8) "
+                        "are not what the chat template writes for it in the next turn, so the cached history "
+                        "cannot be extended")  # fmt: skip
+        warnings.warn(f"{self._broken}: this answer is returned and kept in .messages; start a new session to go "
+                      "on", stacklevel=3)  # fmt: skip
 
     def _generate(self, ids: torch.Tensor, max_new_tokens: int, streamer) -> list[int]:
         out = self.model.generate(

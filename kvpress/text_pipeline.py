@@ -22,6 +22,9 @@ from kvpress.patches.cache import scratch
 from kvpress.pipeline import answer_from_cache, check_compresses, check_press, prefill_context, split_prompt
 
 TASK = "kv-press-text-generation"
+# each argument the task takes and the stage that takes it (its default is that stage's)
+PARAMETERS = {"question": "preprocess", "questions": "preprocess", "answer_prefix": "preprocess",
+              "chat_template": "preprocess", "press": "forward", "max_new_tokens": "forward", "cache": "forward"}
 
 
 class KVPressTextGenerationPipeline(Pipeline):
@@ -35,41 +38,51 @@ class KVPressTextGenerationPipeline(Pipeline):
         if size not in (None, 1):  # a batch would stack contexts of different lengths, and answer its first row
             raise ValueError(f"{TASK} compresses each context alone, one at a time: batch_size must be 1, got "
                              f"{size!r}")  # fmt: skip
-        if kwargs.get("cache") is not None and not isinstance(context, str) and len(context) > 1:
+        cache = kwargs.get("cache", self._forward_params.get("cache"))  # (given now, or when the pipeline was built)
+        if cache is not None and not isinstance(context, str) and len(context) > 1:
             raise ValueError(f"cache= receives one compressed context; {len(context)} contexts were given: call the "
                              "pipeline once per context")  # fmt: skip
         return super().__call__(context, batch_size=1, **kwargs)  # (not the batch_size it was built with)
 
-    def _sanitize_parameters(self, question=None, questions=None, answer_prefix="", press=None, max_new_tokens=50,
-                             cache=None, chat_template=True, **unknown):  # fmt: skip
+    def _sanitize_parameters(self, **given):
+        """The arguments given (when the pipeline is built, or at a call: a call's override the built ones), each
+        to its stage; what is not given takes the stage's default, so one given when built holds for every call."""
+        unknown = sorted(set(given) - set(PARAMETERS))
         if unknown:
-            raise TypeError(f"{TASK} takes no argument {', '.join(sorted(unknown))}; it takes question, questions, "
-                            "answer_prefix, press, max_new_tokens, cache, chat_template")  # fmt: skip
-        if question is not None and questions is not None:
-            raise ValueError("give question= or questions=, not both")
+            raise TypeError(f"{TASK} takes no argument {', '.join(unknown)}; it takes {', '.join(PARAMETERS)}")
+        questions = given.get("questions")
         if questions is not None and (isinstance(questions, str) or not questions):
             raise ValueError(f"questions= is a non-empty list of strings, got {questions!r}")
+        max_new_tokens = given.get("max_new_tokens", 1)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        cache = given.get("cache")
         if cache is not None and not isinstance(cache, DynamicCache):
             raise TypeError(f"cache= takes a DynamicCache, got {type(cache).__name__}")
+        press = given.get("press")
         check_press(press)
         if press is not None and press.needs_question:  # (refused before the prefill, not after it)
             raise ValueError(f"{TASK} compresses the context once, without the questions: {type(press).__name__} "
                              "scores by the question (use kvpress.generate(..., query_aware=True))")  # fmt: skip
-        asked = {"questions": [question] if questions is None else list(questions), "answer_prefix": answer_prefix,
-                 "chat_template": chat_template}  # fmt: skip
-        return asked, {"press": press, "max_new_tokens": max_new_tokens, "cache": cache}, {"one": questions is None}
+        stages = [{k: v for k, v in given.items() if PARAMETERS[k] == stage} for stage in ("preprocess", "forward")]
+        return stages[0], stages[1], {}
 
-    def preprocess(self, context: str, questions: list[str], answer_prefix: str = "", chat_template: bool = True):
-        if not all(isinstance(q, str) and q for q in questions):
-            raise ValueError(f"every question is a non-empty string, got {questions!r}")
-        parts = [split_prompt(self.tokenizer, context, q, chat_template) for q in questions]
+    def preprocess(self, context: str, question: str | None = None, questions: list[str] | None = None,
+                   answer_prefix: str = "", chat_template: bool = True):  # fmt: skip
+        if question is not None and questions is not None:
+            raise ValueError("give question= or questions=, not both")
+        if question is None and questions is None:
+            raise ValueError(f"{TASK} answers a question about the context: give question= or questions=")
+        asked = [question] if questions is None else list(questions)
+        if not all(isinstance(q, str) and q for q in asked):
+            raise ValueError(f"every question is a non-empty string, got {asked!r}")
+        parts = [split_prompt(self.tokenizer, context, q, chat_template) for q in asked]
         context_ids = parts[0][0]
         if any(not torch.equal(ids, context_ids) for ids, _ in parts):
             raise ValueError("the context tokenizes differently before different questions; ask them one at a time")
         prefix = self.tokenizer(answer_prefix, add_special_tokens=False, return_tensors="pt").input_ids
-        return {"context_ids": context_ids, "question_ids": [torch.cat([q, prefix], dim=-1) for _, q in parts]}
+        return {"context_ids": context_ids, "question_ids": [torch.cat([q, prefix], dim=-1) for _, q in parts],
+                "one": questions is None}  # fmt: skip
 
     def _forward(self, inputs: dict, press=None, max_new_tokens: int = 50, cache: DynamicCache | None = None):
         cache = DynamicCache(config=self.model.config) if cache is None else cache
@@ -84,10 +97,10 @@ class KVPressTextGenerationPipeline(Pipeline):
             ids = torch.cat([context_ids, question_ids.to(device)], dim=-1)
             with scratch(cache):  # the question and its answer leave the cache before the next question
                 answers.append(answer_from_cache(self.model, self.tokenizer, ids, cache, press, max_new_tokens))
-        return {"answers": answers}
+        return {"answers": answers, "one": inputs["one"]}
 
-    def postprocess(self, outputs: dict, one: bool = True):
-        return {"answer": outputs["answers"][0]} if one else {"answers": outputs["answers"]}
+    def postprocess(self, outputs: dict):
+        return {"answer": outputs["answers"][0]} if outputs["one"] else {"answers": outputs["answers"]}
 
 
 PIPELINE_REGISTRY.register_pipeline(TASK, pipeline_class=KVPressTextGenerationPipeline, pt_model=AutoModelForCausalLM)

@@ -122,3 +122,79 @@ def test_a_model_error_mid_turn_with_a_press_stops_the_session(default_model):
     _send_failing(model, session, "What did I say?", at_call=1)
     with pytest.raises(RuntimeError, match="interrupted mid-turn .*boom.*start a new one"):
         session.send("Hello again.")
+
+
+def _forcing(model, token: int, at_step: int):
+    """A hook making the `at_step`-th forward's logits pick `token` (0: the first)."""
+    calls = []
+
+    def force(module, args, output):
+        calls.append(1)
+        if len(calls) == at_step + 1:
+            output[..., token] += 1000.0
+        return output
+
+    return model.lm_head.register_forward_hook(force)
+
+
+def test_an_answer_ending_on_a_stop_token_the_template_does_not_write_goes_on(tokenized):
+    """Qwen2.5 may stop on <|endoftext|> where its template closes a turn with <|im_end|>: that stop token is
+    left unfed and the template's end of turn follows, as after a recorded reply."""
+    model, tokenizer = tokenized
+    endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [eos, endoftext]
+    hook = _forcing(model, endoftext, at_step=2)
+    try:
+        session = kvpress.ChatSession(model, tokenizer, max_new_tokens=6)
+        answer = session.send("Hello there.")
+    finally:
+        hook.remove()
+        model.generation_config.eos_token_id = eos
+    assert len(tokenizer(answer, add_special_tokens=False).input_ids) == 2 and "<|endoftext|>" not in answer
+    reference = kvpress.ChatSession(model, tokenizer, max_new_tokens=6)
+    reference.send("Hello there.", reply=answer)
+    assert session.send("And then?") == reference.send("And then?")
+    assert session.cache.get_seq_length() == reference.cache.get_seq_length()
+
+
+def test_an_answer_the_template_cannot_write_back_is_kept_and_said_at_once(tokenized):
+    model, tokenizer = tokenized
+    hook = _forcing(model, tokenizer.convert_tokens_to_ids("<|endoftext|>"), at_step=0)  # a special token inside
+    try:
+        session = kvpress.ChatSession(model, tokenizer, max_new_tokens=4)
+        with pytest.warns(UserWarning, match="not what the chat template writes for it"):
+            answer = session.send("Hello there.")
+    finally:
+        hook.remove()
+    assert session.messages[-1] == {"role": "assistant", "content": answer} and answer
+    with pytest.raises(RuntimeError, match="cannot go on .*not what the chat template writes.*start a new one"):
+        session.send("And then?")
+
+
+def test_a_model_error_on_a_sliding_window_layer_past_its_window_stops_the_session():
+    """A sliding-window layer past its window keeps no earlier tokens to crop back to: the session stops."""
+    from transformers import AutoTokenizer
+
+    from kvpress.models import resolve_model_path
+    from tiny import tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(), local_files_only=True)
+    model = tiny_model("gemma3", vocab_size=len(tokenizer))  # window 8
+    session = kvpress.ChatSession(model, tokenizer, max_new_tokens=4)
+    session.send("Hello there, this is a first message.", reply="Hi!")
+    calls = []
+
+    def fail(module, args, output):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+
+    hook = model.model.layers[2].register_forward_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):  # the model's error, not the crop's
+            session.send("What did I say?")
+    finally:
+        hook.remove()
+    with pytest.raises(RuntimeError, match="interrupted mid-turn by RuntimeError: boom; the cache could not be crop"):
+        session.send("Again?")

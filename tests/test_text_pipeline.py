@@ -29,6 +29,28 @@ def test_one_question_is_kvpress_generate_and_many_share_the_context(tokenized):
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_arguments_given_when_built_hold_for_every_call(tokenized):
+    """transformers merges a call's arguments over the built ones: a call must not put defaults over them."""
+    model, tokenizer = tokenized
+    press = SnapKVPress(0.5, window_size=4)
+    built = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, press=press, max_new_tokens=3)
+    expected = kvpress.generate(model, tokenizer, CONTEXT, QUESTION, press=press, max_new_tokens=3)
+    assert built(CONTEXT, question=QUESTION) == {"answer": expected}
+    longer = kvpress.generate(model, tokenizer, CONTEXT, QUESTION, press=press, max_new_tokens=6)
+    assert built(CONTEXT, question=QUESTION, max_new_tokens=6) == {"answer": longer}  # a call's own overrides
+    full = kvpress.generate(model, tokenizer, CONTEXT, QUESTION, max_new_tokens=3)
+    assert built(CONTEXT, question=QUESTION, press=None) == {"answer": full}
+    asks = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, questions=QUESTIONS,
+                    max_new_tokens=3)  # fmt: skip
+    assert len(asks(CONTEXT)["answers"]) == 2
+    with pytest.raises(ValueError, match="not both"):
+        asks(CONTEXT, question=QUESTION)
+    with pytest.raises(ValueError, match="give question= or questions="):
+        pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)(CONTEXT)
+    with pytest.raises(TypeError, match="takes no argument temperature"):
+        pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, temperature=0.5)
+
+
 def test_bad_calls_are_refused(tokenized):
     model, tokenizer = tokenized
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
