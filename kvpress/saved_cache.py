@@ -49,7 +49,8 @@ def save_cache(cache: DynamicCache, path: str | Path, model: nn.Module, press: s
             tensors[key] = t.clone() if shared else t
         layers.append(fields)
     meta = {"format": FORMAT, "config_hash": config_hash(model), "model": type(model).__name__, "press": press,
-            "layers": layers, "versions": {p: version(p) for p in ("kvpress", "torch", "transformers")}}  # fmt: skip
+            "dtype": str(_dtype(model)), "layers": layers,
+            "versions": {p: version(p) for p in ("kvpress", "torch", "transformers")}}  # fmt: skip
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     save_file({k: t.cpu() for k, t in tensors.items()}, str(partial), metadata={"kvpress": json.dumps(meta)})
@@ -80,6 +81,9 @@ def load_cache(path: str | Path, model: nn.Module) -> DynamicCache:
             f"{path} holds a cache of a {meta['model']} with architecture hash {meta['config_hash']}; this "
             f"{type(model).__name__} has {config_hash(model)}: a cache only continues the model that made it"
         )
+    if meta.get("dtype", str(_dtype(model))) != str(_dtype(model)):  # (files written before it was recorded: no check)
+        raise ValueError(f"{path} holds a cache of a model in {meta['dtype']}; this one computes in {_dtype(model)}: "
+                         f"load the model in {meta['dtype']} (its keys and values are kept as they were computed)")
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError, RuntimeError) as error:
@@ -94,3 +98,9 @@ def load_cache(path: str | Path, model: nn.Module) -> DynamicCache:
         except KeyError as error:
             raise ValueError(f"saved cache {path} is damaged: layer {i} lacks the tensor {error}") from error
     return cache
+
+
+def _dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model's attention computes in (its first attention module's weights')."""
+    module = next(iter(model_access.attention_modules(model).values()))
+    return next(module.parameters()).dtype

@@ -23,16 +23,17 @@ def stream_ids(tokenizer, text_or_ids) -> torch.Tensor:
     if isinstance(text_or_ids, str):
         if not text_or_ids:
             raise ValueError("the text to stream is empty")
-        return tokenizer(text_or_ids, return_tensors="pt").input_ids[0]
-    ids = torch.as_tensor(text_or_ids)
+        ids = tokenizer(text_or_ids, return_tensors="pt").input_ids[0]
+    else:
+        ids = torch.as_tensor(text_or_ids)
     if ids.dim() == 2 and ids.shape[0] == 1:
         ids = ids[0]
     if ids.dim() != 1 or ids.numel() < 2:
-        raise ValueError(f"stream needs a text or a 1-D sequence of at least 2 token ids, got shape {tuple(ids.shape)}")
+        raise ValueError(f"stream needs at least 2 tokens (a text, or a 1-D sequence of token ids), got shape "
+                         f"{tuple(ids.shape)}")  # fmt: skip
     return ids
 
 
-@torch.inference_mode()
 def stream(
     model,
     tokenizer,
@@ -43,7 +44,9 @@ def stream(
     cache: DynamicCache | None = None,
     progress: bool = True,
 ) -> Iterator[torch.Tensor]:
-    """Yield, chunk by chunk, the negative log-likelihood (nats, fp32) of each token of the stream.
+    """An iterator yielding, chunk by chunk, the negative log-likelihood (nats, fp32) of each token of the stream.
+    Its arguments are checked when it is called; the press is installed for each of its forwards only, so while
+    the iterator waits (or is left unfinished) the model is as it was, for the caller's forwards and other presses.
 
     Parameters:
         press: what bounds the cache, typically `SinkWindowPress(n_sink=4, window=W, rerotate=True)`;
@@ -79,27 +82,28 @@ def stream(
             f"a full cache cannot stream {ids.numel()} tokens: the model has {max_positions} positions; "
             "pass a press (for example SinkWindowPress(window=..., rerotate=True)) or limit="
         )
-    ids = ids.to(model.device)
+    installation = press(model) if press is not None else None  # (refuses a model kvpress cannot intercept)
     cache = DynamicCache(config=model.config) if cache is None else cache
+    return _nlls(model, ids.to(model.device), installation, chunk, cache, progress)
+
+
+@torch.inference_mode()
+def _nlls(model, ids: torch.Tensor, installation, chunk: int, cache: DynamicCache, progress: bool
+          ) -> Iterator[torch.Tensor]:  # fmt: skip
+    """`stream`'s generator, once its arguments were checked. The press is installed for each of its own forwards
+    only: while it is suspended at a `yield` (or left unfinished), the model is as it was."""
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
+        press = installation.press if installation is not None else None
         bar = tqdm(total=ids.numel(), unit="tok", desc=f"stream {type(press).__name__ if press else 'full'}")
-
-    installation = press(model) if press is not None else None
-
-    def forward(piece: torch.Tensor) -> torch.Tensor:
-        # the press is active only during this generator's own forwards: while it is suspended at a `yield`,
-        # the caller's code (and its forwards on the same model) runs without the press
-        with installation.activated() if installation is not None else contextlib.nullcontext():
-            return model(piece[None], cache=cache, use_cache=True).logits[0].float()
-
-    def chunks() -> Iterator[torch.Tensor]:
-        previous = None  # logits of the last token of the previous chunk
+    previous = None  # logits of the last token of the previous chunk
+    try:
         for start in range(0, ids.numel(), chunk):
             piece = ids[start : start + chunk]
-            logits = forward(piece)
+            with installation if installation is not None else contextlib.nullcontext():
+                logits = model(piece[None], cache=cache, use_cache=True).logits[0].float()
             if previous is not None:
                 logits_for = torch.cat([previous[None], logits[:-1]])
                 targets = piece
@@ -109,10 +113,6 @@ def stream(
             if bar is not None:
                 bar.update(piece.numel())
             yield F.cross_entropy(logits_for, targets, reduction="none")
-
-    try:
-        with installation.installed() if installation is not None else contextlib.nullcontext():
-            yield from chunks()
     finally:
         if bar is not None:
             bar.close()

@@ -192,13 +192,20 @@ def test_suspended_stream_leaves_the_caller_alone():
     it = kvpress.stream(model, None, text, press=press, chunk=32, progress=False)
     for step, nll in enumerate(it):
         nlls.append(nll)
-        if step in (0, 3):  # suspended mid-stream, the press installed: plain calls by the caller
+        if step in (0, 3):  # suspended mid-stream: plain calls by the caller, and another press on the model
+            assert model.config._attn_implementation == "sdpa"  # nothing installed while suspended
             cache = DynamicCache(config=model.config)
             assert torch.equal(model(other, cache=cache, use_cache=True).logits, expected_plain)
             assert _plain(cache)
             assert torch.equal(_generate(model, other), expected_generate)
+            with SnapKVPress(compression_ratio=0.5, window_size=4)(model):  # (refused while the stream held it)
+                model(other, cache=DynamicCache(config=model.config))
     assert torch.equal(torch.cat(nlls), expected_stream)
     assert model.config._attn_implementation == "sdpa"
+    abandoned = kvpress.stream(model, None, text, press=press, chunk=32, progress=False)
+    next(abandoned)  # left unfinished, never closed
+    with SnapKVPress(compression_ratio=0.5, window_size=4)(model):
+        model(other, cache=DynamicCache(config=model.config))
 
 
 def test_frozen_needs_the_caller_that_entered():

@@ -1,6 +1,7 @@
 """Saved caches: `save_cache` -> `load_cache` in a new process gives the same answers; another architecture
 or a damaged file is refused."""
 
+import copy
 import subprocess
 import sys
 import textwrap
@@ -84,6 +85,9 @@ def test_another_architecture_or_a_damaged_file_is_refused(tmp_path):
     kvpress.save_cache(cache, path, model)
     with pytest.raises(ValueError, match="only continues the model that made it"):
         kvpress.load_cache(path, tiny_model("llama", num_hidden_layers=3))
+    half = copy.deepcopy(model).to(torch.bfloat16)  # same architecture, another dtype: sdpa would refuse the keys
+    with pytest.raises(ValueError, match="a model in torch.float32; this one computes in torch.bfloat16"):
+        kvpress.load_cache(path, half)
     data = path.read_bytes()
     (tmp_path / "cut.safetensors").write_bytes(data[: len(data) - 100])
     with pytest.raises(ValueError, match="damaged"):

@@ -48,23 +48,24 @@ def test_streams_10x_past_max_positions_with_a_fixed_cache(press):
 def test_full_cache_refuses_a_stream_longer_than_the_positions():
     model = tiny_model("llama", max_position_embeddings=32)
     with pytest.raises(ValueError, match="a full cache cannot stream 40 tokens: the model has 32 positions"):
-        next(kvpress.stream(model, None, prompt(1, 40)[0], progress=False))
+        kvpress.stream(model, None, prompt(1, 40)[0], progress=False)
 
 
 def test_bad_arguments():
+    """Refused when `stream` is called, before anything is iterated."""
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="chunk must be a positive integer"):
-        next(kvpress.stream(model, None, prompt(1, 10)[0], chunk=0))
-    with pytest.raises(ValueError, match="at least 2 token ids"):
-        next(kvpress.stream(model, None, torch.tensor([5])))
+        kvpress.stream(model, None, prompt(1, 10)[0], chunk=0)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        kvpress.stream(model, None, torch.tensor([5]))
     for limit in (100.0, True, 1):
         with pytest.raises(ValueError, match=f"limit must be an integer of at least 2 tokens, got {limit!r}"):
-            next(kvpress.stream(model, None, prompt(1, 10)[0], limit=limit))
+            kvpress.stream(model, None, prompt(1, 10)[0], limit=limit)
     with pytest.raises(TypeError, match="press must be a kvpress press"):
-        next(kvpress.stream(model, None, prompt(1, 10)[0], "sink-window"))
+        kvpress.stream(model, None, prompt(1, 10)[0], "sink-window")
     with pytest.raises(ValueError, match="KVzipPress compresses a whole prompt once"):
-        next(kvpress.stream(model, None, prompt(1, 10)[0], kvpress.KVzipPress(compression_ratio=0.5)))
+        kvpress.stream(model, None, prompt(1, 10)[0], kvpress.KVzipPress(compression_ratio=0.5))
     cache = DynamicCache(config=model.config)
     list(kvpress.stream(model, None, prompt(1, 10)[0], cache=cache, progress=False))
     with pytest.raises(ValueError, match="cache= already holds 10 tokens: a stream starts from an empty cache"):
-        next(kvpress.stream(model, None, prompt(1, 10)[0], cache=cache, progress=False))
+        kvpress.stream(model, None, prompt(1, 10)[0], cache=cache, progress=False)
