@@ -8,8 +8,11 @@ cache's: the mean difference (press - full cache, in points of the sweep's 0-1 s
 out (it has too few answers to lose; shown in the table's notes). A press's worst cell is its lowest mean
 difference, its mean the mean over the cells, whose interval adds the cells' variances (cells are disjoint
 examples or ratios of the same ones: treated as independent). Presses are ranked by worst cell, then mean;
-only presses measured in every cell are ranked. The model's default press (`kvpress/presses/defaults.json`)
-is marked.
+only presses measured in every cell are ranked. The cells' ratios are those a press evicts at (r > 0: a
+quantized press's r = 0 rows are not an eviction cell). A press paired with the full cache on fewer of its examples
+in a cell than the full cache has (a sweep widened for some presses) is marked: it was not measured on the same
+examples as the others (`--examples N` ranks every press on the first N). The model's default press
+(`kvpress/presses/defaults.json`) is marked.
 """
 
 from __future__ import annotations
@@ -32,12 +35,13 @@ def ranking(rows: list[dict]) -> dict:
     "not_ranked": {press: the cells it was not measured in} of the presses left out of the ranking,
     "presses": one entry per ranked press (worst cell, mean, each cell's paired difference), best first}."""
     full = [row for row in rows if row["press"] == "none"]
-    ratios = sorted({row["ratio"] for row in rows if row["press"] != "none"})
+    ratios = sorted({row["ratio"] for row in rows if row["press"] != "none" and row["ratio"] > 0})
     full_score = {task: _mean([r["score"] for r in full if r["task"] == task])
                   for task in sorted({r["task"] for r in full})}  # fmt: skip
     left_out = {task: score for task, score in sorted(full_score.items()) if score < NEAR_CHANCE}
     kept = sorted(set(full_score) - set(left_out))
     cells = [(task, ratio) for task in kept for ratio in ratios]
+    full_n = {task: sum(r["task"] == task for r in full) for task in full_score}
     presses, not_ranked = [], {}
     for press in sorted({row["press"] for row in rows} - {"none"}):
         found = {(s["task"], s["ratio"]): s for s in paired_rows(full + [r for r in rows if r["press"] == press],
@@ -50,11 +54,11 @@ def ranking(rows: list[dict]) -> dict:
         worst = min(stats, key=lambda s: s["difference"])
         mean = _mean([s["difference"] for s in stats])
         half = math.sqrt(sum(((s["high"] - s["low"]) / 2) ** 2 for s in stats)) / len(stats)  # nan: a cell of one
+        fewer = [[s["task"], s["ratio"], s["n"]] for s in stats if s["n"] < full_n[s["task"]]]
         presses.append({"press": press, "worst": worst, "mean": mean, "mean_low": mean - half,
-                        "mean_high": mean + half, "cells": stats})  # fmt: skip
+                        "mean_high": mean + half, "cells": stats, "fewer_examples": fewer})  # fmt: skip
     presses.sort(key=lambda p: (-p["worst"]["difference"], -p["mean"], p["press"]))
     bands = score_intervals(full)
-    full_n = {task: sum(r["task"] == task for r in full) for task in full_score}
     full_interval = {task: list(bands.get((task, "none", 0.0), (math.nan, math.nan))) for task in full_score}
     return {"cells": cells, "left_out": left_out, "full": full_score, "full_n": full_n, "full_interval": full_interval,
             "presses": presses, "not_ranked": not_ranked}  # fmt: skip
@@ -71,6 +75,7 @@ def table(result: dict, default: str | None = None) -> str:
     for rank, p in enumerate(result["presses"], 1):
         w = p["worst"]
         name = f"{p['press']} (default)" if p["press"] == default else p["press"]
+        name += " †" if p["fewer_examples"] else ""
         lines.append(f"| {rank} | {name} | {w['task']}, r = {w['ratio']} | {w['difference']:+.3f} "
                      f"{_interval(w['low'], w['high'])} | "
                      f"{w['n']} | {p['mean']:+.3f} {_interval(p['mean_low'], p['mean_high'])} |")  # fmt: skip
@@ -78,6 +83,12 @@ def table(result: dict, default: str | None = None) -> str:
                      for task, score in sorted(result["full"].items()))  # fmt: skip
     lines.append(f"\nfull cache: {full}; left out (full cache below {NEAR_CHANCE}): "
                  f"{', '.join(result['left_out']) or 'none'}")  # fmt: skip
+    fewer = {p["press"]: p["fewer_examples"] for p in result["presses"] if p["fewer_examples"]}
+    if fewer:
+        least = min(n for cells in fewer.values() for _, _, n in cells)
+        lines.append(f"† paired with the full cache on fewer of its examples in some cells (fewest {least}): not "
+                     f"measured on the same examples as the others; --examples {least} ranks every press on the "
+                     f"same ones ({', '.join(fewer)})")  # fmt: skip
     for press, missing in result["not_ranked"].items():
         cells = ", ".join(f"{task} r = {ratio}" for task, ratio in missing[:3]) + (", ..." if len(missing) > 3 else "")
         lines.append(f"not ranked: {press}, not measured in {len(missing)} of {len(result['cells'])} cells ({cells})")

@@ -142,14 +142,14 @@ def test_bad_names_are_refused(default_model, tmp_path, capsys):
 
 
 def test_fidelity_table_picks_the_best_press_per_task_and_marks_the_targets(tmp_path):
-    from kvpress.eval.fidelity import fidelity, markdown
+    from kvpress.eval.fidelity import MARKED, fidelity, markdown
 
     def row(task, press, ratio, score, full):
         retention = round(score / full, 4) if full else None
         return {"task": task, "press": press, "ratio": ratio, "score": score, "retention": retention}
 
     agnostic = [row("needle_noise", "none", 0.0, 0.8, 0.8), row("needle_noise", "knorm", 0.5, 0.8, 0.8),
-                row("needle_noise", kvpress.DEFAULT_PRESS, 0.5, 0.4, 0.8), row("needle_noise", "knorm", 0.75, 0.6, 0.8),
+                row("needle_noise", MARKED, 0.5, 0.4, 0.8), row("needle_noise", "knorm", 0.75, 0.6, 0.8),
                 row("variable_tracking", "none", 0.0, 0.0, 0.0), row("variable_tracking", "knorm", 0.5, 0.0, 0.0)]
     aware = [row("needle_noise", "snapkv", 0.75, 0.8, 0.8)]
     for name, rows in (("sweep", agnostic), ("sweep-query-aware", aware)):
@@ -168,7 +168,7 @@ def test_fidelity_table_picks_the_best_press_per_task_and_marks_the_targets(tmp_
 
 
 def test_fidelity_ranking_orders_presses_measured_everywhere_by_worst_cell(tmp_path):
-    from kvpress.eval.fidelity import ranking, ranking_markdown
+    from kvpress.eval.fidelity import MARKED, ranking, ranking_markdown
 
     def row(task, press, ratio, retention, score=0.8):
         return {"task": task, "press": press, "ratio": ratio, "score": score, "retention": retention}
@@ -179,15 +179,15 @@ def test_fidelity_ranking_orders_presses_measured_everywhere_by_worst_cell(tmp_p
     for task in ("needle_noise", "needle_pydoc"):
         for ratio in (0.5, 0.75):
             default = 1.0 if ratio == 0.5 else 0.5
-            rows += [row(task, "steady", ratio, 0.75), row(task, kvpress.DEFAULT_PRESS, ratio, default)]
+            rows += [row(task, "steady", ratio, 0.75), row(task, MARKED, ratio, default)]
             if ratio == 0.5:
                 rows.append(row(task, "partial", ratio, 1.0))  # missing at r = 0.75: not ranked
     (tmp_path / "sweep").mkdir()
     (tmp_path / "sweep" / "summary.json").write_text(json.dumps(rows))
     ranked = ranking(tmp_path)
     assert [(r["press"], r["worst"], r["mean"]) for r in ranked] == [("steady", 0.75, 0.75),
-                                                                      (kvpress.DEFAULT_PRESS, 0.5, 0.75)]  # fmt: skip
-    assert f"| {kvpress.DEFAULT_PRESS} (default) | 50% | 75.0% |" in ranking_markdown(ranked)
+                                                                      (MARKED, 0.5, 0.75)]  # fmt: skip
+    assert f"| {MARKED} (default) | 50% | 75.0% |" in ranking_markdown(ranked)
 
 
 def test_a_longer_answer_budget_re_measures_only_the_cut_answers(default_model, tmp_path, monkeypatch):
@@ -578,6 +578,16 @@ def test_ranking_examples_ranks_on_the_first_examples_only(tmp_path, capsys):
     assert result["full"] == {"needle": 1.0}  # over all four, 0.5
     assert {p["press"]: (p["worst"]["n"], p["mean"]) for p in result["presses"]} == {"narrow": (2, 0.0),
                                                                                       "wide": (2, -0.5)}
+    assert main(["--out", str(tmp_path), "--json", str(tmp_path / "all.json")]) == 0  # every example: narrow marked
+    marked = {p["press"]: p["fewer_examples"] for p in json.loads((tmp_path / "all.json").read_text())["presses"]}
+    assert marked == {"narrow": [["needle", 0.5, 2]], "wide": []}
+    said = capsys.readouterr().out
+    assert "| narrow † |" in said and "--examples 2 ranks every press on the same ones (narrow)" in said
+    quantized = widened + [{**r, "press": "wide:kv_bits=4", "ratio": 0.0} for r in rows("x", 0.0, [1, 1, 0, 0])]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in quantized))
+    assert main(["--out", str(tmp_path), "--json", str(tmp_path / "q.json")]) == 0
+    result = json.loads((tmp_path / "q.json").read_text())  # r = 0 (quantized alone) is no eviction cell
+    assert result["cells"] == [["needle", 0.5]] and [p["press"] for p in result["presses"]] == ["narrow", "wide"]
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path), "--examples", "0"])
     assert "--examples must be at least 1" in capsys.readouterr().err
