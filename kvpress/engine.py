@@ -443,6 +443,8 @@ class PressInstallation:
         self.press.observe_heads(module, query, layer, hidden, ids, mass)
         if evict_now:
             self.press.evict_heads(module, query, layer)
+            if self.press.kv_bits is not None:  # (a no-op once at that width; after `reset`, the next prompt's codes)
+                layer.quantize(self.press.kv_bits)
 
     def _check_headwise(self, cache: DynamicCache, args: tuple, kwargs: dict) -> None:
         """Refuse, before any layer runs, a forward that a cache with head-wise layers cannot take."""
@@ -634,6 +636,8 @@ def _check_press(model: nn.Module, press: Installable) -> None:
     if press.rerotate and press.needs_whole_context:
         raise ValueError(f"{type(press).__name__} scores the whole context once it is cached: rerotate=True is not "
                          "supported there (its keys are evicted after the prefill, not re-rotated)")  # fmt: skip
+    if press.rerotate:
+        model_access.check_half_split_rope(model)
     if press.rerotate and model_access.has_sliding_layers(model):
         raise ValueError(
             f"rerotate=True is not supported on {type(model).__name__}: its sliding-window layers "

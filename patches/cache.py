@@ -160,6 +160,10 @@ class PressedLayer(DynamicLayer):
             self.keys, self.values = self._grown(self.keys, self.n), self._grown(self.values, self.n)
             self._spare = min(max(1, 2 * self._spare), max(SPARE_MIN, int(self.n * SPARE)))
             capacity = self.keys.shape[-2]
+        if self.n + q <= capacity and torch.is_grad_enabled() and self.keys._base is not None:
+            # a window's views (`_drop_first`) were made under the eviction's no_grad: autograd refuses writes into
+            # them with grad on (a plain `model(...)` call), so they are copied first (not in generate)
+            self.keys, self.values = self.keys.clone(), self.values.clone()
         if self.n + q <= capacity:
             self.keys[:, :, self.n : self.n + q] = new_keys
             self.values[:, :, self.n : self.n + q] = new_values
@@ -195,7 +199,7 @@ class PressedLayer(DynamicLayer):
         a token refuses (what it held before is gone)."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes minus the number of tokens to remove, got {tokens_to_remove}")
-        if self.seen != self.n:
+        if tokens_to_remove and self.seen != self.n:  # (0 removes nothing: transformers calls crop(0) as a no-op)
             raise NotImplementedError("a compressed cache cannot be cropped: its evicted tokens are gone")
         drop = min(-tokens_to_remove, self.n)
         if not drop:

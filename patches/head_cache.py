@@ -156,18 +156,19 @@ class HeadwiseLayer(DynamicLayer):
         return self.seen + query_length, 0  # never used: the intercept computes this layer's attention itself
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a head-wise compressed cache cannot be cropped: its evicted tokens are gone")
+        if tokens_to_remove:  # (0 removes nothing: transformers calls crop(0) as a no-op)
+            raise NotImplementedError("a head-wise compressed cache cannot be cropped: its evicted tokens are gone")
 
     def reset(self) -> None:
-        """Empty every head (the layer then takes a new prompt, appended to every head)."""
-        self.store = {name: t.new_empty(0, *t.shape[1:]) for name, t in self.store.items()
-                      if name in ("keys", "values", "pos")}  # fmt: skip
+        """Empty every head (the layer then takes a new prompt, appended to every head, stored as its first commit
+        makes it: dense until a press quantizes it, as `PressedLayer.reset`)."""
+        self.store = {}
         self.bounds = [0] * (len(self.lengths) + 1)
         self.lengths = [0] * len(self.lengths)
         self.seen, self.pending, self._new, self.torn, self._fresh, self._ends = 0, 0, None, False, None, None
         self._starts = None
         self.padded, self._seen_rows = False, None
-        self.key_stats = None  # a quantized layer fits the next prompt's ranges on its first commit
+        self.kv_bits, self.key_stats = None, None  # dense again until a press quantizes the next prompt
         if self.head_budget is not None:  # the press decides the next prompt's budgets (DuoAttention: by its length)
             self.head_budget = torch.full_like(self.head_budget, self.UNDECIDED)
         self.real_seen = torch.zeros(self.batch, dtype=torch.long, device=self.device)
@@ -192,7 +193,7 @@ class HeadwiseLayer(DynamicLayer):
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer keeps (for `cache_bytes`)."""
         out = [*self.store.values(), self.real_seen]
-        return out + [t for t in (self.head_budget, self.key_stats) if t is not None]
+        return out + [t for t in (self.head_budget, self.key_stats, self._starts, self._ends) if t is not None]
 
     @property
     def value_dim(self) -> int | None:

@@ -18,6 +18,8 @@ from transformers.cache_utils import (
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from kvpress.patches import rope
+
 
 def drop_quantizer(model: nn.Module) -> None:
     """Forget how `model`'s weights were stored (a GGUF file's quantizer, once they are dequantised to plain floats),
@@ -115,6 +117,30 @@ def rotary_embedding(model: nn.Module) -> nn.Module:
 
 def inv_freq(model: nn.Module) -> torch.Tensor:
     return rotary_embedding(model).inv_freq
+
+
+def check_half_split_rope(model: nn.Module, layer_idx: int = 0) -> None:
+    """Raise TypeError unless `model` rotates its keys as `rope.rerotate` and `rope.average_rotation` do
+    (transformers' half-split layout, as Llama): a random key its own code rotates to position 12, against the one
+    it rotates to 5 moved on by 7 with `inv_freq`. Interleaved pairs (Cohere, GLM) differ, and moving their keys
+    as half-split ones would corrupt them."""
+    freqs = layer_inv_freq(model, layer_idx)  # refuses a model without RoPE
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    rotary, module = decoder.rotary_emb, attention_modules(model)[layer_idx]
+    apply = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
+    key = torch.randn(1, 1, 1, head_dim(model), generator=torch.Generator().manual_seed(0)).to(freqs.device)
+    typed = "layer_type" in inspect.signature(rotary.forward).parameters  # (Gemma3: frequencies per layer type)
+
+    def at(position: int) -> torch.Tensor:
+        where = torch.tensor([[position]], device=key.device)
+        cos, sin = rotary(key, where, layer_types(model)[layer_idx]) if typed else rotary(key, where)
+        return apply(key, key, cos.float(), sin.float())[1]
+
+    moved = None if apply is None else rope.rerotate(at(5), torch.full((1, 1, 1), 7, device=key.device), freqs)
+    if moved is None or not torch.allclose(moved, at(12), rtol=1e-3, atol=1e-4):
+        raise TypeError(f"{type(model).__name__} does not rotate its keys in transformers' half-split RoPE layout "
+                        "(as Llama, Qwen2, Mistral do), which kvpress re-rotates keys in: rerotate=True and "
+                        "ExpectedAttentionPress are not supported on it")  # fmt: skip
 
 
 def layer_inv_freq(model: nn.Module, layer_idx: int) -> torch.Tensor:

@@ -25,11 +25,12 @@ def rerotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) ->
     shifts, which = (delta, None) if delta.numel() <= FEW else torch.unique(delta, return_inverse=True)
     angles = shifts.to(torch.float64)[..., None] * inv_freq.to(device=keys.device, dtype=torch.float64)
     angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = angles.cos().to(keys.dtype), angles.sin().to(keys.dtype)
+    # computed in fp32 and rounded once (bf16 arithmetic rounded each product: keys moved round after round drift)
+    cos, sin = angles.cos().float(), angles.sin().float()
     if which is not None:
         cos, sin = cos[which], sin[which]
-    k_rot, k_pass = keys[..., :rot_dim], keys[..., rot_dim:]
-    k_rot = k_rot * cos + rotate_half(k_rot) * sin
+    k_rot, k_pass = keys[..., :rot_dim].float(), keys[..., rot_dim:]
+    k_rot = (k_rot * cos + rotate_half(k_rot) * sin).to(keys.dtype)
     return torch.cat((k_rot, k_pass), dim=-1) if k_pass.shape[-1] else k_rot
 
 

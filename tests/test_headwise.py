@@ -805,3 +805,28 @@ def test_a_scratch_pass_over_a_headwise_layer_drops_what_it_appended_without_cop
         assert all(torch.equal(a, b) for a, b in zip(held, before[0], strict=True))
         assert (layer.lengths, layer.seen, layer.pending) == (before[1], before[2], 0)
         assert layer.store["keys"].shape[0] <= sum(layer.lengths) + 2 * sum(max(8, n // 32) for n in layer.lengths) + 2
+
+
+def test_crop_of_nothing_is_a_no_op_and_every_tensor_is_counted():
+    """transformers calls `crop(0)` as a no-op (its deferred stop check): a compressed layer, dense or head-wise,
+    takes it; `tensors()` (cache_bytes) holds every tensor a head-wise layer keeps, its segment offsets too."""
+    model = tiny_model("mistral-window")
+    cache = DynamicCache(config=model.config)
+    with AdaKVPress(SnapKVPress(0.5, window_size=4))(model):
+        model(prompt(1, 40), cache=cache)
+        model(prompt(1, 1, seed=2), cache=cache)
+    layer = cache.layers[0]
+    assert isinstance(layer, HeadwiseLayer)
+    seen = cache.get_seq_length()
+    cache.crop(0)
+    assert cache.get_seq_length() == seen
+    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+        layer.crop(-1)
+    kept = {id(t) for t in layer.tensors()}
+    held = [name for name, t in vars(layer).items() if isinstance(t, torch.Tensor) and t.numel()
+            and name not in ("keys", "values") and id(t) not in kept]  # (keys/values: empty placeholders)
+    assert held == []
+    dense = DynamicCache(config=model.config)
+    with SnapKVPress(0.5, window_size=4)(model):
+        model(prompt(1, 40), cache=dense)
+    dense.layers[0].crop(0)

@@ -153,3 +153,19 @@ def test_few_slots_huge_values_and_a_reset_stay_exact_enough():
     with SnapKVPress(0.5, window_size=4, kv_bits=4)(model):
         model(prompt(2, 40)[:1], cache=cache)
     assert all(layer.kv_bits == 4 and layer.n == 20 for layer in cache.layers)
+
+
+def test_a_reset_head_wise_layer_is_dense_until_a_press_quantizes_the_next_prompt():
+    """`cache.reset()` empties a quantized head-wise layer: the next prompt is stored as its press says (full
+    precision without kv_bits, 8 bits with kv_bits=8), not in the 4 bits of the prompt before."""
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    with AdaKVPress(SnapKVPress(0.5, window_size=4, kv_bits=4))(model):
+        model(prompt(1, 40), cache=cache)
+    for bits in (None, 8):
+        cache.reset()
+        with AdaKVPress(SnapKVPress(0.5, window_size=4, kv_bits=bits))(model):
+            model(prompt(1, 40, seed=1), cache=cache)
+        assert [layer.kv_bits for layer in cache.layers] == [bits] * len(cache.layers)
+        dtype = torch.float32 if bits is None else torch.uint8
+        assert all(isinstance(layer, HeadwiseLayer) and layer.store["keys"].dtype == dtype for layer in cache.layers)

@@ -188,3 +188,24 @@ def test_past_the_window_each_head_drops_its_leaving_slots_by_a_view_and_the_oth
         assert layer.n <= 2 * (window - 1)
     assert layer.held().tolist() == [window - 1] * b  # the head keeping every token
     assert len(storages) <= 60 // 4  # a copy now and then
+
+
+@pytest.mark.parametrize("family", ["mistral-window", "gemma3"])
+def test_a_window_layer_decodes_with_autograd_on(family):
+    """A plain `model(...)` call runs with grad on: a window layer's held slots are views made under the eviction's
+    no_grad, which autograd refused to write into (RuntimeError at the second step); the steps equal no_grad's."""
+    from kvpress import KnormPress
+
+    with torch.inference_mode(False):  # (a model of its own, made outside inference mode)
+        model = tiny_model(family, initializer_range=0.021)
+    logits = {}
+    for grad in (False, True):
+        cache, steps = DynamicCache(config=model.config), []
+        with torch.inference_mode(False), torch.set_grad_enabled(grad), KnormPress(0.3)(model):
+            token = model(prompt(1, 40), cache=cache).logits[:, -1:].argmax(-1)
+            for _ in range(5):
+                out = model(token, cache=cache).logits[:, -1]
+                steps.append(out.detach())
+                token = out.argmax(-1, keepdim=True)
+        logits[grad] = torch.stack(steps)
+    assert torch.allclose(logits[True], logits[False], atol=1e-5)

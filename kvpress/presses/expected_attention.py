@@ -60,6 +60,7 @@ class ExpectedAttentionPress(BasePress):
         super().__post_init__()
 
     def check_model(self, model: nn.Module) -> None:
+        model_access.check_half_split_rope(model)  # refuses a model without RoPE, or with its pairs interleaved
         for idx, module in model_access.attention_modules(model).items():  # one press may serve several models
             self._freqs[module] = model_access.layer_inv_freq(model, idx)  # refuses a model without RoPE
 
