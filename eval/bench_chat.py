@@ -127,6 +127,10 @@ def bench(examples: list[ChatExample], play: Callable[[ChatExample], dict[str, d
     example's rows are appended to it as they come (its first row `{"settings": settings}`) and a log of the same
     settings is resumed from (one of other settings is refused); the caller removes it once the result is written."""
     done = _resumed(log, settings) if log is not None else {}
+    beyond = sorted(i for i in done if i >= len(examples))
+    if beyond:  # (they would be left out of the result, and the log that holds them removed)
+        raise ValueError(f"{log} holds chats {beyond[0]}..{beyond[-1]} of a run of more examples than "
+                         f"{len(examples)}: run with --examples {beyond[-1] + 1} or more, or remove it")  # fmt: skip
     rows: dict[str, list[dict]] = {}
     for i, example in enumerate(examples):
         start = time.time()

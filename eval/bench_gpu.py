@@ -13,7 +13,8 @@ weights: where the weights cannot travel (a lent GPU machine with no network), m
 architecture alone, so a packaged model's config stands in for it; what a press keeps then differs from the real
 model's, its budget does not. Without it the packaged model loads (`kvpress.load_model`).
 
-Writes `gpu.jsonl` (rows as they finish; a rerun measures only the configurations it lacks), `gpu.json`
+Writes `gpu.jsonl` (rows as they finish; a rerun measures only the configurations it lacks on this device, each
+press with its no-press run again: `bench_long.pending`), `gpu.json`
 (`bench_long.summary` per attention implementation, with each press's peak against its cache + no press's
 activations at the same length) and `gpu.md` under `--out`. Without CUDA it measures nothing: it says so, and
 summarises the rows `gpu.jsonl` already holds. `--profile` keeps each generation's top operators in its row.
@@ -52,9 +53,9 @@ import kvpress
 from kvpress.engine import maybe_installed
 from kvpress.eval.bench_core import long_ids
 from kvpress.eval.bench_long import _key as long_key
-from kvpress.eval.bench_long import configurations, markdown, stamped_generate, summary
-from kvpress.eval.memory import TensorPeak
-from kvpress.eval.sweep import read_rows
+from kvpress.eval.bench_long import configurations, markdown, pending, stamped_generate, summary
+from kvpress.eval.memory import TensorPeak, unread_weight_bytes
+from kvpress.eval.sweep import append_row, read_rows
 from kvpress.patches import blocked_attention as blocked
 from kvpress.patches import headwise_attention as headwise
 from kvpress.patches import sdpa_backends
@@ -110,6 +111,7 @@ def measure(model, tokenizer, config: dict, profiled: bool = False) -> dict:
     return {**config, "peak_above_model_bytes": peak, "cache_bytes": kept,
             "profile": _top(prof, cuda) if profiled else None,
             "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "unread_weight_bytes": unread_weight_bytes(model),
             "prefill_seconds": prefill, "decode_step_seconds": statistics.median(steps),
             "device": torch.cuda.get_device_name(device) if cuda else "cpu (stand-in)" if stand_in else "cpu",
             "torch": torch.__version__,
@@ -214,9 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = read_rows(jsonl, "kvpress bench-gpu")
     done = {_key(r) for r in rows if "error" not in r}
     random = args.config is not None
+    cuda = torch.cuda.is_available()
+    here = "cpu (stand-in)" if args.cpu_stand_in else torch.cuda.get_device_name() if cuda else None  # rows' device
     mode = {"random_weights": random, "no_cudnn": args.no_cudnn, "stand_in": args.cpu_stand_in,
-            "no_varlen": args.no_varlen}  # fmt: skip
-    todo = [(a, c) for a in attns for c in runs if _key({**c, "attn": a, **mode}) not in done]
+            "no_varlen": args.no_varlen, "profiled": args.profile, "device": here}  # fmt: skip
+    configs = [{**c, "attn": a, **mode} for a in attns for c in runs]
+    todo = [(c["attn"], c) for c in pending(configs, lambda c: _key(c) in done, _key)]
     if todo and not torch.cuda.is_available() and not args.cpu_stand_in:
         if rows:
             write(out, rows, {})
@@ -230,65 +235,67 @@ def main(argv: list[str] | None = None) -> int:
         (out / "varlen_check.json").write_text(json.dumps(check, indent=2) + "\n")
         print(f"one variable-length call against pair by pair: {check}")
     skipped = {}
-    with jsonl.open("a") as log:
-        for attn in attns:
-            mine = [c for a, c in todo if a == attn]
-            why = available(attn)
-            if why is not None:
-                skipped[attn] = why
-                print(f"{attn}: not measured: {why}")
-                continue
-            if not mine:
-                continue
-            device = "cpu" if args.cpu_stand_in else "cuda"
-            model, tokenizer = load(args.model, args.config, attn, torch.bfloat16, device)
-            if not args.cpu_stand_in:  # kernels warmed at the longest length (warmed at 1K, the first 16K run took
-                # 1.36 s against 0.3 after)
-                warm = {"spec": "none", "ratio": 0.0, "chunk": args.chunk or None, "steps": 2, **mode}
-                measure(model, tokenizer, {**warm, "length": max(plan[args.model])})
-            for config in mine:
-                config = {**config, "attn": attn, **mode}
-                try:
-                    row = measure(model, tokenizer, config, profiled=args.profile)
-                except Exception as error:  # kept as a row and printed: the other configurations still run
-                    row = {**config, "error": f"{type(error).__name__}: {error}",
-                           "traceback": traceback.format_exc()[-2000:]}  # fmt: skip
-                    print(row["traceback"], file=sys.stderr)
-                rows.append(row)
-                log.write(json.dumps(row) + "\n")
-                log.flush()
-                print(f"{attn} {row['length']:>6} {row['press']:>40s} r={row['ratio']:<5} " + (
-                    f"ERROR {row['error']}" if "error" in row else
-                    f"peak +{row['peak_above_model_bytes'] / 2**20:8.1f} MB  cache {row['cache_bytes'] / 2**20:7.1f}"
-                    f" MB  prefill {row['prefill_seconds']:6.2f} s  step {row['decode_step_seconds'] * 1000:6.1f} ms"))
-            del model
-            torch.cuda.empty_cache()
+    for attn in attns:
+        mine = [c for a, c in todo if a == attn]
+        why = available(attn)
+        if why is not None:
+            skipped[attn] = why
+            print(f"{attn}: not measured: {why}")
+            continue
+        if not mine:
+            continue
+        device = "cpu" if args.cpu_stand_in else "cuda"
+        model, tokenizer = load(args.model, args.config, attn, torch.bfloat16, device)
+        if not args.cpu_stand_in:  # kernels warmed at the longest length (warmed at 1K, the first 16K run took
+            # 1.36 s against 0.3 after)
+            warm = {"spec": "none", "ratio": 0.0, "chunk": args.chunk or None, "steps": 2, **mode}
+            measure(model, tokenizer, {**warm, "length": max(plan[args.model])})
+        for config in mine:
+            try:
+                row = measure(model, tokenizer, config, profiled=args.profile)
+            except Exception as error:  # kept as a row and printed: the other configurations still run
+                row = {**config, "error": f"{type(error).__name__}: {error}",
+                       "traceback": traceback.format_exc()[-2000:]}  # fmt: skip
+                print(row["traceback"], file=sys.stderr)
+            rows.append(row)
+            append_row(jsonl, row)
+            print(f"{attn} {row['length']:>6} {row['press']:>40s} r={row['ratio']:<5} " + (
+                f"ERROR {row['error']}" if "error" in row else
+                f"peak +{row['peak_above_model_bytes'] / 2**20:8.1f} MB  cache {row['cache_bytes'] / 2**20:7.1f}"
+                f" MB  prefill {row['prefill_seconds']:6.2f} s  step {row['decode_step_seconds'] * 1000:6.1f} ms"))
+        del model
+        torch.cuda.empty_cache()
     errors = write(out, rows, skipped)
     print(f"wrote {out / 'gpu.json'}; {len(errors)} configurations failed, skipped: {skipped or 'none'}")
     return 1 if errors else 0
 
 
 def _key(row: dict) -> tuple:
-    """`bench_long`'s key of a run, and the attention implementation, weights, cuDNN switch, device (a CPU
-    standing in) and head-wise attention (pair by pair) it ran with."""
+    """`bench_long`'s key of a run, and the attention implementation, weights, cuDNN switch, a CPU standing in,
+    head-wise attention (pair by pair), profiler and device it ran with (a lent machine may be another card)."""
     return (*long_key(row), row["attn"], row.get("random_weights", False), row.get("no_cudnn", False),
-            row.get("stand_in", False), row.get("no_varlen", False))
+            row.get("stand_in", False), row.get("no_varlen", False), bool(row.get("profiled")), row.get("device"))
 
 
 def _table(row: dict) -> str:
     """The table a row belongs to: its attention implementation, whether no press ran without cuDNN too, whether a
-    CPU stood in for the GPU, and whether head-wise layers attended pair by pair."""
+    CPU stood in for the GPU, whether head-wise layers attended pair by pair, and whether the profiler ran."""
     return row["attn"] + (" without cuDNN" if row.get("no_cudnn") else "") + (" (CPU stand-in)" if row.get(
-        "stand_in") else "") + (" pair by pair" if row.get("no_varlen") else "")
+        "stand_in") else "") + (" pair by pair" if row.get("no_varlen") else "") + (
+        " profiled" if row.get("profiled") else "")
 
 
 def write(out: Path, rows: list[dict], skipped: dict) -> list[dict]:
     """`gpu.json` (per attention implementation, `bench_long.summary` of its rows, which pairs a press with the
     no-press run of its own configuration) and `gpu.md` from `rows`; returns the configurations that failed and
     were not measured since."""
-    attns = sorted({_table(r) for r in rows})
-    tables = {a: [_same_length(t) for t in summary([r for r in rows if _table(r) == a and "error" not in r])]
-              for a in attns}  # fmt: skip
+    measured = [r for r in rows if "error" not in r]
+    cards = {}  # the devices each table's rows ran on: a table of several is split by device
+    for r in measured:
+        cards.setdefault(_table(r), set()).add(r.get("device"))
+    named = {id(r): _table(r) + (f" on {r.get('device')}" if len(cards[_table(r)]) > 1 else "") for r in measured}
+    tables = {a: [_same_length(t) for t in summary([r for r in measured if named[id(r)] == a])]
+              for a in sorted(set(named.values()))}  # fmt: skip
     measured = {_key(r) for r in rows if "error" not in r}  # a failure a later run measured is no failure
     errors = [{k: r[k] for k in ("attn", "length", "press", "ratio", "error")} for r in rows
               if "error" in r and _key(r) not in measured]  # fmt: skip

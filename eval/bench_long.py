@@ -12,9 +12,11 @@ every weight was read: `eval/memory.page_in`), the cache bytes after generating,
 (the prefill, a press's scoring pass included) and the median decode step.
 
 Rows are appended to `--out`'s `long.jsonl` as they finish, and a rerun skips what is there: a long run resumes
-where it stopped. `long.json` holds, per (model, length, press, ratio): memory, cache, prefill and decode step
-as ratios to the paired no-press run, and the decode byte limit: a step reads the weights and the kept cache,
-so (weights + kept KV bytes) / (weights + full KV bytes) is the smallest step ratio eviction can give.
+where it stopped. A pair is measured whole (`pending`): a press still to run runs right after its own no-press run
+again, never beside one of an earlier session. `long.json` holds, per (model, length, press, ratio): memory, cache,
+prefill and decode step as ratios to the paired no-press run, and the decode byte limit: a step reads the weights
+(all but an input embedding the output head does not share, of which it reads one row) and the kept cache, so
+(weights read + kept KV bytes) / (weights read + full KV bytes) is the smallest step ratio eviction can give.
 `long.png` plots the memory and decode ratios against the context length; `long.md` is the table of `long.json`.
 
 With chunks, each model also runs one chunk alone with no press (`pairs_with` "one-chunk", `ONE_CHUNK_RUNS`
@@ -47,7 +49,7 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 import kvpress
 from kvpress.engine import maybe_installed
 from kvpress.eval.bench_core import long_ids
-from kvpress.eval.memory import page_in, steady_malloc
+from kvpress.eval.memory import page_in, steady_malloc, unread_weight_bytes
 from kvpress.eval.sweep import append_row, read_rows
 from kvpress.presses.defaults import default_for
 
@@ -87,8 +89,8 @@ def measure(config: dict, model=None, tokenizer=None) -> dict:
         steady = config.get("decode_malloc") == DECODE_MALLOC
         prefill, steps = stamped_generate(model, tokenizer, ids, cache, config["steps"], config["chunk"],
                                           after_prefill=steady_malloc if steady else None)  # fmt: skip
-    return {**config, "peak_above_model_bytes": _status("VmHWM") - base,
-            "cache_bytes": kvpress.cache_bytes(cache), "weight_bytes": weights, "prefill_seconds": prefill,
+    return {**config, "peak_above_model_bytes": _status("VmHWM") - base, "cache_bytes": kvpress.cache_bytes(cache),
+            "weight_bytes": weights, "unread_weight_bytes": unread_weight_bytes(model), "prefill_seconds": prefill,
             "decode_step_seconds": statistics.median(steps), "threads": torch.get_num_threads()}  # fmt: skip
 
 
@@ -145,6 +147,10 @@ def configurations(plan: dict, presses: list[str], ratios: list[float], chunk, s
     is written into each run where given."""
     if isinstance(one_chunk_runs, bool) or not isinstance(one_chunk_runs, int) or one_chunk_runs < 1:
         raise ValueError(f"one_chunk_runs must be a whole number >= 1, got {one_chunk_runs!r}")
+    for name, given in (("presses", presses), ("ratios", ratios)):  # (each would run, and be appended, twice)
+        twice = sorted({str(x) for x in given if list(given).count(x) > 1})
+        if twice:
+            raise ValueError(f"--{name} lists {', '.join(twice)} more than once")
     runs = []
     timing = {} if decode_malloc is None else {"decode_malloc": decode_malloc}
     for model, lengths in plan.items():
@@ -154,7 +160,8 @@ def configurations(plan: dict, presses: list[str], ratios: list[float], chunk, s
                          "spec": "none", "ratio": 0.0, "pairs_with": "one-chunk", **timing, **numbered})  # fmt: skip
         for press in presses:
             spec = (default_for(model) or kvpress.DEFAULT_PRESS) if press == "default" else press
-            whole = kvpress.press_from_name(spec, compression_ratio=0.5).refuses_chunks  # KVzip scores each chunk
+            # (each ratio built here: a bad one is refused before anything runs, not in a child after its pair's)
+            whole = [kvpress.press_from_name(spec, compression_ratio=r).refuses_chunks for r in ratios][0]
             for length in lengths:
                 for ratio in ratios:
                     common = {"model": model, "length": length, "chunk": None if whole else chunk, "steps": steps,
@@ -172,17 +179,16 @@ def summary(rows: list[dict]) -> list[dict]:
     chunks: dict[tuple, list[int]] = {}
     for r in rows:
         if r.get("pairs_with") == "one-chunk":
-            chunks.setdefault((r["model"], r["chunk"]), []).append(r["peak_above_model_bytes"])
+            chunks.setdefault(_pool(r), []).append(r["peak_above_model_bytes"])
     latest = {_run(r): i for i, r in enumerate(rows)}
     out = []
     for i, row in enumerate(rows):
         if row["press"] == "none" or latest[_run(row)] != i:  # (measured again since: the default press changed)
             continue
-        none = by_key.get(_key({**row, "press": "none", "spec": "none", "ratio": 0.0,
-                                "pairs_with": f"{row['press']}@{row['ratio']}"}))  # fmt: skip
+        none = by_key.get(_key(_partner(row)))
         if none is None:
             continue
-        w = row["weight_bytes"]
+        w = row["weight_bytes"] - row["unread_weight_bytes"]  # what a decoding step reads of the weights
         out.append({
             "model": row["model"], "length": row["length"], "press": row["press"], "ratio": row["ratio"],
             "spec": row["spec"], "chunk": row["chunk"],
@@ -194,12 +200,31 @@ def summary(rows: list[dict]) -> list[dict]:
             "decode_step_ratio": row["decode_step_seconds"] / none["decode_step_seconds"],
             "decode_byte_limit": (w + row["cache_bytes"]) / (w + none["cache_bytes"]),
         })  # fmt: skip
-        ones = chunks.get((row["model"], row["chunk"]))
+        ones = chunks.get(_pool(row))
         if row["chunk"] and ones:
             bound = row["cache_bytes"] + statistics.median(ones)
             out[-1].update(bound_mb=bound / 2**20, peak_over_bound=row["peak_above_model_bytes"] / bound,
                            one_chunk_runs=len(ones))  # fmt: skip
     return out
+
+
+def _partner(run: dict) -> dict:
+    """The no-press run a press run pairs with (same model, length, chunk, steps and settings)."""
+    return {**run, "press": "none", "spec": "none", "ratio": 0.0, "pairs_with": f"{run['press']}@{run['ratio']}"}
+
+
+def _pool(row: dict) -> tuple:
+    """The one-chunk runs a row's bound takes the median of: its model's, of its chunk size, decode steps and
+    malloc setting."""
+    return row["model"], row["chunk"], row["steps"], row.get("decode_malloc")
+
+
+def pending(runs: list[dict], done: Callable[[dict], bool], key: Callable[[dict], tuple] = _key) -> list[dict]:
+    """The runs of `runs` still to measure: those not `done`, and the no-press run each of those press runs pairs
+    with, done or not, so a pair is always measured side by side (a no-press run of an earlier session, or of
+    another press behind the same name, is never its partner)."""
+    partners = {key(_partner(run)) for run in runs if run["press"] != "none" and not done(run)}
+    return [run for run in runs if not done(run) or key(run) in partners]
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -289,9 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     jsonl = out / "long.jsonl"
     rows = read_rows(jsonl, "kvpress bench-long")
     done = {_key(r) for r in rows}
-    for config in runs:
-        if _key(config) in done:
-            continue
+    for config in pending(runs, lambda run: _key(run) in done):
         proc = subprocess.run([sys.executable, "-m", "kvpress.eval.bench_long", "--child", json.dumps(config)],
                               capture_output=True, text=True, env={**os.environ, **CHILD_ENV})  # fmt: skip
         if proc.returncode != 0:

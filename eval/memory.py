@@ -32,6 +32,15 @@ def page_in(model: nn.Module) -> None:
             tensor.sum()
 
 
+def unread_weight_bytes(model: nn.Module) -> int:
+    """The bytes of `model`'s weights a decoding step does not read: an input embedding that is not also the output
+    head (the step reads one row of it; a tied one is read whole by the head). 0 when tied."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is not None and head.weight is embedding.weight:
+        return 0
+    return embedding.weight.numel() * embedding.weight.element_size()
+
+
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD_MAX = 32 << 20  # the most glibc's dynamic mmap threshold rises to (64-bit builds)
 
@@ -91,10 +100,14 @@ class TensorPeak(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                 if isinstance(t, torch.Tensor) and not t.is_meta}  # fmt: skip
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
                 storage = tensor.untyped_storage()
                 ptr, known = storage.data_ptr(), self.live.get(storage.data_ptr())
+                if ptr in given and known is None:  # a view of (or written into) an input made before: not new
+                    continue
                 if ptr and (known is None or known[0].expired()):  # new (an address freed and given out again too)
                     self.current += storage.nbytes() - (known[1] if known else 0)
                     self.live[ptr] = (StorageWeakRef(storage), storage.nbytes())

@@ -36,3 +36,5 @@ def test_a_run_resumes_from_its_rows_and_reports_wilson_intervals(tmp_path):
     assert [json.loads(line).get("example") for line in log.read_text().splitlines()] == [None, 0, 1, 2, 3]
     with pytest.raises(ValueError, match="other settings"):
         bench([0], play, log, {"model": "m", "seed": 1})
+    with pytest.raises(ValueError, match=r"holds chats 2..3 of a run of more examples than 2: run with --examples 4"):
+        bench([0, 1], play, log, settings)  # (chats 2 and 3 would be left out, and their log removed)

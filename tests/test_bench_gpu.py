@@ -28,7 +28,8 @@ def test_a_measured_configuration_on_the_cpu_has_no_peak_but_the_rest(tokenized)
 def test_without_cuda_the_rows_already_measured_are_summarised(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config = {"model": "m", "length": 64, "chunk": 32, "steps": 2, "ratio": 0.5, "attn": "sdpa", "random_weights": True,
-              "peak_above_model_bytes": 100, "prefill_seconds": 1.0, "decode_step_seconds": 0.1, "weight_bytes": 10}
+              "peak_above_model_bytes": 100, "prefill_seconds": 1.0, "decode_step_seconds": 0.1, "weight_bytes": 10,
+              "unread_weight_bytes": 0}
     rows = [{**config, "press": "none", "spec": "none", "ratio": 0.0, "pairs_with": "snapkv@0.5", "cache_bytes": 8},
             {**config, "press": "snapkv", "spec": "snapkv", "pairs_with": None, "cache_bytes": 4,
              "peak_above_model_bytes": 50},
@@ -47,6 +48,14 @@ def test_without_cuda_the_rows_already_measured_are_summarised(tmp_path, capsys,
     measured = {**rows[2], "peak_above_model_bytes": 60, "cache_bytes": 4}  # a later run measured it
     del measured["error"]
     assert bench_gpu.write(tmp_path, [*rows, measured], {}) == []
+    # rows of another card (a lent machine may be an H100 or an H200) are another run, and pair only among
+    # themselves: the table is split by device
+    pair = [{**r, "device": "H100"} for r in rows[:2]]
+    assert bench_gpu._key(pair[0]) != bench_gpu._key(rows[0])
+    h200 = [{**r, "device": "H200"} for r in rows[:2]]
+    bench_gpu.write(tmp_path, [*h200, pair[0], {**pair[1], "cache_bytes": 2}], {})
+    tables = json.loads((tmp_path / "gpu.json").read_text())["tables"]
+    assert {name: t[0]["cache_ratio"] for name, t in tables.items()} == {"sdpa on H100": 0.25, "sdpa on H200": 0.5}
 
 
 def test_random_weights_from_a_config_directory(tmp_path, tokenized):
@@ -104,7 +113,8 @@ def test_the_blocked_variant_runs_chunks_in_blocks_on_its_device_and_puts_that_b
 
 def test_no_press_without_cudnn_is_its_own_table_and_configuration(tmp_path, capsys, monkeypatch):
     config = {"model": "m", "length": 64, "chunk": 32, "steps": 2, "ratio": 0.5, "attn": "sdpa", "random_weights": True,
-              "peak_above_model_bytes": 100, "prefill_seconds": 1.0, "decode_step_seconds": 0.1, "weight_bytes": 10}
+              "peak_above_model_bytes": 100, "prefill_seconds": 1.0, "decode_step_seconds": 0.1, "weight_bytes": 10,
+              "unread_weight_bytes": 0}
     pair = [{**config, "press": "none", "spec": "none", "ratio": 0.0, "pairs_with": "snapkv@0.5", "cache_bytes": 8},
             {**config, "press": "snapkv", "spec": "snapkv", "pairs_with": None, "cache_bytes": 4}]
     rows = [*pair, *({**r, "no_cudnn": True, "decode_step_seconds": 0.05} for r in pair)]
@@ -141,6 +151,10 @@ def test_tensor_peak_counts_storages_alive_at_once_and_builds_causal_biases():
         out = blocked.bottom_right_attention(q, k, k)
     assert out.shape == (1, 4, 3, 8) and counted.peak == 14_000  # (the attention's tensors were fewer bytes)
     assert blocked.causal_lower_right is bias  # put back
+    weight = torch.zeros(10_000)  # made before the counting: a slice of it (an embedding row) is no new storage
+    with torch.inference_mode(), TensorPeak() as counted:
+        row = weight[0:2] + 0  # 8 bytes made
+        assert weight[5:7].shape == (2,) and counted.peak == row.nbytes
 
 
 def test_a_cpu_stands_in_for_a_gpu_with_its_paths_and_a_counted_peak(tokenized, monkeypatch):
@@ -164,7 +178,8 @@ def test_pair_by_pair_is_its_own_table_and_the_check_compares_both_paths(tmp_pat
     from kvpress.patches import headwise_attention as headwise
 
     config = {"model": "m", "length": 64, "chunk": 32, "steps": 2, "ratio": 0.5, "attn": "sdpa", "random_weights": True,
-              "peak_above_model_bytes": 100, "prefill_seconds": 1.0, "decode_step_seconds": 0.1, "weight_bytes": 10}
+              "peak_above_model_bytes": 100, "prefill_seconds": 1.0, "decode_step_seconds": 0.1, "weight_bytes": 10,
+              "unread_weight_bytes": 0}
     pair = [{**config, "press": "none", "spec": "none", "ratio": 0.0, "pairs_with": "adakv@0.5", "cache_bytes": 8},
             {**config, "press": "adakv", "spec": "adakv", "pairs_with": None, "cache_bytes": 4}]
     rows = [*pair, *({**r, "no_varlen": True} for r in pair)]

@@ -17,6 +17,7 @@ from kvpress.eval.bench_long import (
     main,
     markdown,
     measure,
+    pending,
     stamped_generate,
     summary,
 )
@@ -47,8 +48,8 @@ def test_the_bound_takes_the_median_of_repeated_one_chunk_runs():
     ones = [r for r in runs if r["pairs_with"] == "one-chunk"]
     assert [r["repeat"] for r in ones] == [0, 1, 2] and len({_key(r) for r in runs}) == len(runs) == 5
     assert runs[:3] == ones  # before the pairs
-    measured = {"peak_above_model_bytes": 0, "cache_bytes": 8, "weight_bytes": 10, "prefill_seconds": 1.0,
-                "decode_step_seconds": 0.1}  # fmt: skip
+    measured = {"peak_above_model_bytes": 0, "cache_bytes": 8, "weight_bytes": 10, "unread_weight_bytes": 0,
+                "prefill_seconds": 1.0, "decode_step_seconds": 0.1}  # fmt: skip
     rows = [{**r, **measured} for r in runs]
     for row, peak in zip(rows, (100, 160, 300, 400, 200), strict=True):
         row["peak_above_model_bytes"] = peak
@@ -57,6 +58,8 @@ def test_the_bound_takes_the_median_of_repeated_one_chunk_runs():
     assert row["one_chunk_runs"] == 3 and row["peak_over_bound"] == 200 / (40 + 160)  # 160: the median of 100-300
     other_chunk = [*(dict(r, chunk=16) for r in rows[:3]), *rows[3:]]
     assert "peak_over_bound" not in summary(other_chunk)[0]  # a one-chunk run of another chunk size sets no bound
+    other_steps = [*(dict(r, steps=9) for r in rows[:1]), *rows[1:]]
+    assert summary(other_steps)[0]["one_chunk_runs"] == 2  # nor one of other decode steps
     old_default = [*rows[:3], rows[3], {**rows[4], "press": "default", "spec": "snapkv:old", "pairs_with": None}]
     old_default[3] = {**rows[3], "pairs_with": "default@0.5"}
     again = {**old_default[4], "spec": "snapkv:new", "cache_bytes": 20}
@@ -84,8 +87,13 @@ def test_a_measured_configuration_and_its_ratios(tokenized):
     assert row["cache_ratio"] == pressed["cache_bytes"] / none["cache_bytes"]
     peaks = pressed["peak_above_model_bytes"], none["peak_above_model_bytes"]
     assert row["memory_ratio"] == (peaks[0] / peaks[1] if peaks[1] else None)
-    w = pressed["weight_bytes"]
+    embedding = model.get_input_embeddings().weight  # untied here: a step reads one row of it, not all
+    assert model.lm_head.weight is not embedding and pressed["unread_weight_bytes"] == embedding.nbytes > 0
+    w = pressed["weight_bytes"] - embedding.nbytes
     assert row["decode_byte_limit"] == (w + pressed["cache_bytes"]) / (w + none["cache_bytes"])
+    tied = summary([{**r, "unread_weight_bytes": 0} for r in rows])[0]  # tied: the head reads the whole matrix
+    w = pressed["weight_bytes"]
+    assert tied["decode_byte_limit"] == (w + pressed["cache_bytes"]) / (w + none["cache_bytes"])
     bound = pressed["cache_bytes"] + one["peak_above_model_bytes"]  # its cache + one chunk alone
     assert row["bound_mb"] == bound / 2**20 and row["peak_over_bound"] == pressed["peak_above_model_bytes"] / bound
     table = markdown([row])
@@ -124,7 +132,18 @@ def test_steady_malloc_reuses_freed_blocks_where_the_child_environment_maps_each
     assert mapped >= 8 * 1000 and steady < mapped / 10  # 2,048 pages of 4 KB a block, against a few
 
 
-@pytest.mark.parametrize("argv", [["--models", "qwen2.5-0.5b:4k"], ["--presses", "nosuch"], ["--decode-steps", "1"]])
+def test_a_press_still_to_run_runs_again_beside_its_own_no_press_run():
+    """Resumed: a press whose row is missing (stopped between the two runs of its pair, or its name now stands for
+    another press) is measured right after its no-press run anew, not paired with one of an earlier session."""
+    runs = configurations({"m": (64,)}, ["snapkv", "h2o"], [0.5], 32, 2)
+    done = {_key(r) for r in runs if r["press"] != "h2o"}  # h2o's no-press run measured, h2o not
+    todo = pending(runs, lambda r: _key(r) in done)
+    assert [(r["press"], r["pairs_with"]) for r in todo] == [("none", "h2o@0.5"), ("h2o", None)]
+    assert pending(runs, lambda r: True) == [] and pending(runs, lambda r: False) == runs
+
+
+@pytest.mark.parametrize("argv", [["--models", "qwen2.5-0.5b:4k"], ["--presses", "nosuch"], ["--decode-steps", "1"],
+                                  ["--ratios", "1.5"], ["--ratios", "0.5,0.5"], ["--presses", "snapkv,snapkv"]])
 def test_bad_arguments_are_refused_before_anything_runs(argv, tmp_path, capsys):
     assert main([*argv, "--out", str(tmp_path)]) == 2
     assert "kvpress bench-long:" in capsys.readouterr().err and not list(tmp_path.iterdir())
