@@ -200,7 +200,7 @@ def train_gates(
     if model_access.has_sliding_layers(model):
         raise ValueError("train-gates trains on models whose layers all attend to the whole context; this one has "
                          "sliding-window layers")  # fmt: skip
-    windows = training_texts(tokenizer, texts + held_out, tokens, seed)
+    windows = training_texts(tokenizer, texts + held_out, tokens, seed, apart_from=texts)
     recorded = []
     for i, text in enumerate(windows):
         recorded.append(recorded_layers(model, tokenizer, text))

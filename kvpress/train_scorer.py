@@ -56,15 +56,31 @@ def corpus() -> tuple[str, str]:
     return prose, code
 
 
-def training_texts(tokenizer, count: int, tokens: int, seed: int) -> list[str]:
-    """`count` windows of about `tokens` tokens, prose and code alternately, at offsets drawn from `seed`."""
+def training_texts(tokenizer, count: int, tokens: int, seed: int,
+                   apart_from: int | None = None) -> list[str]:  # fmt: skip
+    """`count` windows of about `tokens` tokens, prose and code alternately, at offsets drawn from `seed`. The
+    windows from index `apart_from` on (the held-out ones) share no character of their source with a window drawn
+    before them: a start that would is drawn again, so no held-out text was learned from (a draw with no overlap is
+    what it was before)."""
     rng = random.Random(seed)
     sources = corpus()
-    texts = []
+    texts, spans = [], []  # spans: (source, first character, end) of each window
+
+    def window(source: str, start: int) -> tuple[list[int], int]:
+        """The window's token ids and the character of `source` it ends at."""
+        cut = tokenizer(source[start : start + 8 * tokens], add_special_tokens=False, return_offsets_mapping=True)
+        return cut.input_ids[:tokens], start + cut.offset_mapping[: tokens][-1][1]
+
     for i in range(count):
-        source = sources[i % 2]
-        start = rng.randrange(0, len(source) - 8 * tokens)
-        ids = tokenizer(source[start : start + 8 * tokens], add_special_tokens=False).input_ids[:tokens]
+        kind, source = i % 2, sources[i % 2]
+        for _ in range(1000):
+            start = rng.randrange(0, len(source) - 8 * tokens)
+            ids, end = window(source, start)
+            if apart_from is None or i < apart_from or all(k != kind or end <= a or b <= start for k, a, b in spans):
+                break
+        else:
+            raise ValueError(f"{count} windows of {tokens} tokens cannot be drawn apart from each other: fewer texts")
+        spans.append((kind, start, end))
         texts.append(tokenizer.decode(ids).strip())
     return texts
 
@@ -131,8 +147,13 @@ def layer_profile(texts_data: list[dict], layers: int) -> torch.Tensor:
 def profile_scorer(model: nn.Module, tokenizer, scorer: Scorer, log=print) -> Scorer:
     """`scorer` with its layer profile measured again on the first `PROFILE_TEXTS` of its training texts (what
     `train_scorer` measures while it trains; `kvpress train-scorer --update-profile`)."""
-    t = scorer.training
-    texts = training_texts(tokenizer, t["texts"] + 2 * t["held_out"], t["tokens"], t["seed"])
+    scorer.check(model)  # (a profile measured on another model's layers would be written as the scorer's)
+    t = scorer.training or {}
+    missing = [key for key in ("texts", "held_out", "tokens", "seed") if key not in t]
+    if missing:
+        raise ValueError(f"scorer {scorer.model!r} does not record how it was trained ({', '.join(missing)} missing "
+                         "from its training metadata): its texts cannot be drawn again; train it anew")  # fmt: skip
+    texts = training_texts(tokenizer, t["texts"] + 2 * t["held_out"], t["tokens"], t["seed"], t["texts"])
     texts = texts[: min(PROFILE_TEXTS, t["texts"])]
     data = []
     for i, text in enumerate(texts):
@@ -189,7 +210,7 @@ def train_scorer(
     queries saw it (`Scorer.mass_weight`)."""
     if texts < 1 or held_out < 1 or tokens < 64:
         raise ValueError(f"need texts >= 1, held_out >= 1 and tokens >= 64, got {texts}, {held_out}, {tokens}")
-    windows = training_texts(tokenizer, texts + 2 * held_out, tokens, seed)
+    windows = training_texts(tokenizer, texts + 2 * held_out, tokens, seed, apart_from=texts)
     train, val, test = windows[:texts], windows[texts : texts + held_out], windows[texts + held_out :]
     gram: dict[int, list] = {}
     cross: dict[int, list] = {}

@@ -20,8 +20,13 @@ def word_edges(tokenizer, vocab: int) -> torch.Tensor:
     if vocab < 1:
         raise ValueError(f"vocab must be at least 1, got {vocab}")
     edges = torch.zeros(vocab, 2, dtype=torch.uint8)
+    # each token decoded after an anchor, the anchor's text cut off: decoded alone, a SentencePiece token's leading
+    # space ("▁the") is stripped by decoders that strip the text's first space (Llama 2's, Metaspace), and every
+    # word would seem to continue the one before it
+    anchor = tokenizer(".", add_special_tokens=False).input_ids
+    lead = len(tokenizer.decode(anchor))
     for i in range(min(vocab, len(tokenizer))):
-        text = tokenizer.decode([i])
+        text = tokenizer.decode([*anchor, i])[lead:]
         if text:
             edges[i, 0] = text[0].isascii() and text[0].isalnum()
             edges[i, 1] = text[-1].isascii() and text[-1].isalnum()

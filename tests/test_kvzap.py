@@ -193,6 +193,35 @@ def test_training_fits_kvzip_scores_better_than_chance(tokenized):
     assert scorer.layer_profile.shape == (4, 3) and bool((scorer.layer_profile > 0).all())
     assert not torch.allclose(scorer.layer_profile, torch.ones(4, 3))  # layers differ, more so at higher ratios
     scorer.check(model)
+    from kvpress.train_scorer import profile_scorer
+
+    with pytest.raises(ValueError, match="not for this Qwen2ForCausalLM"):  # another model's layers: refused
+        profile_scorer(tiny_model("qwen2"), tokenizer, scorer, log=lambda _: None)
+    with pytest.raises(ValueError, match="does not record how it was trained"):
+        profile_scorer(model, tokenizer, tiny_scorer(model), log=lambda _: None)
+    scorer.word_edges = torch.zeros(16, 2, dtype=torch.uint8)  # a table of another vocabulary
+    with pytest.raises(ValueError, match="its word table has 16 token ids, the model's vocabulary"):
+        scorer.check(model)
+
+
+def test_held_out_training_windows_share_no_text_with_the_windows_before_them(tokenized, monkeypatch):
+    """Windows are drawn at random offsets: a held-out one that overlapped an earlier one is drawn again (on a
+    corpus of numbered words, where which words a window holds says where it was cut)."""
+    from kvpress import train_scorer as module
+
+    _, tokenizer = tokenized
+    prose, code = (" ".join(f"{kind}{i}" for i in range(4000)) for kind in ("p", "c"))
+    monkeypatch.setattr(module, "corpus", lambda: (prose, code))
+
+    def spans(texts):
+        return [(w[1][0], int(w[1][1:]), int(w[-2][1:])) for w in (t.split() for t in texts)]  # (whole words)
+
+    for apart in (None, 200):
+        windows = spans(module.training_texts(tokenizer, 400, 16, 0, apart_from=apart))
+        overlaps = [(i, j) for i in range(200, 400) for j in range(i) if windows[i][0] == windows[j][0]
+                    and windows[i][1] <= windows[j][2] and windows[j][1] <= windows[i][2]]  # fmt: skip
+        assert (overlaps == []) == (apart is not None), len(overlaps)  # (drawn freely, many overlap)
+
 
 
 @pytest.mark.parametrize("inner", [lambda: KVzapPress(compression_ratio=0.5),

@@ -120,6 +120,9 @@ def test_gates_files_round_trip_and_refuse_another_architecture(tmp_path):
     NAtSPress(compression_ratio=0.5, gates=str(path)).check_model(model)
     with pytest.raises(ValueError, match="not for this Qwen2ForCausalLM"):
         NAtSPress(compression_ratio=0.5, gates=str(path)).check_model(tiny_model("qwen2"))
+    half = type(gates)(**{**vars(gates), "weight": gates.weight.half(), "bias": gates.bias.half()})
+    hidden = torch.randn(1, 3, model.config.hidden_size)  # gates held in half precision compute their roles in fp32
+    assert torch.allclose(half.roles(0, hidden), gates.roles(0, hidden), atol=1e-2)
     with pytest.raises(FileNotFoundError, match="neither a safetensors file nor a packaged gates"):
         load_gates(tmp_path / "missing.safetensors")
     (tmp_path / "bad.safetensors").write_text(json.dumps({"not": "tensors"}))

@@ -23,6 +23,30 @@ class _Pieces:
     def decode(self, ids: list[int]) -> str:
         return "".join(self.pieces[i] for i in ids)
 
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        return type("Encoding", (), {"input_ids": [self.pieces.index(text)]})
+
+
+@pytest.mark.parametrize("decoder", ["llama2", "metaspace", "gemma"])
+def test_a_sentencepiece_word_starts_at_its_space_whatever_the_decoder_strips(decoder):
+    """Decoded alone, "▁cat" is "cat" under decoders that strip the text's first space (Llama 2's, Metaspace): it
+    must still start a word, and "s" after it continue it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁the": 1, "▁cat": 2, "s": 3, "▁sat": 4, "▁.": 5, ".": 6}
+    made = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    made.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    replace = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    made.decoder = {"llama2": decoders.Sequence([*replace, decoders.Strip(" ", 1, 0)]),
+                    "metaspace": decoders.Metaspace(replacement="▁", prepend_scheme="first"),
+                    "gemma": decoders.Sequence(replace)}[decoder]  # fmt: skip
+    edges = word_edges(PreTrainedTokenizerFast(tokenizer_object=made, unk_token="<unk>"), len(vocab))
+    assert edges[[1, 2, 3, 4]].tolist() == [[0, 1], [0, 1], [1, 1], [0, 1]]
+    starts, _ = word_starts(edges, torch.tensor([[1, 2, 3, 4]]), torch.arange(4).view(1, 1, 4),
+                            *(torch.zeros(1, 1, 0),) * 3)  # fmt: skip
+    assert starts[0, 0].tolist() == [0, 1, 1, 3]  # "the", "cat" + "s", "sat"
+
 
 def test_word_edges_say_which_token_ids_start_and_end_with_a_letter_or_digit():
     edges = word_edges(_Pieces(), 10)

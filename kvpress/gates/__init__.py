@@ -50,8 +50,8 @@ class Gates:
             self.weight, self.bias = self.weight.to(hidden.device), self.bias.to(hidden.device)
             weight, bias = self.weight[layer_idx], self.bias[layer_idx]
         d, heads = weight.shape[:2]
-        logits = hidden.float() @ weight.reshape(d, heads * len(ROLES))
-        return (logits.view(*hidden.shape[:-1], heads, len(ROLES)) + bias).softmax(dim=-1)
+        logits = hidden.float() @ weight.float().reshape(d, heads * len(ROLES))  # (gates given in half precision)
+        return (logits.view(*hidden.shape[:-1], heads, len(ROLES)) + bias.float()).softmax(dim=-1)
 
     def check(self, model: nn.Module) -> None:
         """Raise ValueError unless these gates were trained for `model`'s architecture."""
@@ -70,7 +70,8 @@ def load_gates(gates: str | Path | Gates) -> Gates:
     tensors, meta, training = shipped.read(gates, _HERE, "gates", _HOW, ("weight", "bias"))
     if not meta.get("window", "").isdigit():
         raise ValueError(f"gates {gates} lack a window (a positive integer in their metadata); {_HOW}")
-    return Gates(meta["model"], meta["config_hash"], tensors["weight"], tensors["bias"], int(meta["window"]), training)
+    return Gates(meta["model"], meta["config_hash"], tensors["weight"].float(), tensors["bias"].float(),
+                 int(meta["window"]), training)  # fmt: skip
 
 
 def find_gates(model: nn.Module) -> Gates:

@@ -82,8 +82,13 @@ class Scorer:
         return (1 - t) * rows[i] + t * rows[i + 1]
 
     def check(self, model: nn.Module) -> None:
-        """Raise ValueError unless this scorer was trained for `model`'s architecture."""
+        """Raise ValueError unless this scorer was trained for `model`'s architecture (and its word table is of
+        `model`'s vocabulary)."""
         shipped.check_fits(model, "scorer", self.model, self.config_hash, self.weight.shape, _HOW)
+        rows = model.get_input_embeddings().num_embeddings
+        if self.word_edges is not None and self.word_edges.shape[0] != rows:
+            raise ValueError(f"scorer {self.model!r}: its word table has {self.word_edges.shape[0]} token ids, the "
+                             f"model's vocabulary {rows}; {_HOW} --update-words")  # fmt: skip
 
 
 def packaged() -> list[str]:
