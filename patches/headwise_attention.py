@@ -63,10 +63,12 @@ def _pairs(
     b, hq, q, d = query.shape
     g = hq // layer.heads
     mass = None if mass_block is None else torch.zeros(layer.bounds[-1], dtype=torch.float32, device=query.device)
+    if q == 1 and layer.window is not None and max(layer.lengths) > layer.window:  # (a step applies no window mask)
+        raise RuntimeError(f"a head-wise sliding-window layer holds {max(layer.lengths)} slots in a head, past its "
+                           f"window of {layer.window}: it was not trimmed after its last forward")  # fmt: skip
     if q == 1 and not softcap:
         return _one_query(query, layer, scale, mass), mass
     out = query.new_empty(b, hq, q, layer.value_dim or d)
-    causal = None
     # a GPU's bottom-right causal call (see above): a chunk with no window, no soft-capping and no mass to return
     fused = layer.window is None and not softcap and mass is None and query.device.type not in blocked.DEVICES
     for row in range(b):
@@ -74,33 +76,30 @@ def _pairs(
             keys, values = layer.pair(row, head)
             n = keys.shape[0]
             group = query[row, head * g : (head + 1) * g]  # [g, q, D]
-            mask = None
+            rows_mask = None  # a block of queries' rows of the mask, made when the block runs (None: no mask)
             if q > 1 and layer.window is not None:
-                pos = layer.slot("pos", row, head).long()
-                mask = (pos[None] <= pos[-q:, None]) & (pos[None] > pos[-q:, None] - layer.window)
+                rows_mask = functools.partial(_window_rows, layer.slot("pos", row, head).long(), n - q, layer.window)
             elif q > 1 and mass is None and not fused:  # (the mass and the fused call need no causal mask)
-                if causal is None or causal.shape[-1] != n:
-                    causal = _causal(q, n, query.device)
-                mask = causal
+                rows_mask = functools.partial(_causal_rows, n - q, query.device)
             if mass is not None:  # the weights summed for the press, from the same computation as the output
-                rows_mask = None if mask is None or layer.window is None else functools.partial(_rows4, mask, n - q)
+                rows4 = None if rows_mask is None else functools.partial(_rows4, rows_mask)
                 res, received = blocked.attention_with_mass(group[None], keys[None, None], values[None, None],
-                                                            rows_mask, mass_block, scale, softcap)  # fmt: skip
+                                                            rows4, mass_block, scale, softcap)  # fmt: skip
                 start = layer.bounds[row * layer.heads + head]
                 mass[start : start + n] = received[0, 0]
                 res = res[0].transpose(0, 1)
             elif softcap:
                 logits = (group @ keys.T) * scale
                 logits = torch.tanh(logits / softcap) * softcap
-                if mask is not None:
-                    logits = logits.masked_fill(~mask, float("-inf"))
+                if rows_mask is not None:
+                    logits = logits.masked_fill(~rows_mask(rows=(0, q)), float("-inf"))
                 res = logits.float().softmax(-1).to(values.dtype) @ values
             elif fused:
                 res = blocked.bottom_right_attention(group[None], keys[None, None], values[None, None], scale)[0]
-            else:  # a chunk: g heads sharing one KV head and one [q, n] mask (folding would repeat the mask g times
-                # and, on the CPU, leave the fused kernel for one that holds every g * q x n weight), in blocks of
-                # queries, each over the slots it can see (torch's CPU kernel copies the mask as floats)
-                rows_mask = functools.partial(_rows, mask, n - q)
+            else:  # a chunk: g heads sharing one KV head and one mask (folding would repeat the mask g times and, on
+                # the CPU, leave the fused kernel for one that holds every g * q x n weight), in blocks of queries,
+                # each over the slots it can see, its rows of the mask made for it alone (torch's CPU kernel copies
+                # the mask as floats)
                 res = blocked.blocked_attention(group[None], keys[None, None], values[None, None], rows_mask, scale)
                 res = res.transpose(1, 2)
             out[row, head * g : (head + 1) * g] = res.reshape(g, q, -1)
@@ -214,8 +213,10 @@ def check_one_call(device: torch.device, dtype: torch.dtype = torch.bfloat16) ->
 def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float, mass: torch.Tensor | None) -> torch.Tensor:
     """A decoding step: per (row, KV head), its `g` queries over the head's segment of the packed storage as two
     matrix products written into the output (a sdpa call per head, or one product over every head's slots, costs
-    more than this work); `[B, 1, Hq, Dv]`. Quantized layers read each head decoded (`pair`). `mass`: the packed
-    attention mass to fill (see `headwise_attention`), or None."""
+    more than this work); `[B, 1, Hq, Dv]`. The logits are in the model's dtype before the softmax (as transformers'
+    eager attention; sdpa keeps them in fp32 inside its kernel): in bf16 its error is eager's, above sdpa's.
+    Quantized layers read each head decoded (`pair`). `mass`: the packed attention mass to fill (see
+    `headwise_attention`), or None."""
     b, hq, _, d = query.shape
     h = layer.heads
     scaled = (query[:, :, 0] * scale).view(b, h, hq // h, d)  # each KV head's g queries
@@ -240,18 +241,21 @@ def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float, mass: to
     return out.view(b, 1, hq, -1)
 
 
-def _rows(mask: torch.Tensor, held: int, rows: tuple[int, int]) -> torch.Tensor:
-    """Queries `rows` of a `[q, n]` mask over the `held` slots and the new ones up to the last of them."""
-    return mask[rows[0] : rows[1], : held + rows[1]]
+def _causal_rows(held: int, device, rows: tuple[int, int]) -> torch.Tensor:
+    """Queries `rows` = (s, e) of a chunk after `held` slots: each sees the held slots and the new ones up to
+    itself, `[e - s, held + e]` bool."""
+    s, e = rows
+    return torch.ones(e - s, held + e, dtype=torch.bool, device=device).tril(held + s)
 
 
-def _rows4(mask: torch.Tensor, held: int, rows: tuple[int, int]) -> torch.Tensor:
-    """`_rows` shaped `[1, 1, rows, slots]`, as `attention_with_mass` takes a mask."""
-    return _rows(mask, held, rows)[None, None]
+def _window_rows(pos: torch.Tensor, held: int, window: int, rows: tuple[int, int]) -> torch.Tensor:
+    """Queries `rows` = (s, e) of a chunk after `held` slots of positions `pos` on a sliding-window layer: each sees
+    the slots at its position or before it, less than `window` positions back, `[e - s, held + e]` bool."""
+    s, e = rows
+    mine, seen = pos[held + s : held + e, None], pos[None, : held + e]
+    return (seen <= mine) & (seen > mine - window)
 
 
-def _causal(q: int, n: int, device) -> torch.Tensor:
-    """`[q, n]` bool: new token i sees the old slots and the new ones up to itself."""
-    new = torch.ones(q, q, dtype=torch.bool, device=device).tril()
-    old = torch.ones(q, n - q, dtype=torch.bool, device=device)
-    return torch.cat([old, new], dim=-1)
+def _rows4(rows_mask, rows: tuple[int, int]) -> torch.Tensor:
+    """`rows_mask`'s rows shaped `[1, 1, rows, slots]`, as `attention_with_mass` takes a mask."""
+    return rows_mask(rows=rows)[None, None]

@@ -317,8 +317,11 @@ class Intercept:
                 f"({self.cache_key}=...)"
             )
         if isinstance(layer, HeadwiseLayer):
-            if kwargs.get("s_aux") is not None:
-                raise ValueError("attention sinks (s_aux) are not supported by head-wise compressed layers")
+            unsupported = [name for name in ("s_aux", "position_bias", "dropout") if kwargs.get(name)
+                           is not None and kwargs.get(name) is not False and kwargs.get(name) != 0]  # fmt: skip
+            if unsupported:  # (the head-wise attention computes softmax(scaled logits + mask) @ values alone)
+                raise ValueError(f"head-wise compressed layers do not support {', '.join(unsupported)} (attention "
+                                 "sinks, a position bias, dropout in training mode): use a dense press or eval()")
             layer.commit()
             grad = torch.is_grad_enabled() and query.requires_grad
             block = self.handler.mass_block(layer, call.compressing) if layer.window is None and not grad else None

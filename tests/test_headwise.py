@@ -830,3 +830,49 @@ def test_crop_of_nothing_is_a_no_op_and_every_tensor_is_counted():
     with SnapKVPress(0.5, window_size=4)(model):
         model(prompt(1, 40), cache=dense)
     dense.layers[0].crop(0)
+
+
+def test_a_chunk_over_a_head_wise_layer_makes_each_blocks_mask_alone(monkeypatch):
+    """A chunk's mask is made block by block (a block's rows over the slots it sees), never whole per (row, KV
+    head): at 8K new tokens over 64K held a whole one was ~600 MB a pair, more than a block's weights."""
+    from kvpress.patches import blocked_attention as blocked
+
+    model = tiny_model("llama")
+    monkeypatch.setattr(blocked, "QUERY_BLOCK", 4)
+    seen = []
+    run = blocked.blocked_attention
+
+    def recording(query, key, value, rows_mask, scaling=None):
+        seen.extend(rows_mask(rows=(s, min(query.shape[2], s + 4))) for s in range(0, query.shape[2], 4))
+        return run(query, key, value, rows_mask, scaling)
+
+    monkeypatch.setattr(blocked, "blocked_attention", recording)
+    cache = DynamicCache(config=model.config)
+    with AdaKVPress(SnapKVPress(0.5, window_size=4))(model):
+        model(prompt(1, 40), cache=cache)
+        model(prompt(1, 10, seed=3), cache=cache)  # a chunk of 10 over the head-wise layers
+    assert seen and all(mask.untyped_storage().nbytes() == mask.numel() for mask in seen)  # no larger mask behind
+    assert {mask.shape[0] for mask in seen} == {4, 2}
+
+
+def test_what_the_head_wise_attention_does_not_compute_is_refused():
+    """Dropout (a model in training mode) and a window layer left untrimmed are refused, not silently skipped."""
+    with torch.inference_mode(False):
+        model = tiny_model("llama", attention_dropout=0.5)
+    cache = DynamicCache(config=model.config)
+    with AdaKVPress(SnapKVPress(0.5, window_size=4))(model):
+        model(prompt(1, 40), cache=cache)  # eval: head-wise layers made
+        model.train()
+        try:
+            with pytest.raises(ValueError, match="head-wise compressed layers do not support dropout"):
+                model(prompt(1, 1, seed=2), cache=cache)
+        finally:
+            model.eval()
+    windowed = tiny_model("mistral-window")
+    cache = DynamicCache(config=windowed.config)
+    with AdaKVPress(SnapKVPress(0.5, window_size=4))(windowed):
+        windowed(prompt(1, 40), cache=cache)
+        layer = cache.layers[0]
+        layer.window = 2  # (as if a trim had been skipped)
+        with pytest.raises(RuntimeError, match="past its window of 2: it was not trimmed"):
+            windowed(prompt(1, 1, seed=2), cache=cache)
