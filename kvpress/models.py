@@ -166,7 +166,10 @@ def _convert_gguf(name: str, out: Path) -> None:
 
 def resolve_model_path(name_or_path: str | None = None) -> Path:
     """A local directory for `name_or_path`: a packaged model name (converted on first use) or a directory."""
-    name = name_or_path or DEFAULT_MODEL
+    if name_or_path is not None and (not isinstance(name_or_path, (str, Path)) or not str(name_or_path).strip()):
+        raise ValueError(f"model must be a packaged model name ({', '.join(PACKAGED_MODELS)}), a local directory or "
+                         f"None (the default, {DEFAULT_MODEL}), got {name_or_path!r}")  # fmt: skip
+    name = str(name_or_path) if name_or_path is not None else DEFAULT_MODEL
     if name in PACKAGED_MODELS:
         out = cache_dir() / name
         if not (out / "config.json").exists():  # never converted, or a copy a killed run left unfinished

@@ -29,7 +29,7 @@ from kvpress.patches import model_access
 from kvpress.patterns import config_hash
 from kvpress.pipeline import split_prompt
 from kvpress.recording import record_prefill
-from kvpress.train_scorer import training_texts
+from kvpress.train_scorer import corpus_sha256, training_texts
 
 
 @torch.no_grad()
@@ -221,7 +221,7 @@ def train_gates(
     training = {
         "method": "layer-wise distillation of each attention output with straight-through hard role masks",
         "texts": texts, "held_out": held_out, "tokens": tokens, "window": window, "sparsity": sparsity,
-        "epochs": epochs, "lr": lr, "seed": seed, "test": summary,
+        "epochs": epochs, "lr": lr, "seed": seed, "corpus_sha256": corpus_sha256(), "test": summary,
         "test_layers": {str(k): {key: round(v, 4) for key, v in f.items()} for k, f in fit.items()},
         "command": f"kvpress train-gates --model {name} --texts {texts} --held-out {held_out} --tokens {tokens} "
                    f"--window {window} --sparsity {sparsity} --epochs {epochs} --lr {lr} --seed {seed}",

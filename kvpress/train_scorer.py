@@ -18,6 +18,7 @@ with lm-eval) and of the Python standard library's modules (code and docstrings)
 
 from __future__ import annotations
 
+import hashlib
 import random
 import sysconfig
 from pathlib import Path
@@ -54,6 +55,13 @@ def corpus() -> tuple[str, str]:
     if len(prose) < 100_000 or len(code) < 100_000:
         raise RuntimeError(f"training text too short ({len(prose)} characters of prose, {len(code)} of code)")
     return prose, code
+
+
+def corpus_sha256() -> str:
+    """The SHA-256 of `corpus()`'s text (recorded with what is trained on it: the installed lm-eval and Python give
+    it)."""
+    prose, code = corpus()
+    return hashlib.sha256((prose + "\0" + code).encode()).hexdigest()
 
 
 def training_texts(tokenizer, count: int, tokens: int, seed: int,
@@ -153,6 +161,9 @@ def profile_scorer(model: nn.Module, tokenizer, scorer: Scorer, log=print) -> Sc
     if missing:
         raise ValueError(f"scorer {scorer.model!r} does not record how it was trained ({', '.join(missing)} missing "
                          "from its training metadata): its texts cannot be drawn again; train it anew")  # fmt: skip
+    if t.get("corpus_sha256", corpus_sha256()) != corpus_sha256():  # (scorers trained before it was recorded: none)
+        raise ValueError(f"scorer {scorer.model!r} was trained on another text than this machine's corpus (lm-eval's "
+                         "task READMEs and the standard library differ): its training texts cannot be drawn again")
     texts = training_texts(tokenizer, t["texts"] + 2 * t["held_out"], t["tokens"], t["seed"], t["texts"])
     texts = texts[: min(PROFILE_TEXTS, t["texts"])]
     data = []
@@ -248,6 +259,7 @@ def train_scorer(
     training = {
         "method": method + (", the log attention mass received and the log queries seen" if attention_mass else ""),
         "texts": texts, "held_out": held_out, "tokens": tokens, "seed": seed, "attention_mass": attention_mass,
+        "corpus_sha256": corpus_sha256(),
         "penalties": {str(k): v for k, v in chosen.items()}, "test": fit, "profile_texts": len(profiled),
         "command": f"kvpress train-scorer --model {name} --texts {texts} --held-out {held_out} --tokens {tokens} "
                    f"--seed {seed}{flag}",

@@ -199,6 +199,10 @@ def test_training_fits_kvzip_scores_better_than_chance(tokenized):
         profile_scorer(tiny_model("qwen2"), tokenizer, scorer, log=lambda _: None)
     with pytest.raises(ValueError, match="does not record how it was trained"):
         profile_scorer(model, tokenizer, tiny_scorer(model), log=lambda _: None)
+    assert len(scorer.training["corpus_sha256"]) == 64
+    moved = type(scorer)(**{**vars(scorer), "training": {**scorer.training, "corpus_sha256": "0" * 64}})
+    with pytest.raises(ValueError, match="trained on another text than this machine's corpus"):
+        profile_scorer(model, tokenizer, moved, log=lambda _: None)
     scorer.word_edges = torch.zeros(16, 2, dtype=torch.uint8)  # a table of another vocabulary
     with pytest.raises(ValueError, match="its word table has 16 token ids, the model's vocabulary"):
         scorer.check(model)

@@ -160,3 +160,10 @@ def test_damaged_packaged_model_is_converted_again(tmp_path, conversions, monkey
     _cut(tmp_path / models.DEFAULT_MODEL / "config.json")
     with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"config.json is damaged .*delete .* again"):
         models.load_model()
+
+
+@pytest.mark.parametrize("name", ["", "  ", 3])
+def test_an_empty_or_non_text_model_name_is_refused(name):
+    """"" named the default model silently; a number failed inside pathlib."""
+    with pytest.raises(ValueError, match="model must be a packaged model name"):
+        models.resolve_model_path(name)
