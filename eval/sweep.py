@@ -73,6 +73,7 @@ from kvpress.eval.tasks import (
     Document,
     check_data,
     task_examples,
+    task_version,
 )
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import PACKAGED_MODELS, cache_dir
@@ -251,7 +252,11 @@ def is_final(row: dict) -> bool:
     full score on a task whose score only grows with more text (`SCORE_GROWS_WITH_TEXT`). A row that lacks
     `answer_tokens` or `cut` (an older sweep's) counts as cut, with an unknown (zero) budget. A row with answer
     fidelity under another budget stands only if the full cache's answer it was measured along ended on an end of
-    sequence (`reference_cut` False): else that answer, hence the fidelity, changes with the budget."""
+    sequence (`reference_cut` False): else that answer, hence the fidelity, changes with the budget. A row made by
+    another version of its task's builder (`task_version`; rows without one: 1) is measured again, on the examples
+    the builder makes now."""
+    if row.get("task_version", 1) != task_version(row["task"]):  # made by another version of the task's builder
+        return False
     if "answer" not in row:  # perplexity and continuation rows
         return True
     budget = ANSWER_TOKENS[row["task"]]
@@ -384,7 +389,8 @@ def _measure(model, tokenizer, out: Path, counts: dict, todo, drawn: tuple, mode
                 rows = answer_rows(model, tokenizer, example, configs, ANSWER_TOKENS[task], query_aware,
                                    progress, chunk)  # fmt: skip
             for row in rows:
-                append_row(results_path, {"task": task, "example": i, "examples": count, **row})
+                append_row(results_path, {"task": task, "example": i, "examples": count,
+                                          "task_version": task_version(task), **row})  # fmt: skip
 
 
 def append_row(path: Path, row: dict) -> None:

@@ -260,7 +260,8 @@ def test_which_rows_a_changed_budget_leaves_alone(default_model):
             example = task_examples(task, default_model[1], 1, 300, seed=0)[0]
         any_answer = task in ("qa_squad", "qa_hotpot")
         assert type(example).score is (AnyAnswerExample.score if any_answer else Example.score)
-    row = {"task": "needle_noise", "answer": "the pass", "score": 0.0, "answer_tokens": 2, "cut": True}
+    row = {"task": "needle_noise", "answer": "the pass", "score": 0.0, "answer_tokens": 2, "cut": True,
+           "task_version": 2}  # fmt: skip
     assert not is_final(row)
     assert is_final({**row, "cut": False})  # it ended on an end of sequence
     assert is_final({**row, "score": 1.0})
@@ -269,6 +270,9 @@ def test_which_rows_a_changed_budget_leaves_alone(default_model):
     assert not is_final({**row, "task": "arithmetic", "score": 1.0})  # first-number scoring: more text can change it
     assert not is_final({k: v for k, v in row.items() if k not in ("cut", "answer_tokens")})  # measured before both
     assert is_final({"task": "perplexity", "score": 0.1, "ppl": 10.0})
+    assert not is_final({**row, "cut": False, "task_version": 1})  # another builder's example: measured again
+    assert not is_final({k: v for k, v in row.items() if k != "task_version"} | {"cut": False})  # (before versions)
+    assert is_final({"task": "arithmetic", "answer": "4", "score": 1.0, "answer_tokens": 8, "cut": False})  # at 1
     measured = {**row, "cut": False, "answer_top1": 0.9}  # its fidelity follows the full cache's answer at 2 tokens
     assert not is_final(measured) and not is_final({**measured, "reference_cut": True})
     assert is_final({**measured, "reference_cut": False})  # that answer ended: the same under any larger budget

@@ -480,3 +480,15 @@ def test_lm_eval_task_metadata_refuses_a_misspelt_key(tokenizer):
     rows = dataset("needle_noise", length=200, n=1, tokenizer=tokenizer, max_length=4096, batch_size=1, version=1.0,
                    window_size=64, press="snapkv")  # fmt: skip
     assert len(rows["test"]) == 1
+
+
+@pytest.mark.parametrize("task, low, high", [("common_words", 0.97, 1.03), ("needle_noise", 1.0, 1.03),
+                                             ("variable_tracking", 1.0, 1.04)])  # fmt: skip
+def test_contexts_are_about_their_length(tokenizer, task, low, high):
+    """The context as the model reads it (text encoded again) is about `length` tokens: common words was sized on
+    entries numbered up to 190 (18% over at 8K), the noise haystack lost a token a unit once decoded (4% short);
+    needles and statements come on top."""
+    for length in (2048, 8192):
+        for example in task_examples(task, tokenizer, 2, length, seed=0):
+            tokens = len(tokenizer(example.context, add_special_tokens=False).input_ids)
+            assert low * length <= tokens <= high * length, (length, tokens)

@@ -73,14 +73,23 @@ def _listing(counts: dict[str, int], rng: random.Random) -> str:
     return "\n".join(f"{i}. {w}" for i, w in enumerate(entries, 1))
 
 
+def _entries(tokenizer, length: int) -> int:
+    """How many list entries fill about `length` tokens of this tokenizer: sized on a probe list numbered as the
+    real one is (an entry's number costs a token a digit in some vocabularies: sized on numbers up to 190, an 8K
+    list ran 18% over), twice over."""
+    n = len(WORDS)
+    for _ in range(3):
+        probe = "\n".join(f"{i}. {WORDS[i % len(WORDS)]}" for i in range(1, n + 1))
+        n = max(1, int(length * n / len(tokenizer(probe, add_special_tokens=False).input_ids)))
+    return n
+
+
 def common_words_examples(tokenizer, n: int, length: int, seed: int, top: int = 10) -> list[CommonWordsExample]:
     """`n` examples whose context lists words in about `length` tokens, `top` of them far more often."""
     if n < 1 or length < 128 or not 1 <= top <= 20:
         raise ValueError(f"need n >= 1, length >= 128 and 1 <= top <= 20, got n={n}, length={length}, top={top}")
     rng = random.Random(f"common-words-{seed}")
-    probe = _listing({w: 1 for w in WORDS}, random.Random(0))  # tokens per entry, for this tokenizer
-    per_entry = len(tokenizer(probe, add_special_tokens=False).input_ids) / len(WORDS)
-    n_entries = int(length / per_entry)
+    n_entries = _entries(tokenizer, length)
     n_common = max(4, n_entries // (2 * top))  # the common words fill about half the list
     out = []
     for _ in range(n):

@@ -17,7 +17,7 @@ import random
 from kvpress.eval.tasks.essays import essays
 from kvpress.eval.tasks.example import Example
 
-NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 HAYSTACKS = ("noise", "pydoc", "essay")
 _NEEDLES = {
     "noise": ("The pass key is {key}. Remember it. {key} is the pass key.", "What is the pass key? The pass key is"),
@@ -28,9 +28,11 @@ _NEEDLES = {
 
 def haystack_ids(tokenizer, haystack: str, length: int, rng: random.Random) -> list[int]:
     """`length` token ids of `haystack` (one of `HAYSTACKS`; "pydoc" and "essay" from a random offset)."""
-    if haystack == "noise":
-        unit = tokenizer(NOISE, add_special_tokens=False).input_ids
-        return (unit * (length // len(unit) + 1))[:length]
+    if haystack == "noise":  # units joined as text, then cut: units of ids each ending on a lone space lost a token
+        # apiece when the context was decoded and encoded again (a 4,096-token haystack read as 3,958)
+        unit = len(tokenizer(NOISE, add_special_tokens=False).input_ids)
+        text = " ".join([NOISE] * (length // unit + 2))
+        return tokenizer(text, add_special_tokens=False).input_ids[:length]
     ids = tokenizer(corpus(haystack), add_special_tokens=False).input_ids
     if len(ids) <= length:
         raise ValueError(f"the {haystack} haystack has {len(ids)} tokens, fewer than length={length}")
