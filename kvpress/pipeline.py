@@ -105,10 +105,10 @@ def generate(
     device = model.device
     ctx_ids, q_ids = split_prompt(tokenizer, context, question, chat_template)
     ctx_ids, q_ids = ctx_ids.to(device), q_ids.to(device)
-    check_compresses(press, ctx_ids.shape[1])
     cache = DynamicCache(config=model.config) if cache is None else cache
     ids = torch.cat([ctx_ids, q_ids], dim=-1)
     prefill = ids[:, :-1] if query_aware else ctx_ids  # generate feeds at least the last token itself
+    check_compresses(press, prefill.shape[1])  # (query-aware: the question is compressed with the context)
     prefill_context(model, prefill, press, cache, tokenizer, next_ids=ids[:, -1:] if query_aware else None,
                     prefill_chunk_size=prefill_chunk_size)
     return answer_from_cache(model, tokenizer, ids, cache, press, max_new_tokens)

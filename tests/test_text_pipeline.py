@@ -119,3 +119,14 @@ def test_split_prompt_under_a_template_that_trims_the_message(tokenized, monkeyp
         [{**m, "content": m["content"].upper()} for m in messages], **kwargs))  # fmt: skip
     with pytest.raises(ValueError, match="chat template rewrites the question 'What is the code'"):
         kvpress.pipeline.split_prompt(tokenizer, "Some document.", "What is the code")
+
+
+def test_a_query_aware_budget_is_set_against_the_context_and_question_it_compresses(tokenized):
+    """Query-aware, the question is compressed with the context: a budget of the context's length compresses."""
+    model, tokenizer = tokenized
+    context_tokens = kvpress.pipeline.split_prompt(tokenizer, CONTEXT, QUESTION)[0].shape[1]
+    press = SnapKVPress(max_tokens=context_tokens, window_size=4)
+    with pytest.raises(ValueError, match="is not smaller than the context"):
+        kvpress.generate(model, tokenizer, CONTEXT, QUESTION, press=press, max_new_tokens=2)
+    assert isinstance(kvpress.generate(model, tokenizer, CONTEXT, QUESTION, press=press, max_new_tokens=2,
+                                       query_aware=True), str)  # fmt: skip
