@@ -188,7 +188,8 @@ def summary(rows: list[dict]) -> list[dict]:
         none = by_key.get(_key(_partner(row)))
         if none is None:
             continue
-        w = row["weight_bytes"] - row["unread_weight_bytes"]  # what a decoding step reads of the weights
+        unread = row.get("unread_weight_bytes")  # (None: a row measured before it was recorded)
+        w = row["weight_bytes"] - (unread or 0)  # what a decoding step reads of the weights
         out.append({
             "model": row["model"], "length": row["length"], "press": row["press"], "ratio": row["ratio"],
             "spec": row["spec"], "chunk": row["chunk"],
@@ -200,6 +201,8 @@ def summary(rows: list[dict]) -> list[dict]:
             "decode_step_ratio": row["decode_step_seconds"] / none["decode_step_seconds"],
             "decode_byte_limit": (w + row["cache_bytes"]) / (w + none["cache_bytes"]),
         })  # fmt: skip
+        if unread is None:  # its limit counts every weight as read, an untied input embedding too: said in the row
+            out[-1]["limit_counts_every_weight"] = True
         ones = chunks.get(_pool(row))
         if row["chunk"] and ones:
             bound = row["cache_bytes"] + statistics.median(ones)

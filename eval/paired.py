@@ -40,9 +40,11 @@ def paired_rows(rows: list[dict], base: str, variant: str, metric: str = "score"
     scores: dict[tuple, dict[str, float]] = {}
     for row in rows:
         if row["press"] in (base, variant) and metric in row:
-            scores.setdefault((row["task"], row["ratio"], row["example"]), {})[row["press"]] = row[metric]
+            # (rows of two versions of a task's builder hold different examples under one number: never paired)
+            key = (row["task"], row["ratio"], row["example"], row.get("task_version", 1))
+            scores.setdefault(key, {})[row["press"]] = row[metric]
     cells: dict[tuple, list[tuple[float, float]]] = {}
-    for (task, ratio, _), pair in sorted(scores.items()):
+    for (task, ratio, _, _), pair in sorted(scores.items()):
         if base in pair and variant in pair:
             cells.setdefault((task, ratio), []).append((pair[base], pair[variant]))
             cells.setdefault(("all", ratio), []).append((pair[base], pair[variant]))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import kvpress
 from kvpress.eval.sweep import answer_rows, append_row, current_rows, read_rows
-from kvpress.eval.tasks import ANSWER_TOKENS, Document, task_examples
+from kvpress.eval.tasks import ANSWER_TOKENS, Document, task_examples, task_version
 
 FIELDS = ("answer", "kept_bytes", "score")
 
@@ -61,6 +61,12 @@ def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, prog
     returns every replayed row."""
     settings = json.loads((sweep / "settings.json").read_text())
     rows = replayable(sweep, presses)
+    stale = sorted({row["task"] for row in rows if row.get("task_version", 1) != task_version(row["task"])})
+    if stale:  # their examples are not the ones the builders make now: a replay would differ for that alone
+        print(f"kvpress replay: {sweep}'s rows of {', '.join(stale)} were measured on an older version of their "
+              "builder (eval/tasks.TASK_VERSIONS): left out (replay them with the code that measured them, or "
+              "--refresh the sweep first)", file=sys.stderr)  # fmt: skip
+        rows = [row for row in rows if row.get("task_version", 1) == task_version(row["task"])]
     done = read_rows(out, "kvpress replay")
     seen = {(r["task"], r["example"], r["press"], r["ratio"]) for r in done}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -68,6 +74,7 @@ def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, prog
         key = (row["task"], row["example"], row["press"], row["ratio"])
         if key in seen:
             continue
+
         count = max(row.get("examples", 0), settings["examples"], row["example"] + 1)
         example = task_examples(row["task"], tokenizer, count, settings["length"], settings["seed"])[row["example"]]
         if isinstance(example, Document):

@@ -30,6 +30,12 @@ PARAMETERS = {"question": "preprocess", "questions": "preprocess", "answer_prefi
 class KVPressTextGenerationPipeline(Pipeline):
     """See the module docstring."""
 
+    def __init__(self, *args, cache: DynamicCache | None = None, **kwargs):
+        if cache is not None:  # (kept for every call, it would take the first context and refuse the next)
+            raise ValueError(f"{TASK} takes cache= at a call (it receives that call's compressed context), not when "
+                             "the pipeline is built")  # fmt: skip
+        super().__init__(*args, **kwargs)
+
     def __call__(self, context, *args, batch_size: int | None = None, **kwargs):
         if args:  # (transformers' Pipeline would drop them with a logged warning)
             raise TypeError(f"{TASK} takes the context (or a list of contexts) as its one positional argument; pass "
@@ -38,8 +44,10 @@ class KVPressTextGenerationPipeline(Pipeline):
         if size not in (None, 1):  # a batch would stack contexts of different lengths, and answer its first row
             raise ValueError(f"{TASK} compresses each context alone, one at a time: batch_size must be 1, got "
                              f"{size!r}")  # fmt: skip
-        cache = kwargs.get("cache", self._forward_params.get("cache"))  # (given now, or when the pipeline was built)
-        if cache is not None and not isinstance(context, str) and len(context) > 1:
+        for one, other in (("question", "questions"), ("questions", "question")):  # a call's question replaces a
+            if one in kwargs and other not in kwargs:  # built one of either kind
+                kwargs[other] = None
+        if kwargs.get("cache") is not None and not isinstance(context, str) and len(context) > 1:
             raise ValueError(f"cache= receives one compressed context; {len(context)} contexts were given: call the "
                              "pipeline once per context")  # fmt: skip
         return super().__call__(context, batch_size=1, **kwargs)  # (not the batch_size it was built with)

@@ -72,6 +72,13 @@ _counter = itertools.count()
 _DRIVEN = (PressedLayer, HeadwiseLayer)  # the cache layers an installed press drives
 
 
+def headwise_unsupported(kwargs: dict) -> list[str]:
+    """What an attention call asks for that the head-wise attention does not compute (attention sinks `s_aux`, a
+    `position_bias`, a nonzero `dropout`): their names."""
+    return [name for name in ("s_aux", "position_bias", "dropout") if kwargs.get(name) is not None
+            and not (isinstance(kwargs[name], (bool, int, float)) and not kwargs[name])]  # fmt: skip
+
+
 class _Call:
     """The state of one activation (one caller): the cache of its current forward, and whether it evicts."""
 
@@ -317,8 +324,7 @@ class Intercept:
                 f"({self.cache_key}=...)"
             )
         if isinstance(layer, HeadwiseLayer):
-            unsupported = [name for name in ("s_aux", "position_bias", "dropout") if kwargs.get(name)
-                           is not None and kwargs.get(name) is not False and kwargs.get(name) != 0]  # fmt: skip
+            unsupported = headwise_unsupported(kwargs)
             if unsupported:  # (the head-wise attention computes softmax(scaled logits + mask) @ values alone)
                 raise ValueError(f"head-wise compressed layers do not support {', '.join(unsupported)} (attention "
                                  "sinks, a position bias, dropout in training mode): use a dense press or eval()")

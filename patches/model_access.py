@@ -121,23 +121,25 @@ def inv_freq(model: nn.Module) -> torch.Tensor:
 
 def check_half_split_rope(model: nn.Module, layer_idx: int = 0) -> None:
     """Raise TypeError unless `model` rotates its keys as `rope.rerotate` and `rope.average_rotation` do
-    (transformers' half-split layout, as Llama): a random key its own code rotates to position 12, against the one
-    it rotates to 5 moved on by 7 with `inv_freq`. Interleaved pairs (Cohere, GLM) differ, and moving their keys
-    as half-split ones would corrupt them."""
-    freqs = layer_inv_freq(model, layer_idx)  # refuses a model without RoPE
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    rotary, module = decoder.rotary_emb, attention_modules(model)[layer_idx]
+    (transformers' half-split layout, as Llama): a random key its own `apply_rotary_pos_emb` rotates to position 12,
+    against the one it rotates to 5 moved on by 7, both with the layer's `inv_freq` (the model's rotary module is
+    not called: a dynamic one would change its frequencies). Interleaved pairs (Cohere, GLM) differ, and moving
+    their keys as half-split ones would corrupt them."""
+    freqs = layer_inv_freq(model, layer_idx).float()  # refuses a model without RoPE
+    module = attention_modules(model)[layer_idx]
     apply = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
     key = torch.randn(1, 1, 1, head_dim(model), generator=torch.Generator().manual_seed(0)).to(freqs.device)
-    typed = "layer_type" in inspect.signature(rotary.forward).parameters  # (Gemma3: frequencies per layer type)
 
     def at(position: int) -> torch.Tensor:
-        where = torch.tensor([[position]], device=key.device)
-        cos, sin = rotary(key, where, layer_types(model)[layer_idx]) if typed else rotary(key, where)
-        return apply(key, key, cos.float(), sin.float())[1]
+        angles = torch.cat([position * freqs, position * freqs])[None, None]  # [1, 1, rotated features]
+        return apply(key, key, angles.cos(), angles.sin())[1]
 
-    moved = None if apply is None else rope.rerotate(at(5), torch.full((1, 1, 1), 7, device=key.device), freqs)
-    if moved is None or not torch.allclose(moved, at(12), rtol=1e-3, atol=1e-4):
+    try:
+        moved = None if apply is None else rope.rerotate(at(5), torch.full((1, 1, 1), 7, device=key.device), freqs)
+        same = moved is not None and torch.allclose(moved, at(12), rtol=1e-3, atol=1e-4)
+    except RuntimeError:  # (its rotation does not take transformers' cos and sin)
+        same = False
+    if not same:
         raise TypeError(f"{type(model).__name__} does not rotate its keys in transformers' half-split RoPE layout "
                         "(as Llama, Qwen2, Mistral do), which kvpress re-rotates keys in: rerotate=True and "
                         "ExpectedAttentionPress are not supported on it")  # fmt: skip

@@ -868,6 +868,10 @@ def test_what_the_head_wise_attention_does_not_compute_is_refused():
                 model(prompt(1, 1, seed=2), cache=cache)
         finally:
             model.eval()
+    from kvpress.patches.intercept import headwise_unsupported
+
+    assert headwise_unsupported({"s_aux": torch.randn(4), "position_bias": None, "dropout": 0.0}) == ["s_aux"]
+    assert headwise_unsupported({"position_bias": torch.zeros(2, 2), "dropout": 0.1}) == ["position_bias", "dropout"]
     windowed = tiny_model("mistral-window")
     cache = DynamicCache(config=windowed.config)
     with AdaKVPress(SnapKVPress(0.5, window_size=4))(windowed):

@@ -151,3 +151,15 @@ def test_bf16_keys_re_rotated_round_after_round_stay_near_a_fresh_run():
     held, expected = layer.keys[0, :, : layer.n][:, order].double(), fresh.layers[0].keys[0].double()
     error = (held - expected).norm(dim=-1) / expected.norm(dim=-1)
     assert error[:, 4:].mean() < 0.05
+
+
+def test_the_layout_check_leaves_a_dynamic_rope_alone():
+    """A dynamic RoPE that ran past its original length keeps its stretched frequencies: the check calls none of
+    the model's rotary code (calling it swapped them back, and the check then refused the model)."""
+    model = tiny_model("llama", max_position_embeddings=128,
+                       rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})  # fmt: skip
+    model(prompt(1, 300))
+    stretched = model.model.rotary_emb.inv_freq.clone()
+    with SinkWindowPress(n_sink=4, window=12, rerotate=True)(model):
+        pass
+    assert torch.equal(model.model.rotary_emb.inv_freq, stretched)

@@ -536,6 +536,9 @@ def test_paired_metric_pairs_another_field_and_skips_rows_without_it(tmp_path, c
             for i, p, t in [(0, "a", 1.0), (0, "b", 0.5), (1, "a", 1.0), (1, "b", 0.75)]]  # fmt: skip
     rows.append({"task": "t", "ratio": 0.5, "example": 2, "press": "a", "score": 0.0})
     rows.append({"task": "t", "ratio": 0.5, "example": 2, "press": "b", "score": 1.0})  # measured before the field
+    two = [{"task": "t", "ratio": 0.5, "example": 0, "press": "a", "score": 1.0, "task_version": 2},
+           {"task": "t", "ratio": 0.5, "example": 0, "press": "b", "score": 0.0}]  # two builders' example 0
+    assert paired_rows(two, "a", "b") == []
     cell = paired_rows(rows, "a", "b", "answer_top1")[1]
     assert (cell["n"], cell["difference"], cell["metric"]) == (2, -0.375, "answer_top1")
     assert paired_rows(rows, "a", "b")[1]["difference"] == pytest.approx(1 / 3)
@@ -698,3 +701,7 @@ def test_replay_measures_sampled_rows_again_and_appends_each(default_model, tmp_
         replay_main(["--sweep", str(tmp_path / "sweep"), "--presses", "snapkvv", "--out", str(tmp_path / "x.jsonl")])
     with pytest.raises(ValueError, match="holds no answer rows of snapkvv to replay.*with answers: none, snapkv"):
         replay(model, tokenizer, tmp_path / "sweep", 2, out, presses=["snapkvv"])
+    results = tmp_path / "sweep" / "results.jsonl"  # the rows as an older builder made them: left out, and said
+    results.write_text("".join(json.dumps({**json.loads(line), "task_version": 1}) + "\n"
+                               for line in results.read_text().splitlines()))  # fmt: skip
+    assert replay(model, tokenizer, tmp_path / "sweep", 2, tmp_path / "stale.jsonl", progress=False) == []

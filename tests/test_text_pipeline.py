@@ -43,8 +43,9 @@ def test_arguments_given_when_built_hold_for_every_call(tokenized):
     asks = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, questions=QUESTIONS,
                     max_new_tokens=3)  # fmt: skip
     assert len(asks(CONTEXT)["answers"]) == 2
-    with pytest.raises(ValueError, match="not both"):
-        asks(CONTEXT, question=QUESTION)
+    assert set(asks(CONTEXT, question=QUESTION)) == {"answer"}  # a call's question replaces the built questions
+    with pytest.raises(ValueError, match="takes cache= at a call"):
+        pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, cache=DynamicCache(config=model.config))
     with pytest.raises(ValueError, match="give question= or questions="):
         pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)(CONTEXT)
     with pytest.raises(TypeError, match="takes no argument temperature"):
