@@ -74,7 +74,6 @@ def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, prog
         key = (row["task"], row["example"], row["press"], row["ratio"])
         if key in seen:
             continue
-
         count = max(row.get("examples", 0), settings["examples"], row["example"] + 1)
         example = task_examples(row["task"], tokenizer, count, settings["length"], settings["seed"])[row["example"]]
         if isinstance(example, Document):

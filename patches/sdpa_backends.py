@@ -16,16 +16,18 @@ time, 0.11 ms without cuDNN; AdaKV's 4K prefill 1.5 s inside this module's block
 (flash for unmasked calls, memory-efficient or math for masked ones); the user's own choice among those is kept, a
 choice of cuDNN alone is left as it is, and the flags are put back on exit, error or not. Other devices: nothing.
 torch's switches are process-wide: another thread's sdpa calls during a pressed forward on CUDA run without cuDNN
-too (another kernel for the same attention, within rounding).
+too (another kernel for the same attention, within rounding), and cuDNN is back once the last pressed forward open
+in any thread has left.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 _FLAGS = {  # backend -> whether it is enabled now (torch.backends.cuda's switches; they hold on any build)
     SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled,
@@ -50,13 +52,33 @@ def priority() -> list[str]:
     return [b.name for b in sorted(enabled, key=lambda b: order.index(int(b)) if int(b) in order else len(order))]
 
 
+_HELD = 0  # pressed forwards inside `without_cudnn` now, in any thread
+_LOCK = threading.Lock()
+_RESTORE = [False]  # whether the first of them turned cuDNN off (and the last turns it back on)
+
+
 @contextlib.contextmanager
 def without_cudnn(device: torch.device | str) -> Iterator[None]:
-    """On CUDA, cuDNN's attention disabled inside the block when another backend is enabled (see above)."""
-    enabled = enabled_backends() if torch.device(device).type == "cuda" else []
-    others = [backend for backend in enabled if backend != SDPBackend.CUDNN_ATTENTION]
-    if len(others) == len(enabled) or not others:  # not CUDA, cuDNN off, or cuDNN alone
+    """On CUDA, cuDNN's attention disabled inside the block when another backend is enabled (see above). Counted
+    across threads: cuDNN comes back when the last block open leaves, not when the first does (two threads' pressed
+    forwards overlapping left the second's second half with cuDNN on)."""
+    global _HELD
+    if torch.device(device).type != "cuda":
         yield
         return
-    with sdpa_kernel(others):
+    with _LOCK:
+        if _HELD == 0:
+            enabled = enabled_backends()
+            others = [backend for backend in enabled if backend != SDPBackend.CUDNN_ATTENTION]
+            _RESTORE[0] = len(others) < len(enabled) and bool(others)  # cuDNN on, and another backend to run
+            if _RESTORE[0]:
+                torch.backends.cuda.enable_cudnn_sdp(False)
+        _HELD += 1
+    try:
         yield
+    finally:
+        with _LOCK:
+            _HELD -= 1
+            if _HELD == 0 and _RESTORE[0]:
+                torch.backends.cuda.enable_cudnn_sdp(True)
+                _RESTORE[0] = False

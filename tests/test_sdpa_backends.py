@@ -71,3 +71,15 @@ def test_priority_names_the_enabled_backends_in_torchs_order():
         assert sdpa_backends.priority() == ["CUDNN_ATTENTION", "MATH"]
     with sdpa_kernel([SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION], set_priority=True):
         assert sdpa_backends.priority() == ["MATH", "CUDNN_ATTENTION"]
+
+
+def test_overlapping_blocks_put_cudnn_back_when_the_last_leaves():
+    """Two threads' pressed forwards overlapping: the first to leave must not turn cuDNN back on under the second."""
+    with sdpa_kernel(ALL):
+        first, second = sdpa_backends.without_cudnn("cuda"), sdpa_backends.without_cudnn("cuda")
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()  # the second is still inside
+        second.__exit__(None, None, None)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
