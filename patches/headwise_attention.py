@@ -79,21 +79,19 @@ def _pairs(
             rows_mask = None  # a block of queries' rows of the mask, made when the block runs (None: no mask)
             if q > 1 and layer.window is not None:
                 rows_mask = functools.partial(_window_rows, layer.slot("pos", row, head).long(), n - q, layer.window)
-            elif q > 1 and mass is None and not fused:  # (the mass and the fused call need no causal mask)
+            elif q > 1 and mass is None and not softcap and not fused:  # (the mass, soft-capping and the fused
+                # call need no causal mask: `attention_with_mass` aligns the new tokens causally itself)
                 rows_mask = functools.partial(_causal_rows, n - q, query.device)
-            if mass is not None:  # the weights summed for the press, from the same computation as the output
+            if mass is not None or softcap:  # the weights summed for the press (from the same computation as the
+                # output), or soft-capped logits, which sdpa does not take: in blocks of queries either way
                 rows4 = None if rows_mask is None else functools.partial(_rows4, rows_mask)
+                block = mass_block if mass is not None else blocked.QUERY_BLOCK
                 res, received = blocked.attention_with_mass(group[None], keys[None, None], values[None, None],
-                                                            rows4, mass_block, scale, softcap)  # fmt: skip
-                start = layer.bounds[row * layer.heads + head]
-                mass[start : start + n] = received[0, 0]
+                                                            rows4, block, scale, softcap)  # fmt: skip
+                if mass is not None:
+                    start = layer.bounds[row * layer.heads + head]
+                    mass[start : start + n] = received[0, 0]
                 res = res[0].transpose(0, 1)
-            elif softcap:
-                logits = (group @ keys.T) * scale
-                logits = torch.tanh(logits / softcap) * softcap
-                if rows_mask is not None:
-                    logits = logits.masked_fill(~rows_mask(rows=(0, q)), float("-inf"))
-                res = logits.float().softmax(-1).to(values.dtype) @ values
             elif fused:
                 res = blocked.bottom_right_attention(group[None], keys[None, None], values[None, None], scale)[0]
             else:  # a chunk: g heads sharing one KV head and one mask (folding would repeat the mask g times and, on
