@@ -247,7 +247,10 @@ def markdown(table: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['length']} | {r['press']} | {r['ratio']} | {r['peak_above_model_mb']:.0f} "
                      f"({r['none_peak_above_model_mb']:.0f}) | {memory} | {bound} | "
                      f"{r['cache_ratio']:.3f} | {r['prefill_ratio']:.2f} | {r['decode_step_ratio']:.2f} | "
-                     f"{r['decode_byte_limit']:.3f} |")  # fmt: skip
+                     f"{r['decode_byte_limit']:.3f}{' *' if r.get('limit_counts_every_weight') else ''} |")  # fmt: skip
+    if any(r.get("limit_counts_every_weight") for r in table):
+        lines.append("\n\\* a row measured before `unread_weight_bytes` was recorded: its limit counts every weight as "
+                     "read a step, an untied input embedding too")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -22,6 +22,7 @@ import json
 import math
 import statistics
 import sys
+import warnings
 from pathlib import Path
 
 from kvpress.eval.sweep import current_rows
@@ -43,6 +44,14 @@ def paired_rows(rows: list[dict], base: str, variant: str, metric: str = "score"
             # (rows of two versions of a task's builder hold different examples under one number: never paired)
             key = (row["task"], row["ratio"], row["example"], row.get("task_version", 1))
             scores.setdefault(key, {})[row["press"]] = row[metric]
+    versions: dict[tuple, dict[int, set]] = {}  # per (task, ratio, example): the presses measured on each version
+    for (task, ratio, example, version), pair in scores.items():
+        versions.setdefault((task, ratio, example), {})[version] = set(pair)
+    apart = sum(1 for found in versions.values() if all(len(p) == 1 for p in found.values())
+                and set().union(*found.values()) == {base, variant})  # fmt: skip
+    if apart:
+        warnings.warn(f"{apart} examples measured with {base} and {variant} on different versions of their task's "
+                      "builder (task_version) are not paired: their examples differ", stacklevel=2)  # fmt: skip
     cells: dict[tuple, list[tuple[float, float]]] = {}
     for (task, ratio, _, _), pair in sorted(scores.items()):
         if base in pair and variant in pair:

@@ -52,7 +52,16 @@ def replayable(sweep: Path, presses: list[str] | None = None) -> list[dict]:
     if unknown or not answered:
         raise ValueError(f"{sweep} holds no answer rows of {', '.join(unknown) or 'any press'} to replay (perplexity "
                          f"and continuation rows have none); its presses with answers: {', '.join(names) or 'none'}")
-    return [row for row in answered if presses is None or row["press"] in presses]
+    rows = [row for row in answered if presses is None or row["press"] in presses]
+    stale = sorted({row["task"] for row in rows if row.get("task_version", 1) != task_version(row["task"])})
+    if stale:  # their examples are not the ones the builders make now: a replay would differ for that alone
+        print(f"kvpress replay: {sweep}'s rows of {', '.join(stale)} were measured on an older version of their "
+              "builder (eval/tasks.TASK_VERSIONS): left out (replay them with the code that measured them, or "
+              "--refresh the sweep first)", file=sys.stderr)  # fmt: skip
+        rows = [row for row in rows if row.get("task_version", 1) == task_version(row["task"])]
+        if not rows:
+            raise ValueError(f"{sweep} holds no answer rows of the builders' current versions to replay")
+    return rows
 
 
 def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, progress: bool = True,
@@ -61,12 +70,6 @@ def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, prog
     returns every replayed row."""
     settings = json.loads((sweep / "settings.json").read_text())
     rows = replayable(sweep, presses)
-    stale = sorted({row["task"] for row in rows if row.get("task_version", 1) != task_version(row["task"])})
-    if stale:  # their examples are not the ones the builders make now: a replay would differ for that alone
-        print(f"kvpress replay: {sweep}'s rows of {', '.join(stale)} were measured on an older version of their "
-              "builder (eval/tasks.TASK_VERSIONS): left out (replay them with the code that measured them, or "
-              "--refresh the sweep first)", file=sys.stderr)  # fmt: skip
-        rows = [row for row in rows if row.get("task_version", 1) == task_version(row["task"])]
     done = read_rows(out, "kvpress replay")
     seen = {(r["task"], r["example"], r["press"], r["ratio"]) for r in done}
     out.parent.mkdir(parents=True, exist_ok=True)

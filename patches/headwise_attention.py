@@ -66,8 +66,8 @@ def _pairs(
     if q == 1 and layer.window is not None and max(layer.lengths) > layer.window:  # (a step applies no window mask)
         raise RuntimeError(f"a head-wise sliding-window layer holds {max(layer.lengths)} slots in a head, past its "
                            f"window of {layer.window}: it was not trimmed after its last forward")  # fmt: skip
-    if q == 1 and not softcap:
-        return _one_query(query, layer, scale, mass), mass
+    if q == 1:
+        return _one_query(query, layer, scale, mass, softcap), mass
     out = query.new_empty(b, hq, q, layer.value_dim or d)
     # a GPU's bottom-right causal call (see above): a chunk with no window, no soft-capping and no mass to return
     fused = layer.window is None and not softcap and mass is None and query.device.type not in blocked.DEVICES
@@ -208,13 +208,14 @@ def check_one_call(device: torch.device, dtype: torch.dtype = torch.bfloat16) ->
     return out
 
 
-def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float, mass: torch.Tensor | None) -> torch.Tensor:
+def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float, mass: torch.Tensor | None,
+               softcap: float | None = None) -> torch.Tensor:  # fmt: skip
     """A decoding step: per (row, KV head), its `g` queries over the head's segment of the packed storage as two
     matrix products written into the output (a sdpa call per head, or one product over every head's slots, costs
     more than this work); `[B, 1, Hq, Dv]`. The logits are in the model's dtype before the softmax (as transformers'
     eager attention; sdpa keeps them in fp32 inside its kernel): in bf16 its error is eager's, above sdpa's.
     Quantized layers read each head decoded (`pair`). `mass`: the packed attention mass to fill (see
-    `headwise_attention`), or None."""
+    `headwise_attention`), or None; `softcap`: the logits capped as `softcap * tanh(logits / softcap)`."""
     b, hq, _, d = query.shape
     h = layer.heads
     scaled = (query[:, :, 0] * scale).view(b, h, hq // h, d)  # each KV head's g queries
@@ -229,7 +230,10 @@ def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float, mass: to
                 k, v = keys[start:end], values[start:end]
             else:
                 k, v = layer.pair(row, head)
-            weights = torch.softmax(torch.mm(scaled[row, head], k.T), dim=-1)
+            logits = torch.mm(scaled[row, head], k.T)
+            if softcap:  # (Gemma-2 style: the scaled logits capped)
+                logits = torch.tanh(logits / softcap) * softcap
+            weights = torch.softmax(logits, dim=-1)
             if grad:  # autograd takes no out=: the product is copied in (training code, a probe)
                 out[row, head] = torch.mm(weights, v)
             else:

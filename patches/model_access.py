@@ -134,10 +134,12 @@ def check_half_split_rope(model: nn.Module, layer_idx: int = 0) -> None:
         angles = torch.cat([position * freqs, position * freqs])[None, None]  # [1, 1, rotated features]
         return apply(key, key, angles.cos(), angles.sin())[1]
 
+    # DeepSeek-V3's rotation is another function (`rope_interleave`), and its cache holds latents (MLA), not keys
+    latent = getattr(text_config(model), "rope_interleave", False) or hasattr(module, "kv_lora_rank")
     try:
         moved = None if apply is None else rope.rerotate(at(5), torch.full((1, 1, 1), 7, device=key.device), freqs)
-        same = moved is not None and torch.allclose(moved, at(12), rtol=1e-3, atol=1e-4)
-    except RuntimeError:  # (its rotation does not take transformers' cos and sin)
+        same = not latent and moved is not None and torch.allclose(moved, at(12), rtol=1e-3, atol=1e-4)
+    except (RuntimeError, TypeError):  # (its rotation does not take transformers' cos and sin)
         same = False
     if not same:
         raise TypeError(f"{type(model).__name__} does not rotate its keys in transformers' half-split RoPE layout "

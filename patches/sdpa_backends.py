@@ -54,25 +54,24 @@ def priority() -> list[str]:
 
 _HELD = 0  # pressed forwards inside `without_cudnn` now, in any thread
 _LOCK = threading.Lock()
-_RESTORE = [False]  # whether the first of them turned cuDNN off (and the last turns it back on)
+_RESTORE = [False]  # whether one of them turned cuDNN off (the last to leave turns it back on)
+_OTHERS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)  # what CUDA runs besides
 
 
 @contextlib.contextmanager
 def without_cudnn(device: torch.device | str) -> Iterator[None]:
-    """On CUDA, cuDNN's attention disabled inside the block when another backend is enabled (see above). Counted
-    across threads: cuDNN comes back when the last block open leaves, not when the first does (two threads' pressed
-    forwards overlapping left the second's second half with cuDNN on)."""
+    """On CUDA, cuDNN's attention disabled inside the block when flash, memory-efficient or math attention is
+    enabled (see above). Every entry looks again (the flags may have been changed since an outer one), and cuDNN
+    comes back when the last block open, in any thread, leaves, if one of them turned it off and it is still off."""
     global _HELD
     if torch.device(device).type != "cuda":
         yield
         return
     with _LOCK:
-        if _HELD == 0:
-            enabled = enabled_backends()
-            others = [backend for backend in enabled if backend != SDPBackend.CUDNN_ATTENTION]
-            _RESTORE[0] = len(others) < len(enabled) and bool(others)  # cuDNN on, and another backend to run
-            if _RESTORE[0]:
-                torch.backends.cuda.enable_cudnn_sdp(False)
+        enabled = enabled_backends()
+        if SDPBackend.CUDNN_ATTENTION in enabled and any(backend in enabled for backend in _OTHERS):
+            torch.backends.cuda.enable_cudnn_sdp(False)
+            _RESTORE[0] = True
         _HELD += 1
     try:
         yield
@@ -80,5 +79,6 @@ def without_cudnn(device: torch.device | str) -> Iterator[None]:
         with _LOCK:
             _HELD -= 1
             if _HELD == 0 and _RESTORE[0]:
-                torch.backends.cuda.enable_cudnn_sdp(True)
+                if not torch.backends.cuda.cudnn_sdp_enabled():
+                    torch.backends.cuda.enable_cudnn_sdp(True)
                 _RESTORE[0] = False

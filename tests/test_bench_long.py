@@ -96,6 +96,8 @@ def test_a_measured_configuration_and_its_ratios(tokenized):
     assert tied["decode_byte_limit"] == (w + pressed["cache_bytes"]) / (w + none["cache_bytes"])
     before = summary([{k: v for k, v in r.items() if k != "unread_weight_bytes"} for r in rows])[0]  # older rows
     assert before["decode_byte_limit"] == tied["decode_byte_limit"] and before["limit_counts_every_weight"]
+    marked = markdown([before])
+    assert f"{before['decode_byte_limit']:.3f} * |" in marked and "counts every weight" in marked
     assert "limit_counts_every_weight" not in tied
     bound = pressed["cache_bytes"] + one["peak_above_model_bytes"]  # its cache + one chunk alone
     assert row["bound_mb"] == bound / 2**20 and row["peak_over_bound"] == pressed["peak_above_model_bytes"] / bound

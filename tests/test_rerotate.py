@@ -163,3 +163,20 @@ def test_the_layout_check_leaves_a_dynamic_rope_alone():
     with SinkWindowPress(n_sink=4, window=12, rerotate=True)(model):
         pass
     assert torch.equal(model.model.rotary_emb.inv_freq, stretched)
+
+
+def test_latent_keys_are_refused_where_they_would_be_moved():
+    """DeepSeek-V3 (MLA) caches latents, not rotated keys, and rotates interleaved pairs (`rope_interleave`)."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from tiny import COMMON
+
+    config = DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=16,
+                              qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                              num_experts_per_tok=2, first_k_dense_replace=2, moe_intermediate_size=32, n_group=1,
+                              topk_group=1)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(TypeError, match="does not rotate its keys in transformers' half-split"):
+        with SinkWindowPress(n_sink=4, window=12, rerotate=True)(model):
+            pass

@@ -83,3 +83,20 @@ def test_overlapping_blocks_put_cudnn_back_when_the_last_leaves():
         assert not torch.backends.cuda.cudnn_sdp_enabled()  # the second is still inside
         second.__exit__(None, None, None)
         assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_each_entry_looks_again_and_only_the_backends_cuda_runs_count():
+    """A block entered after the flags changed under an outer one sets cuDNN aside too; cuDNN chosen alone with the
+    setters (OVERRIDEABLE, which CUDA never picks, still on) is left as it is."""
+    with sdpa_kernel(ALL), sdpa_backends.without_cudnn("cuda"):
+        with sdpa_kernel([SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION]), sdpa_backends.without_cudnn("cuda"):
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
+    flags = {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in ("flash", "mem_efficient", "math")}
+    try:
+        for name in flags:
+            getattr(torch.backends.cuda, f"enable_{name}_sdp")(False)
+        with sdpa_backends.without_cudnn("cuda"):
+            assert torch.backends.cuda.cudnn_sdp_enabled()  # nothing else for CUDA to run
+    finally:
+        for name, on in flags.items():
+            getattr(torch.backends.cuda, f"enable_{name}_sdp")(on)

@@ -538,7 +538,8 @@ def test_paired_metric_pairs_another_field_and_skips_rows_without_it(tmp_path, c
     rows.append({"task": "t", "ratio": 0.5, "example": 2, "press": "b", "score": 1.0})  # measured before the field
     two = [{"task": "t", "ratio": 0.5, "example": 0, "press": "a", "score": 1.0, "task_version": 2},
            {"task": "t", "ratio": 0.5, "example": 0, "press": "b", "score": 0.0}]  # two builders' example 0
-    assert paired_rows(two, "a", "b") == []
+    with pytest.warns(UserWarning, match="1 examples measured with a and b on different versions"):
+        assert paired_rows(two, "a", "b") == []
     cell = paired_rows(rows, "a", "b", "answer_top1")[1]
     assert (cell["n"], cell["difference"], cell["metric"]) == (2, -0.375, "answer_top1")
     assert paired_rows(rows, "a", "b")[1]["difference"] == pytest.approx(1 / 3)
@@ -704,4 +705,5 @@ def test_replay_measures_sampled_rows_again_and_appends_each(default_model, tmp_
     results = tmp_path / "sweep" / "results.jsonl"  # the rows as an older builder made them: left out, and said
     results.write_text("".join(json.dumps({**json.loads(line), "task_version": 1}) + "\n"
                                for line in results.read_text().splitlines()))  # fmt: skip
-    assert replay(model, tokenizer, tmp_path / "sweep", 2, tmp_path / "stale.jsonl", progress=False) == []
+    with pytest.raises(ValueError, match="holds no answer rows of the builders' current versions"):
+        replay(model, tokenizer, tmp_path / "sweep", 2, tmp_path / "stale.jsonl", progress=False)
