@@ -160,8 +160,9 @@ def configurations(plan: dict, presses: list[str], ratios: list[float], chunk, s
                          "spec": "none", "ratio": 0.0, "pairs_with": "one-chunk", **timing, **numbered})  # fmt: skip
         for press in presses:
             spec = (default_for(model) or kvpress.DEFAULT_PRESS) if press == "default" else press
-            # (each ratio built here: a bad one is refused before anything runs, not in a child after its pair's)
-            whole = [kvpress.press_from_name(spec, compression_ratio=r).refuses_chunks for r in ratios][0]
+            # each ratio built here: a bad one is refused before anything runs, not in a child after its pair's
+            built = [kvpress.press_from_name(spec, compression_ratio=r) for r in ratios]
+            whole = built[0].refuses_chunks  # KVzip scores each chunk
             for length in lengths:
                 for ratio in ratios:
                     common = {"model": model, "length": length, "chunk": None if whole else chunk, "steps": steps,

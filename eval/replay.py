@@ -19,7 +19,7 @@ from pathlib import Path
 
 import kvpress
 from kvpress.eval.sweep import answer_rows, append_row, current_rows, read_rows
-from kvpress.eval.tasks import ANSWER_TOKENS, Document, task_examples, task_version
+from kvpress.eval.tasks import ANSWER_TOKENS, Document, built_now, task_examples
 
 FIELDS = ("answer", "kept_bytes", "score")
 
@@ -53,12 +53,12 @@ def replayable(sweep: Path, presses: list[str] | None = None) -> list[dict]:
         raise ValueError(f"{sweep} holds no answer rows of {', '.join(unknown) or 'any press'} to replay (perplexity "
                          f"and continuation rows have none); its presses with answers: {', '.join(names) or 'none'}")
     rows = [row for row in answered if presses is None or row["press"] in presses]
-    stale = sorted({row["task"] for row in rows if row.get("task_version", 1) != task_version(row["task"])})
+    stale = sorted({row["task"] for row in rows if not built_now(row)})
     if stale:  # their examples are not the ones the builders make now: a replay would differ for that alone
         print(f"kvpress replay: {sweep}'s rows of {', '.join(stale)} were measured on an older version of their "
               "builder (eval/tasks.TASK_VERSIONS): left out (replay them with the code that measured them, or "
               "--refresh the sweep first)", file=sys.stderr)  # fmt: skip
-        rows = [row for row in rows if row.get("task_version", 1) == task_version(row["task"])]
+        rows = [row for row in rows if built_now(row)]
         if not rows:
             raise ValueError(f"{sweep} holds no answer rows of the builders' current versions to replay")
     return rows

@@ -71,6 +71,7 @@ from kvpress.eval.tasks import (
     UNAVAILABLE,
     Continuation,
     Document,
+    built_now,
     check_data,
     task_examples,
     task_version,
@@ -255,7 +256,7 @@ def is_final(row: dict) -> bool:
     sequence (`reference_cut` False): else that answer, hence the fidelity, changes with the budget. A row made by
     another version of its task's builder (`task_version`; rows without one: 1) is measured again, on the examples
     the builder makes now."""
-    if row.get("task_version", 1) != task_version(row["task"]):  # made by another version of the task's builder
+    if not built_now(row):  # made by another version of the task's builder
         return False
     if "answer" not in row:  # perplexity and continuation rows
         return True

@@ -81,8 +81,9 @@ def load_cache(path: str | Path, model: nn.Module) -> DynamicCache:
             f"{path} holds a cache of a {meta['model']} with architecture hash {meta['config_hash']}; this "
             f"{type(model).__name__} has {config_hash(model)}: a cache only continues the model that made it"
         )
-    if meta.get("dtype", str(_dtype(model))) != str(_dtype(model)):  # (files written before it was recorded: no check)
-        raise ValueError(f"{path} holds a cache of a model in {meta['dtype']}; this one computes in {_dtype(model)}: "
+    dtype = str(_dtype(model))
+    if meta.get("dtype", dtype) != dtype:  # (files written before it was recorded: no check)
+        raise ValueError(f"{path} holds a cache of a model in {meta['dtype']}; this one computes in {dtype}: "
                          f"load the model in {meta['dtype']} (its keys and values are kept as they were computed)")
     try:
         tensors = load_file(str(path))

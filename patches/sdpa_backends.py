@@ -53,8 +53,8 @@ def priority() -> list[str]:
 
 
 _HELD = 0  # pressed forwards inside `without_cudnn` now, in any thread
+_RESTORE = False  # whether one of them turned cuDNN off (the last to leave turns it back on)
 _LOCK = threading.Lock()
-_RESTORE = [False]  # whether one of them turned cuDNN off (the last to leave turns it back on)
 _OTHERS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)  # what CUDA runs besides
 
 
@@ -63,7 +63,7 @@ def without_cudnn(device: torch.device | str) -> Iterator[None]:
     """On CUDA, cuDNN's attention disabled inside the block when flash, memory-efficient or math attention is
     enabled (see above). Every entry looks again (the flags may have been changed since an outer one), and cuDNN
     comes back when the last block open, in any thread, leaves, if one of them turned it off and it is still off."""
-    global _HELD
+    global _HELD, _RESTORE
     if torch.device(device).type != "cuda":
         yield
         return
@@ -71,14 +71,13 @@ def without_cudnn(device: torch.device | str) -> Iterator[None]:
         enabled = enabled_backends()
         if SDPBackend.CUDNN_ATTENTION in enabled and any(backend in enabled for backend in _OTHERS):
             torch.backends.cuda.enable_cudnn_sdp(False)
-            _RESTORE[0] = True
+            _RESTORE = True
         _HELD += 1
     try:
         yield
     finally:
         with _LOCK:
             _HELD -= 1
-            if _HELD == 0 and _RESTORE[0]:
-                if not torch.backends.cuda.cudnn_sdp_enabled():
-                    torch.backends.cuda.enable_cudnn_sdp(True)
-                _RESTORE[0] = False
+            if _HELD == 0 and _RESTORE:
+                torch.backends.cuda.enable_cudnn_sdp(True)  # (a no-op where someone turned it back on meanwhile)
+                _RESTORE = False

