@@ -10,7 +10,9 @@ nothing.
 Activation is scoped to the caller: the wrapper and the attention function act only for forwards run in a
 context (thread, `contextvars` context) where `activated()` is entered. Another thread's forwards on the
 same model, or code that runs while a generator that activated the press is suspended, get the model's
-own attention and masks, exactly as with nothing installed.
+own attention and masks, exactly as with nothing installed, and the first such forward of each thread warns
+(`UNPRESSED`): `threading.Thread(target=model.generate, ...)` started inside `with press(model):`, the usual way to
+stream with a `TextIteratorStreamer`, would otherwise run uncompressed without a word.
 
 The mask function registered with the attention function does not build a mask: it returns a `MaskInfo`
 that keeps the 2D padding mask and builds transformers' standard mask only if a layer asks for it (layers
@@ -51,6 +53,7 @@ import contextvars
 import functools
 import itertools
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -70,6 +73,13 @@ from kvpress.patches.headwise_attention import headwise_attention
 _PREFIX = "kvpress_"
 _counter = itertools.count()
 _DRIVEN = (PressedLayer, HeadwiseLayer)  # the cache layers an installed press drives
+UNPRESSED = (
+    "a forward of this {model} ran without the press installed on it (thread {thread!r}): a press acts only for the "
+    "thread and context that entered `with press(model):`, and this forward runs as with no press. To run "
+    "`model.generate` in a thread with the press (with a TextIteratorStreamer, say), start the thread inside the "
+    "block with its context: `threading.Thread(target=contextvars.copy_context().run, args=(model.generate,), "
+    "kwargs=...)`"
+)
 
 
 def headwise_unsupported(kwargs: dict) -> list[str]:
@@ -110,6 +120,7 @@ class Intercept:
         self._compressible: set[int] = set()  # the layers whose cache a press takes over
         self._flight = threading.Condition()
         self._forwards: dict[int, int] = {}  # thread id -> forwards of the model it is inside
+        self._warned: set[int] = set()  # the threads told that their forwards run without the press
 
     # ----- install / uninstall ----------------------------------------------------------------------
     def install(self) -> None:
@@ -128,7 +139,7 @@ class Intercept:
         self._compressible = set(model_access.compressible_layers(self.model))
         self.cache_key = model_access.cache_keyword(self.model)
         register(self.name, self._attention, original_mask_function(current))
-        self._forwards = {}
+        self._forwards, self._warned = {}, set()
         try:
             self._own_forward = self.model.__dict__.get("forward")  # accelerate's hooks set one, for example
             self._forward = self._wrap(self.model.forward)
@@ -239,6 +250,10 @@ class Intercept:
             try:
                 call = self._call()
                 if call is None:
+                    if me not in self._warned:
+                        self._warned.add(me)
+                        name = threading.current_thread().name
+                        warnings.warn(UNPRESSED.format(model=type(self.model).__name__, thread=name), stacklevel=2)
                     return forward(*args, **kwargs)
                 outer, outer_ids = call.cache, call.ids  # a cache already: this forward runs inside another
                 self._prepare(call, args, kwargs)

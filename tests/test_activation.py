@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextvars
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -15,6 +16,9 @@ from transformers.cache_utils import DynamicLayer
 import kvpress
 from kvpress import SinkWindowPress, SnapKVPress
 from tiny import prompt, tiny_model
+
+# the other thread runs without the press on purpose (its warning is tested on its own)
+_UNPRESSED_ON_PURPOSE = pytest.mark.filterwarnings("ignore:a forward of this .* ran without the press")
 
 
 def _generate(model, ids, cache=None):
@@ -42,6 +46,7 @@ def _run(*targets) -> None:
         t.join()
 
 
+@_UNPRESSED_ON_PURPOSE
 def test_two_threads_one_model():
     model = tiny_model("llama")
     ids = prompt(1, 40)
@@ -71,6 +76,7 @@ def test_two_threads_one_model():
     assert model.config._attn_implementation == "sdpa"
 
 
+@_UNPRESSED_ON_PURPOSE
 def test_two_threads_generating_at_once():
     model = tiny_model("llama")
     ids = prompt(1, 40)
@@ -97,6 +103,7 @@ def test_two_threads_generating_at_once():
     assert all(torch.equal(out, alone_pressed) for out in outputs["pressed"])
 
 
+@_UNPRESSED_ON_PURPOSE
 def test_entering_and_leaving_while_another_thread_generates():
     """Installing and uninstalling never lands in the middle of another thread's forward."""
     model = tiny_model("llama")
@@ -130,6 +137,7 @@ def test_entering_and_leaving_while_another_thread_generates():
     assert model.config._attn_implementation == "sdpa"
 
 
+@_UNPRESSED_ON_PURPOSE
 def test_leaving_waits_for_another_threads_forward():
     """A press left while another thread is between two layers of a forward: that forward finishes as it began."""
     model = tiny_model("llama")
@@ -166,17 +174,22 @@ def test_leaving_waits_for_another_threads_forward():
 
 
 def test_a_thread_started_inside_runs_without_the_press_unless_given_the_context():
-    """Activation follows `contextvars`: a new thread starts with none; `copy_context().run` carries it."""
+    """Activation follows `contextvars`: a new thread starts with none, and is told so; `copy_context().run` carries
+    it."""
     model = tiny_model("llama")
     ids = prompt(1, 40)
     caches = [DynamicCache(config=model.config), DynamicCache(config=model.config)]
     with SnapKVPress(compression_ratio=0.5, window_size=4)(model):
-        fresh = threading.Thread(target=lambda: _generate(model, ids, caches[0]))
-        fresh.start()
-        fresh.join()
-        carried = threading.Thread(target=contextvars.copy_context().run, args=(_generate, model, ids, caches[1]))
-        carried.start()
-        carried.join()
+        with pytest.warns(UserWarning, match="ran without the press installed on it .*copy_context") as told:
+            fresh = threading.Thread(target=lambda: _generate(model, ids, caches[0]), name="fresh")
+            fresh.start()
+            fresh.join()
+        assert len(told) == 1 and "'fresh'" in str(told[0].message)  # once a thread, not once a decoding step
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the thread given the context is pressed, and not warned
+            carried = threading.Thread(target=contextvars.copy_context().run, args=(_generate, model, ids, caches[1]))
+            carried.start()
+            carried.join()
     assert _plain(caches[0])
     assert not _plain(caches[1]) and caches[1].layers[0].n < caches[1].layers[0].seen
 
