@@ -35,7 +35,9 @@ means per request, the peak resident memory of the process and, on a GPU, the pe
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
+import inspect
 import os
 import re
 import sys
@@ -133,6 +135,7 @@ class KVPressLM(HFLM):
                                                    _tokens("prefill_chunk_size", prefill_chunk_size))  # fmt: skip
         params = all_press_parameters()  # derived from the press classes: a new parameter reaches its press
         press_kwargs = {key: kwargs.pop(key) for key in list(kwargs) if key in params}
+        _check_leftovers(kwargs, params, loaded=isinstance(pretrained, nn.Module))
         if isinstance(press, BasePress):
             if compression_ratio is not None or max_tokens is not None or press_kwargs:
                 raise ValueError("pass press parameters either in the press object or as arguments, not both")
@@ -279,9 +282,20 @@ class KVPressLM(HFLM):
 
     @torch.inference_mode()
     def _score(self, cache: DynamicCache, fed: list[int], n_cont: int) -> tuple[float, bool]:
+        """The log-probability of the last `n_cont` of `fed` (and whether each is the greedy pick), `fed` read over
+        `cache` inside `frozen()`. A press that recalls reads the question alone, then the continuation a token a
+        forward, as it answers: read at once, the continuation's own tokens would choose what the question
+        recalls (and each token's probability would depend on the tokens after it)."""
+        ids = torch.tensor([fed[:-1]], device=self.device)
         with self.press(self.model, tokenizer=self.tokenizer) as installed, installed.frozen():
-            logits = self.model(torch.tensor([fed[:-1]], device=self.device), cache=cache, use_cache=True,
-                                logits_to_keep=n_cont).logits  # the continuation's only: a 4K prompt's all are GBs
+            if not self.press.recalls:
+                logits = self.model(ids, cache=cache, use_cache=True,
+                                    logits_to_keep=n_cont).logits  # the continuation's only: a 4K prompt's all are GBs
+            else:
+                first = len(fed) - n_cont  # the question (or the context's last token), then each continuation token
+                parts = [ids[:, :first], *ids[:, first:].split(1, dim=1)]
+                logits = torch.cat([self.model(part, cache=cache, use_cache=True, logits_to_keep=1).logits
+                                    for part in parts], dim=1)  # fmt: skip
         logprobs = F.log_softmax(logits[0, -n_cont:].float(), dim=-1)
         target = torch.tensor(fed[-n_cont:], device=logprobs.device)
         return float(logprobs.gather(-1, target[:, None]).sum()), bool((logprobs.argmax(-1) == target).all())
@@ -385,6 +399,18 @@ class KVPressLM(HFLM):
         return info
 
 
+def _check_leftovers(kwargs: dict, params: set[str], loaded: bool) -> None:
+    """Refuse an argument meant for a press but misspelt: it would go to lm-eval's HFLM, which ignores what it does
+    not take given a loaded model, and passes it to the model's class given a directory (a TypeError there)."""
+    named = set(inspect.signature(HFLM.__init__).parameters) - {"self", "kwargs"}
+    for key in kwargs:
+        close = difflib.get_close_matches(key, sorted(params), n=1, cutoff=0.8)
+        if key not in named and (loaded or close):
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"{key}={kwargs[key]!r} is neither a press parameter{hint} nor an argument of lm-eval's "
+                             "HFLM (`kvpress presses` lists every press's parameters)")  # fmt: skip
+
+
 def _check_question(press: BasePress | None, query_aware: bool) -> None:
     if press is not None and press.needs_question and not query_aware:
         raise ValueError(f"{type(press).__name__} scores by the question: pass query_aware=true")
@@ -448,6 +474,9 @@ def main(argv: list[str]) -> int:
     sys.argv = ["lm-eval", *argv]
     try:
         cli_evaluate()
+    except (ValueError, TypeError, FileNotFoundError) as err:  # a bad press, parameter or task: said, no traceback
+        print(f"kvpress lm-eval: {err}", file=sys.stderr)
+        return 2
     finally:
         sys.argv = saved
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import sys
 import time
 from pathlib import Path
@@ -428,9 +429,17 @@ def main(argv: list[str] | None = None) -> int:
             _check_update(args)  # before the model loads
         for flag in ("out", "save_cache"):  # files written after the run
             path = getattr(args, flag, None)
-            if path is not None and not Path(path).resolve().parent.is_dir():
-                raise ValueError(f"--{flag.replace('_', '-')} {path}: its directory does not exist (the result "
-                                 "would be lost after the run): create it first")  # fmt: skip
+            if path is None:
+                continue
+            name, parent = f"--{flag.replace('_', '-')} {path}", Path(path).resolve().parent
+            if not parent.is_dir():
+                raise ValueError(f"{name}: its directory does not exist (the result would be lost after the run): "
+                                 "create it first")  # fmt: skip
+            if Path(path).is_dir():
+                raise ValueError(f"{name} is a directory: give the file to write (the result would be lost after "
+                                 "the run)")  # fmt: skip
+            if not os.access(parent, os.W_OK):
+                raise ValueError(f"{name}: cannot write in {parent} (the result would be lost after the run)")
         return args.fn(args)
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"kvpress {args.command}: {err}", file=sys.stderr)

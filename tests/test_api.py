@@ -175,12 +175,24 @@ def test_cli_refuses_flags_it_would_ignore_before_the_model_loads(tmp_path, caps
               "its directory does not exist"),
              (ask + ["--save-cache", str(tmp_path / "no" / "c.safetensors")],
               f"--save-cache {tmp_path / 'no' / 'c.safetensors'}: its directory does not exist"),
+             (ask + ["--save-cache", str(tmp_path)], f"--save-cache {tmp_path} is a directory"),
+             (["train-scorer", "--out", str(tmp_path)], f"--out {tmp_path} is a directory"),
              (["demo", "--presses", "snapkv,lookahead"], "--presses lookahead: LookaheadPress scores by the question"),
              (["generate", "--context-file", str(tmp_path / "c.txt"), "--question", "q", "--press",
                "sink-window:window=100", "--ratio", "0.5"], "SinkWindowPress takes window= or a budget")]  # fmt: skip
     for argv, said in cases:
         assert main(argv) == 2
         assert said in capsys.readouterr().err
+
+
+def test_cli_refuses_an_output_it_could_not_write(tmp_path, capsys, monkeypatch):
+    import os
+
+    from kvpress.cli import main
+
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # (a test run as root may write anywhere)
+    assert main(["calibrate-heads", "--out", str(tmp_path / "p.json")]) == 2
+    assert f"--out {tmp_path / 'p.json'}: cannot write in {tmp_path}" in capsys.readouterr().err
 
 
 def test_cli_budget_in_the_press_name_is_the_budget():

@@ -1,6 +1,7 @@
 """The lm-eval bridge on the default model: r = 0 equals plain HFLM; compression is real; bad input is refused."""
 
 import pytest
+import torch
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 from transformers import DynamicCache
@@ -146,18 +147,25 @@ def test_bad_arguments_are_refused(default_model):
         KVPressLM(pretrained=model, tokenizer=tokenizer, press="default", compression_ratio=0.5,
                   softmax_dtype="float64")  # fmt: skip
     KVPressLM(pretrained=model, tokenizer=tokenizer, mixed_precision_dtype="bfloat16")  # no press: HFLM's own
+    with pytest.raises(ValueError, match="window_sise=16 is neither a press parameter .did you mean window_size"):
+        KVPressLM(pretrained=model, tokenizer=tokenizer, press="snapkv", compression_ratio=0.5, window_sise=16)
+    with pytest.raises(ValueError, match="trust_remote=True is neither a press parameter nor an argument"):
+        KVPressLM(pretrained=model, tokenizer=tokenizer, trust_remote=True)  # a loaded model: HFLM ignored it
 
 
 def test_cli_refuses_bad_press_task_and_model(default_model, capsys):
     from kvpress.cli import main
 
-    with pytest.raises(ValueError, match="unknown press 'nope'; choose one of"):
-        main(["lm-eval", "--model_args", "pretrained=default,press=nope", "--tasks", "kvpress_needle_noise"])
-    with pytest.raises(ValueError, match="unknown press 'nope'; choose one of"):  # lm-eval's own spelling: accepted
-        main(["lm-eval", "--model", "kvpress", "--model_args", "pretrained=default,press=nope",
-              "--tasks", "kvpress_needle_noise"])
-    with pytest.raises(Exception, match="no_such_task"):
-        main(["lm-eval", "--model_args", "pretrained=default", "--tasks", "no_such_task"])
+    assert main(["lm-eval", "--model_args", "pretrained=default,press=nope", "--tasks", "kvpress_needle_noise"]) == 2
+    assert "kvpress lm-eval: unknown press 'nope'; choose one of" in capsys.readouterr().err  # said, no traceback
+    assert main(["lm-eval", "--model", "kvpress", "--model_args", "pretrained=default,press=nope",
+                 "--tasks", "kvpress_needle_noise"]) == 2  # lm-eval's own spelling: accepted
+    assert "unknown press 'nope'; choose one of" in capsys.readouterr().err
+    assert main(["lm-eval", "--model_args", "pretrained=default,press=snapkv,compression_ratio=0.5,window_sise=8",
+                 "--tasks", "kvpress_needle_noise"]) == 2  # a directory: it reached the model's class
+    assert "window_sise=8 is neither a press parameter (did you mean window_size?)" in capsys.readouterr().err
+    assert main(["lm-eval", "--model_args", "pretrained=default", "--tasks", "no_such_task"]) == 2
+    assert "kvpress lm-eval: Tasks not found: no_such_task" in capsys.readouterr().err
     assert main(["lm-eval", "--model", "hf", "--tasks", "kvpress_needle_noise"]) == 2
     assert "--model hf: kvpress lm-eval runs lm-eval's model kvpress" in capsys.readouterr().err
     for other in (["-M", "hf"], ["-Mhf"], ["--model=hf"], ["-M=hf"]):  # every spelling lm-eval's parser takes
@@ -428,3 +436,22 @@ def test_an_lm_eval_task_without_a_question_field_runs_query_agnostic(default_mo
         assert kept == n - int(n * 0.5) and n > 150
     for record in lm.kv_records:  # half the context kept, then the question and answer in full
         assert record["kept_bytes"] < 0.75 * record["full_bytes"]
+
+
+def test_a_recalling_press_reads_the_question_before_the_continuation(default_model):
+    """A press that recalls evicted spans recalls by the question, as when it answers: the continuation is read a
+    token a forward after it (read at once, its own tokens chose what was recalled for it)."""
+    model, tokenizer = default_model
+    context = " ".join(f"Item {i} is numbered {i * 7 % 50}." for i in range(60))
+    question = tokenizer("\n\nWhich item is numbered 21? Item", add_special_tokens=False).input_ids
+    bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="recall", compression_ratio=0.5, span_size=8)
+    head = tokenizer(context).input_ids
+    for continuation in (" 3 is numbered 21.", " 40 and item 3 are"):
+        cont = tokenizer(continuation, add_special_tokens=False).input_ids
+        scored, _ = bridge._score(bridge._prefill(head), question + cont, len(cont))
+        cache, rows = bridge._prefill(head), []
+        with torch.inference_mode(), bridge.press(model, tokenizer=tokenizer) as installed, installed.frozen():
+            for part in [question, *([t] for t in cont[:-1])]:  # as an answer is read: the question, then each token
+                rows.append(model(torch.tensor([part]), cache=cache, use_cache=True).logits[0, -1])
+        logprobs = torch.log_softmax(torch.stack(rows).float(), dim=-1)
+        assert scored == pytest.approx(float(logprobs.gather(-1, torch.tensor(cont)[:, None]).sum()), abs=1e-4)
