@@ -180,6 +180,7 @@ class KVPressLM(HFLM):
             _check_question(self.press, self.query_aware)
         check_chunk_size(self.prefill_chunk_size, self.press)  # refused before any task runs
         self.kv_records: list[dict] = []
+        self.kept_whole = 0  # contexts within the press's max_tokens: nothing to compress (said once, counted)
         if cpu_processes and self._world_size == 1:  # HFLM shards data only across GPUs: shard it here
             from accelerate import Accelerator
 
@@ -273,6 +274,7 @@ class KVPressLM(HFLM):
     @torch.inference_mode()
     def _prefill(self, prefix: list[int], following: list[int] | None = None) -> DynamicCache:
         cache = DynamicCache(config=self.model.config)
+        self._check_compresses(len(prefix))
         if prefix:
             ids = torch.tensor([prefix], device=self.device)
             after = None if following is None else torch.tensor([list(following)], device=self.device)
@@ -343,6 +345,10 @@ class KVPressLM(HFLM):
             cache = DynamicCache(config=self.model.config)
             if self.prefill_chunk_size:  # transformers' own chunked prefill inside generate: each chunk evicts
                 generation_kwargs["prefill_chunk_size"] = self.prefill_chunk_size
+            lengths = (context.shape[1],) * context.shape[0] if generation_kwargs.get("attention_mask") is None else (
+                generation_kwargs["attention_mask"].sum(-1).tolist())
+            for length in lengths:
+                self._check_compresses(int(length))
             with self.press(self.model, tokenizer=self.tokenizer):
                 out = super()._model_generate(context, max_length, stop, **{keyword: cache}, **generation_kwargs)
             self._record(cache, cache.get_seq_length(), batch=context.shape[0])
@@ -371,6 +377,18 @@ class KVPressLM(HFLM):
             new[b, : row.numel()] = row
         return torch.cat([context, new.to(context.dtype)], dim=1)
 
+    def _check_compresses(self, tokens: int) -> None:
+        """Count a context the press's `max_tokens` holds whole (and say so, the first time): a benchmark's short
+        documents are answered uncompressed, which `kvpress.generate` refuses for its one context."""
+        max_tokens = getattr(self.press, "max_tokens", None)
+        if max_tokens is None or tokens > max_tokens:
+            return
+        if not self.kept_whole:
+            warnings.warn(f"a context of {tokens} tokens is within max_tokens={max_tokens}: it is kept whole, "
+                          "uncompressed (each such request is counted in kv_summary's kept_whole)",
+                          stacklevel=3)  # fmt: skip
+        self.kept_whole += 1
+
     # ----- memory records ----------------------------------------------------------------------------------
     def _record(self, cache: DynamicCache, tokens: int, batch: int = 1) -> None:
         """Bytes `cache` holds, next to a full cache of `batch` rows of `tokens` (padding included): one record
@@ -390,6 +408,7 @@ class KVPressLM(HFLM):
             "mean_kept_kv_bytes": round(kept),
             "mean_full_kv_bytes": round(full),
             "kept_ratio": round(kept / full, 4) if full else None,
+            "kept_whole": self.kept_whole,
             **peak_memory(),
         }
 

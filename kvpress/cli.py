@@ -312,8 +312,9 @@ def _check_generate(args: argparse.Namespace) -> None:
     from kvpress.pipeline import check_chunk_size
 
     check_chunk_size(args.prefill_chunk_size)  # (a size no chunk can have, before the model loads)
-    if args.press == "none" and (args.ratio is not None or args.max_tokens is not None):
-        raise ValueError("--press none keeps the whole cache: drop --ratio and --max-tokens, or name a press")
+    if args.press == "none" and (args.ratio is not None or args.max_tokens is not None or args.query_aware):
+        raise ValueError("--press none keeps the whole cache: drop --ratio, --max-tokens and --query-aware, or name "
+                         "a press")  # fmt: skip
     if args.load_cache:
         from kvpress.saved_cache import read_metadata
 
@@ -323,6 +324,9 @@ def _check_generate(args: argparse.Namespace) -> None:
         if args.save_cache and press is not None and press.needs_question:
             raise ValueError(f"--save-cache: {type(press).__name__} scores by the question, and a saved cache holds "
                              "the context compressed without it: save the cache of another press")  # fmt: skip
+        if args.save_cache and press is not None and press.recalls:
+            raise ValueError(f"--save-cache: {type(press).__name__} keeps its evicted tokens in host memory, which a "
+                             "saved cache does not hold: save the cache of its inner press")  # fmt: skip
 
 
 COUNTS = {"max_new_tokens": 1, "max_tokens": 1, "examples": 1, "length": 100, "seed": 0, "texts": 1, "held_out": 1,
@@ -358,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = sub.add_parser("demo", help="answer a question about a long document with and without compression")
     demo.add_argument("--model", default=None, help="packaged model name or local directory (default SmolLM2-135M)")
-    demo.add_argument("--presses", default="default,snapkv,h2o,sink-window,knorm,random",
-                      help="comma-separated press names (default: the model's default press)")
+    shown = "default,snapkv,h2o,sink-window,knorm,random"
+    demo.add_argument("--presses", default=shown,
+                      help=f"comma-separated press names, `default` the model's own (default: {shown})")
     demo.add_argument("--ratio", type=float, default=None,
                       help="compression ratio in [0, 1) (default 0.5 where a press spec sets no budget of its own)")
     demo.add_argument("--max-new-tokens", type=int, default=16)
@@ -371,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                           "default press, kvpress/presses/defaults.json)")  # fmt: skip
     gen.add_argument("--query-aware", action="store_true",
                      help="compress the context with the question (it guides the scores; the cache serves it alone)")
-    gen.add_argument("--ratio", type=float, default=None, help="compression ratio in [0, 1) (default 0.5)")
+    gen.add_argument("--ratio", type=float, default=None,
+                     help="compression ratio in [0, 1) (default 0.5 where --press sets no budget of its own)")
     gen.add_argument("--max-tokens", type=int, default=None, help="a fixed token budget instead of --ratio")
     gen.add_argument("--context-file", required=True)
     gen.add_argument("--question", required=True)

@@ -164,7 +164,7 @@ def test_cli_refuses_flags_it_would_ignore_before_the_model_loads(tmp_path, caps
     (tmp_path / "c.txt").write_text("hello")
     ask = ["generate", "--context-file", str(tmp_path / "c.txt"), "--question", "q"]
     cases = [(ask + ["--press", "none", "--ratio", "0.3"], "--press none keeps the whole cache"),
-             (ask + ["--press", "none", "--max-tokens", "30"], "drop --ratio and --max-tokens"),
+             (ask + ["--press", "none", "--max-tokens", "30"], "drop --ratio, --max-tokens and --query-aware"),
              (ask + ["--load-cache", str(tmp_path / "x.safetensors"), "--prefill-chunk-size", "64"],
               "drop --prefill-chunk-size"),
              (["train-scorer", "--out", "x", "--update-profile", "--update-words"], "give one"),
@@ -176,6 +176,9 @@ def test_cli_refuses_flags_it_would_ignore_before_the_model_loads(tmp_path, caps
              (ask + ["--save-cache", str(tmp_path / "no" / "c.safetensors")],
               f"--save-cache {tmp_path / 'no' / 'c.safetensors'}: its directory does not exist"),
              (ask + ["--save-cache", str(tmp_path)], f"--save-cache {tmp_path} is a directory"),
+             (ask + ["--press", "recall", "--save-cache", str(tmp_path / "c.safetensors")],
+              "RecallPress keeps its evicted tokens in host memory"),
+             (ask + ["--press", "none", "--query-aware"], "drop --ratio, --max-tokens and --query-aware"),
              (["train-scorer", "--out", str(tmp_path)], f"--out {tmp_path} is a directory"),
              (["demo", "--presses", "snapkv,lookahead"], "--presses lookahead: LookaheadPress scores by the question"),
              (["generate", "--context-file", str(tmp_path / "c.txt"), "--question", "q", "--press",
