@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
@@ -64,6 +65,19 @@ def test_budget_smaller_than_protected_window():
             SnapKVPress(max_tokens=100, **{field: None})
     with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*31\), got 1000000000000"):
         kvpress.RandomPress(compression_ratio=0.5, seed=10**12)  # (it overflowed int64 at the first eviction)
+
+
+def test_random_scores_hash_the_kv_head_in_a_one_head_view():
+    """Under a head-wise press each KV head is scored alone: its hash keeps the head's own index (it was 0)."""
+    from types import SimpleNamespace
+
+    pos = torch.arange(12).repeat(1, 3, 1)  # [B, H, n]: every head holds the same positions
+    press = kvpress.RandomPress(compression_ratio=0.5)
+    dense = press.score(SimpleNamespace(layer=SimpleNamespace(pos=pos), layer_idx=2, kv_heads=slice(None)))
+    assert not torch.equal(dense[:, 0], dense[:, 1])
+    for h in range(3):
+        view = SimpleNamespace(layer=SimpleNamespace(pos=pos[:, h : h + 1]), layer_idx=2, kv_heads=slice(h, h + 1))
+        assert torch.equal(press.score(view), dense[:, h : h + 1])
 
 
 def test_bad_max_tokens():

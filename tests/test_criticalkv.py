@@ -86,6 +86,12 @@ def test_wrappers_keep_its_two_stages_or_refuse_it():
         ChunkPress(critical)
     with pytest.raises(ValueError, match="use_vnorm=False"):
         CriticalKVPress(ExpectedAttentionPress(0.5))
+    for weighed, name in ((kvpress.KVzipPress(0.5, value_norm=True), "KVzipPress value_norm=False"),
+                          (ChunkPress(kvpress.KVzipPress(0.5, value_norm=True)), "KVzipPress value_norm=False")):
+        with pytest.raises(ValueError, match=name):  # its value norm would count twice
+            CriticalKVPress(weighed)
+    with pytest.raises(ValueError, match="CriticalKVPress inside CriticalKVPress"):
+        CriticalKVPress(CriticalKVPress(SnapKVPress(0.5)))
     with pytest.raises(TypeError, match="cannot wrap SimLayerKVPress"):
         CriticalKVPress(SimLayerKVPress(0.5))
     # the same refusals through a wrapper between them (it only passes scores on)

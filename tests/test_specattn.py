@@ -72,6 +72,8 @@ def test_generate_query_aware_keeps_the_budget_and_refusals():
         compress_recording(model, record_prefill(model, prompt(1, 40)), SpecAttnPress(0.5))
     with pytest.raises(ValueError, match="skip_every must be 0 .skip none. or an integer >= 2"):
         SpecAttnPress(0.5, skip_every=1)
+    with pytest.raises(ValueError, match="window_size must be a positive integer .its queries pair the layers"):
+        SpecAttnPress(0.5, window_size=0)  # (no query to pair by: every layer read layer 0's draft)
     with pytest.raises(ValueError, match="skip_every=4 skips no layer of LlamaForCausalLM's 4 .* give 2 to 3"):
         with SpecAttnPress(0.5, skip_every=4)(model, tokenizer=object()):
             pass

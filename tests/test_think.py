@@ -108,6 +108,9 @@ def test_refusals():
         ThinKPress(SnapKVPress(0.5), key_channel_ratio=1.0)
     with pytest.raises(ValueError, match="kv_bits or rerotate"):
         ThinKPress(SnapKVPress(0.5, kv_bits=4))
+    for inner in (kvpress.ExpectedAttentionPress(0.5), kvpress.ChunkPress(kvpress.ExpectedAttentionPress(0.5))):
+        with pytest.raises(TypeError, match="ExpectedAttentionPress reads every channel"):  # (it crashed decoding)
+            ThinKPress(inner)
     model = tiny_model("llama")
     cache = DynamicCache(config=model.config)
     with ThinKPress(SnapKVPress(0.5, window_size=4))(model):

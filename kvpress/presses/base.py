@@ -139,6 +139,9 @@ class BasePress(Installable):
     # False for presses that cannot sit inside a wrapper (AdaKV, PyramidKV, ...): they plan layers themselves
     # (SimLayerKV) or exchange slots between forwards (RecallPress)
     wrappable: ClassVar[bool] = True
+    # True for presses whose scores need every key and query channel in RoPE's layout (ExpectedAttention rotates
+    # query statistics with the model's frequencies): ThinK, which hands its press the channels it keeps, refuses them
+    reads_every_key_channel: ClassVar[bool] = False
     # the press's own parameters that set its budget in place of compression_ratio / max_tokens (SinkWindow's
     # window): a spec that gives one has its budget (the CLI adds no ratio beside it)
     budget_parameters: ClassVar[tuple[str, ...]] = ()

@@ -46,10 +46,13 @@ class CriticalKVPress(WrapsPress, BasePress):
 
     def __post_init__(self) -> None:
         self.adopt_press(refused=(HeadwisePress,))
-        weighed = [p for p in wrapped_chain(self.press) if getattr(p, "use_vnorm", False)]  # (through wrappers too)
+        chain = wrapped_chain(self.press)  # (through wrappers too)
+        weighed = [(p, name) for p in chain for name in ("use_vnorm", "value_norm") if getattr(p, name, False) is True]
         if weighed:
             raise ValueError(f"CriticalKVPress weighs attention by the projected value norm itself: give "
-                             f"{type(weighed[0]).__name__} use_vnorm=False")  # fmt: skip
+                             f"{type(weighed[0][0]).__name__} {weighed[0][1]}=False")  # fmt: skip
+        if any(isinstance(p, CriticalKVPress) for p in chain):
+            raise ValueError("CriticalKVPress inside CriticalKVPress weighs by the projected value norm twice")
         ratio = self.first_stage_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
             raise ValueError(f"first_stage_ratio must be a fraction in [0, 1], got {ratio!r}")

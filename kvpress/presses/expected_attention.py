@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -39,6 +40,8 @@ class ExpectedAttentionPress(BasePress):
     Statistics come from the queries of the forward that cached the tokens: at a decoding step one query, so
     the mean only (no covariance from one sample).
     """
+
+    reads_every_key_channel: ClassVar[bool] = True  # (its rotation is RoPE's, over the head's every channel)
 
     n_future_positions: int = 512
     n_sink: int = 4

@@ -28,7 +28,8 @@ class RandomPress(BasePress):
 
     def score(self, obs: Observation) -> torch.Tensor:
         pos = obs.layer.pos.long()
-        head = torch.arange(pos.shape[1], device=pos.device)[None, :, None]
+        first = obs.kv_heads.start or 0  # a head-wise view holds one head: its own index, not 0
+        head = torch.arange(first, first + pos.shape[1], device=pos.device)[None, :, None]
         x = (pos * 1_000_003 + head * 7919 + obs.layer_idx * 104_729 + self.seed * 15_485_863) & _MASK
         for _ in range(3):  # a few rounds of an integer mixing function
             x = ((x ^ (x >> 13)) * 1_103_515_245 + 12_345) & _MASK

@@ -73,6 +73,9 @@ class SpecAttnPress(BasePress):
             raise ValueError(f"skip_every must be 0 (skip none) or an integer >= 2, got {self.skip_every!r}")
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 1:
             raise ValueError(f"lookahead must be a positive integer, got {self.lookahead!r}")
+        if isinstance(self.window_size, int) and not isinstance(self.window_size, bool) and self.window_size < 1:
+            raise ValueError(f"window_size must be a positive integer (its queries pair the layers), got "
+                             f"{self.window_size!r}")  # fmt: skip
         super().__post_init__()
 
     def check_model(self, model: nn.Module) -> None:

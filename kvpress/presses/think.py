@@ -19,7 +19,7 @@ import torch
 
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.head_budget import HeadwisePress
-from kvpress.presses.wrapping import WrapsPress
+from kvpress.presses.wrapping import WrapsPress, wrapped_chain
 
 
 @dataclass
@@ -59,6 +59,11 @@ class ThinKPress(WrapsPress, BasePress):
         window = self.query_window
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"query_window must be a positive integer, got {window!r}")
+        rotating = [type(p).__name__ for p in wrapped_chain(self.press) if p.reads_every_key_channel]
+        if rotating:
+            raise TypeError(f"ThinKPress hands its press the key channels kept; {rotating[0]} reads every "
+                            "channel (it rotates query statistics with the model's RoPE frequencies): wrap another "
+                            "press")  # fmt: skip
         if self.kv_bits is not None or self.press.rerotate:
             raise ValueError("ThinKPress stores keys with fewer channels: the wrapped press cannot also set kv_bits "
                              "or rerotate")  # fmt: skip
