@@ -7,7 +7,8 @@ bottom one 2k - k / beta, and the layers in between follow the line; the total e
 the line asks a bottom layer for more than its context (at small compression ratios), it keeps the context and
 the layers above share the rest (`shares_within`).
 The paper scores with SnapKV (the default here); any token-level press can score instead
-(`PyramidKVPress(KnormPress(compression_ratio=0.5))`, `pyramidkv:inner=knorm`).
+(`PyramidKVPress(KnormPress(compression_ratio=0.5))`, `pyramidkv:inner=knorm`). Models with sliding-window
+layers (Gemma 3) are refused: their windowed layers cannot take the larger shares the pyramid gives them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from kvpress.patches import model_access
 from kvpress.presses.base import BasePress, shares_within
 from kvpress.presses.head_budget import HeadwisePress
 from kvpress.presses.snapkv import SnapKVPress
@@ -64,6 +66,16 @@ class PyramidKVPress(WrapsPress, BasePress):
                              "cannot set its own (layer_scales, or KVzip's / KVzap's global_budget > 0)")  # fmt: skip
         self.rerotate = self.press.rerotate
         super().__post_init__()
+
+    def check_model(self, model) -> None:
+        """Refuse a model with sliding-window layers: a layer's share multiplies its own budget, and a sliding layer
+        cannot take more than its window, so the pyramid's total would fall short and its full-attention layers,
+        the only ones that reach far back, would keep a small share of theirs (1/beta at the top)."""
+        if model_access.has_sliding_layers(model):
+            raise ValueError(f"PyramidKVPress spreads one budget over layers that hold the whole context; "
+                             f"{type(model).__name__} has sliding-window layers, which cannot take a larger share: "
+                             "use its press without the pyramid")  # fmt: skip
+        super().check_model(model)
 
     def score(self, obs):
         return self.press.score(obs)
