@@ -32,7 +32,7 @@ import torch
 
 import kvpress
 from kvpress.engine import Observation, observe
-from kvpress.eval.plots import wilson
+from kvpress.eval.confidence import wilson
 from kvpress.eval.sweep import append_row, read_rows
 from kvpress.eval.tasks.chat_recall import ChatExample, chat_recall_examples
 from kvpress.patches import model_access

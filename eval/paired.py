@@ -3,12 +3,12 @@
     python -m kvpress.eval.paired --out eval/results/sweep-quantized --pair snapkv snapkv:kv_bits=4
 
 For each `--pair A B`, each task and each ratio both were measured at, on the examples both answered: the mean
-score of A and of B, the mean of B - A with its 95% interval (normal, sd / sqrt(n); [0, 0] when no score
-changed) and how many examples' scores changed, then the same pooled over tasks (every example of every task
-counted once). Scores are the sweep's (0 to 1; points = 100 x). `--metric` pairs another field of the rows instead:
-an answer row's `answer_top1` or `answer_kl` (its fidelity to the full cache's answer, which does not hang on the
-model answering right) or a continuation row's `kl`; rows without the field are left out. A KL is in nats and lower
-is closer to the full cache: there a negative B - A favours B.
+score of A and of B, the mean of B - A with its 95% interval (Student's t, t(n - 1) sd / sqrt(n), `confidence.py`;
+[0, 0] when no score changed) and how many examples' scores changed, then the same pooled over tasks (every example
+of every task counted once). Scores are the sweep's (0 to 1; points = 100 x). `--metric` pairs another field of
+the rows instead: an answer row's `answer_top1` or `answer_kl` (its fidelity to the full cache's answer, which does
+not hang on the model answering right) or a continuation row's `kl`; rows without the field are left out. A KL is
+in nats and lower is closer to the full cache: there a negative B - A favours B.
 Prints a Markdown table; `--json` writes the rows too. `--also DIR` adds the rows of another sweep of the same
 examples (model, length, seed), its presses named `press@DIR's name`: a query-aware sweep against a query-agnostic
 one, `--also eval/results/sweep-recall-query-aware-qwen2.5-0.5b --pair recall:inner=snapkv
@@ -25,6 +25,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from kvpress.eval.confidence import mean_half_width
 from kvpress.eval.sweep import current_rows
 
 METRICS = ("score", "answer_top1", "answer_kl", "kl")  # row fields a pair can be compared on (`sweep.py`)
@@ -63,7 +64,7 @@ def paired_rows(rows: list[dict], base: str, variant: str, metric: str = "score"
 def _stats(task: str, ratio: float, pairs: list[tuple[float, float]], base: str, variant: str, metric: str) -> dict:
     diffs = [b - a for a, b in pairs]
     n = len(diffs)
-    half = 1.96 * statistics.stdev(diffs) / math.sqrt(n) if n > 1 else float("nan")
+    half = mean_half_width(diffs)
     mean = statistics.fmean(diffs)
     return {"base": base, "variant": variant, "metric": metric, "task": task, "ratio": ratio, "n": n,
             "changed": sum(d != 0 for d in diffs),

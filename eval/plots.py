@@ -9,12 +9,12 @@ is black: a star at its kept bytes and a dashed line at its score. The legend si
 over the data.
 
 Bands are 95% intervals over a cell's examples, from the rows in `results*.jsonl` (summary.json and table.md
-carry them too): where every score of the cell is 0 or 1, Wilson's interval for a proportion (right at 0 and
-1 and at few examples, where the normal one collapses to a point); otherwise (fractions: partial credit, top-1
-agreement) a normal interval, mean +- 1.96 sd / sqrt(n), clipped to [0, 1]. Perplexity pools the NLL of all
-documents (NLL sum / token sum, a ratio of sums): its standard error is the ratio estimator's,
-sqrt(sum (nll_i - r tokens_i)^2 / (n (n - 1))) / mean tokens, and the band exp(r +- 1.96 se). Otherwise a cell
-of one example has no band. With more than `BANDS_FOR_ALL`
+carry them too; `confidence.py`): where every score of the cell is 0 or 1, Wilson's interval for a proportion
+(right at 0 and 1 and at few examples, where the normal one collapses to a point); otherwise (fractions: partial
+credit, top-1 agreement) Student's t interval, mean +- t(n - 1) sd / sqrt(n), clipped to [0, 1]. Perplexity pools
+the NLL of all documents (NLL sum / token sum, a ratio of sums): its standard error is the ratio estimator's,
+sqrt(sum (nll_i - r tokens_i)^2 / (n (n - 1))) / mean tokens, and the band exp(r +- t(n - 1) se). Otherwise a
+cell of one example has no band. With more than `BANDS_FOR_ALL`
 presses in a figure, only the default press and the full cache get bands (a dozen overlapping bands hide
 the curves); the heatmap then reads better than the curves. Cells measured on fewer examples than their task's
 widest (a sweep widened and stopped part way, `partial_cells`) are marked: a range of n in the panel's title, a
@@ -32,6 +32,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from kvpress.eval.confidence import mean_half_width, t_quantile, wilson
 from kvpress.presses import DEFAULT_PRESS
 from kvpress.presses.defaults import default_for
 
@@ -45,7 +46,6 @@ COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7
            "#393b79", "#637939", "#8c6d31", "#7b4173", "#6b6ecf", "#e7ba52", "#aec7e8", "#98df8a", "#ffbb78",
            "#c5b0d5", "#c49c94")  # fmt: skip
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "p", "h", "d")
-Z = 1.96  # two-sided 95%, normal
 BANDS_FOR_ALL = 6  # up to this many presses in a figure, each gets its band; beyond, the emphasised ones only
 
 
@@ -99,10 +99,10 @@ def intervals(rows: list[dict]) -> dict[tuple[str, str, float], tuple[float, flo
             rate = sum(nll) / sum(tokens)
             spread = sum((a - rate * t) ** 2 for a, t in zip(nll, tokens, strict=True)) / (n * (n - 1))
             se = math.sqrt(spread) / statistics.fmean(tokens)
-            out[key] = (math.exp(rate - Z * se), math.exp(rate + Z * se))
+            t = t_quantile(n - 1)
+            out[key] = (math.exp(rate - t * se), math.exp(rate + t * se))
         else:
-            scores = [m["score"] for m in members]
-            mean, half = statistics.fmean(scores), Z * statistics.stdev(scores) / math.sqrt(n)
+            mean, half = statistics.fmean(scores), mean_half_width(scores)
             out[key] = (max(0.0, mean - half), min(1.0, mean + half))
     return out
 
@@ -112,13 +112,6 @@ def score_intervals(rows: list[dict]) -> dict[tuple[str, str, float], tuple[floa
     perplexity = {(r["task"], r["press"], r["ratio"]) for r in rows if "nll_sum" in r}
     return {key: (1 / high, 1 / low) if key in perplexity else (low, high)
             for key, (low, high) in intervals(rows).items()}  # fmt: skip
-
-
-def wilson(successes: float, n: int, z: float = Z) -> tuple[float, float]:
-    """Wilson's 95% interval for `successes` of `n` trials."""
-    p, zz = successes / n, z * z / n
-    centre, half = (p + zz / 2) / (1 + zz), z * math.sqrt(p * (1 - p) / n + zz / (4 * n)) / (1 + zz)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def plot_sweep(summary: list[dict], rows: list[dict], out: str | Path) -> list[Path]:

@@ -4,7 +4,7 @@
 
 A cell is a (task, ratio) of the sweep. In each, a press's scores are paired example by example with the full
 cache's: the mean difference (press - full cache, in points of the sweep's 0-1 scores) and its 95% interval
-(normal, sd / sqrt(n), as `kvpress.eval.paired`). A task whose full cache scores below `NEAR_CHANCE` is left
+(Student's t, as `kvpress.eval.paired`). A task whose full cache scores below `NEAR_CHANCE` is left
 out (it has too few answers to lose; shown in the table's notes). A press's worst cell is its lowest mean
 difference, its mean the mean over the cells, whose interval adds the cells' variances (cells are disjoint
 examples or ratios of the same ones: treated as independent). Presses are ranked by worst cell, then mean;

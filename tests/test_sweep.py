@@ -385,7 +385,7 @@ def test_plots_give_each_press_its_own_style_and_write_both_pngs(tmp_path):
             for t in ("needle_noise", "arithmetic") for i, s in enumerate((0.5, 1, 0.5, 1))
             for p, r in (("none", 0.0), ("snapkv", 0.5), (DEFAULT_PRESS, 0.5))]  # fmt: skip
     lo, hi = intervals(rows)[("arithmetic", "snapkv", 0.5)]
-    assert lo == pytest.approx(0.75 - 1.96 * math.sqrt(1 / 12) / 2) and hi == 1.0  # normal, clipped to [0, 1]
+    assert lo == pytest.approx(0.75 - 3.1824 * math.sqrt(1 / 12) / 2, abs=1e-4) and hi == 1.0  # t(3), clipped
     binary = [{**r, "score": float(r["example"] > 0)} for r in rows]  # 3 of 4: Wilson's interval
     assert intervals(binary)[("arithmetic", "snapkv", 0.5)] == pytest.approx((0.3006, 0.9544), abs=1e-4)
     assert intervals(binary[:1])[("needle_noise", "none", 0.0)] == pytest.approx((0.0, 0.7935), abs=1e-4)  # n = 1
@@ -424,6 +424,7 @@ def test_paired_differences_count_only_examples_both_answered():
     cell, pooled = paired_rows(rows, "a", "b")[1], paired_rows(rows, "a", "b")[0]
     assert pooled["task"] == "all" and cell["task"] == "t" and cell["n"] == 2  # example 2 has no "b"
     assert cell["difference"] == -0.5 and cell["low"] < -0.5 < cell["high"]
+    assert cell["high"] - cell["difference"] == pytest.approx(12.7062 * 0.5, abs=1e-3)  # t(1) sd / sqrt(2)
     from kvpress.eval.paired import table
 
     assert "| 1 | 1.000 | 0.000 | -1.000 (one example: no interval) | 1 |" in table(paired_rows(rows[:2], "a", "b"))
