@@ -29,7 +29,10 @@ press (its prefill and scoring run outside HFLM's autocast and softmax). A logli
 
 Every request records the KV bytes it held (summed over the cache's tensors) next to what a full
 cache would hold; `kv_summary()` (also in lm-eval's results under `config.kvpress`) gives their
-means per request, the peak resident memory of the process and, on a GPU, the peak allocated CUDA memory.
+means per request, the peak resident memory of the process and, on a GPU, the peak allocated CUDA memory, and
+`kept_whole`: the compressed prefills a press's `max_tokens` held whole (a benchmark's short documents; warned the
+first time). `kvpress lm-eval` says a refused press, parameter or task in a line (`KVPRESS_TRACEBACK=1`: the whole
+traceback).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import inspect
 import os
 import re
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
@@ -345,10 +349,6 @@ class KVPressLM(HFLM):
             cache = DynamicCache(config=self.model.config)
             if self.prefill_chunk_size:  # transformers' own chunked prefill inside generate: each chunk evicts
                 generation_kwargs["prefill_chunk_size"] = self.prefill_chunk_size
-            lengths = (context.shape[1],) * context.shape[0] if generation_kwargs.get("attention_mask") is None else (
-                generation_kwargs["attention_mask"].sum(-1).tolist())
-            for length in lengths:
-                self._check_compresses(int(length))
             with self.press(self.model, tokenizer=self.tokenizer):
                 out = super()._model_generate(context, max_length, stop, **{keyword: cache}, **generation_kwargs)
             self._record(cache, cache.get_seq_length(), batch=context.shape[0])
@@ -378,14 +378,15 @@ class KVPressLM(HFLM):
         return torch.cat([context, new.to(context.dtype)], dim=1)
 
     def _check_compresses(self, tokens: int) -> None:
-        """Count a context the press's `max_tokens` holds whole (and say so, the first time): a benchmark's short
-        documents are answered uncompressed, which `kvpress.generate` refuses for its one context."""
+        """Count a compressed prefill the press's `max_tokens` holds whole (and say so, the first time): its requests
+        are answered over an uncompressed context (frozen: nothing more is evicted), which `kvpress.generate` refuses
+        for its one context. (Query-aware generation evicts while it decodes: not counted there.)"""
         max_tokens = getattr(self.press, "max_tokens", None)
         if max_tokens is None or tokens > max_tokens:
             return
         if not self.kept_whole:
             warnings.warn(f"a context of {tokens} tokens is within max_tokens={max_tokens}: it is kept whole, "
-                          "uncompressed (each such request is counted in kv_summary's kept_whole)",
+                          "uncompressed (each such prefill is counted in kv_summary's kept_whole)",
                           stacklevel=3)  # fmt: skip
         self.kept_whole += 1
 
@@ -494,7 +495,11 @@ def main(argv: list[str]) -> int:
     try:
         cli_evaluate()
     except (ValueError, TypeError, FileNotFoundError) as err:  # a bad press, parameter or task: said, no traceback
-        print(f"kvpress lm-eval: {err}", file=sys.stderr)
+        if os.environ.get("KVPRESS_TRACEBACK"):
+            raise
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        print(f"kvpress lm-eval: {err}\n(raised at {frame.filename}:{frame.lineno}; KVPRESS_TRACEBACK=1 shows the "
+              "whole traceback)", file=sys.stderr)  # fmt: skip
         return 2
     finally:
         sys.argv = saved

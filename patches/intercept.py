@@ -120,7 +120,7 @@ class Intercept:
         self._compressible: set[int] = set()  # the layers whose cache a press takes over
         self._flight = threading.Condition()
         self._forwards: dict[int, int] = {}  # thread id -> forwards of the model it is inside
-        self._warned: set[int] = set()  # the threads told that their forwards run without the press
+        self._warned: weakref.WeakSet = weakref.WeakSet()  # the threads told their forwards run without the press
 
     # ----- install / uninstall ----------------------------------------------------------------------
     def install(self) -> None:
@@ -139,7 +139,7 @@ class Intercept:
         self._compressible = set(model_access.compressible_layers(self.model))
         self.cache_key = model_access.cache_keyword(self.model)
         register(self.name, self._attention, original_mask_function(current))
-        self._forwards, self._warned = {}, set()
+        self._forwards, self._warned = {}, weakref.WeakSet()
         try:
             self._own_forward = self.model.__dict__.get("forward")  # accelerate's hooks set one, for example
             self._forward = self._wrap(self.model.forward)
@@ -250,10 +250,11 @@ class Intercept:
             try:
                 call = self._call()
                 if call is None:
-                    if me not in self._warned:
-                        self._warned.add(me)
-                        name = threading.current_thread().name
-                        warnings.warn(UNPRESSED.format(model=type(self.model).__name__, thread=name), stacklevel=2)
+                    thread = threading.current_thread()  # (not its id: a finished thread's id is reused)
+                    if thread not in self._warned:
+                        self._warned.add(thread)
+                        warnings.warn(UNPRESSED.format(model=type(self.model).__name__, thread=thread.name),
+                                      stacklevel=2)  # fmt: skip
                     return forward(*args, **kwargs)
                 outer, outer_ids = call.cache, call.ids  # a cache already: this forward runs inside another
                 self._prepare(call, args, kwargs)

@@ -185,6 +185,11 @@ def test_a_thread_started_inside_runs_without_the_press_unless_given_the_context
             fresh.start()
             fresh.join()
         assert len(told) == 1 and "'fresh'" in str(told[0].message)  # once a thread, not once a decoding step
+        for name in ("again", "once more"):  # a thread started after another ended (which may reuse its id)
+            with pytest.warns(UserWarning, match=f"ran without the press installed on it .thread '{name}'"):
+                later = threading.Thread(target=lambda: _generate(model, ids), name=name)
+                later.start()
+                later.join()
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the thread given the context is pressed, and not warned
             carried = threading.Thread(target=contextvars.copy_context().run, args=(_generate, model, ids, caches[1]))

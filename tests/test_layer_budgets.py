@@ -1,5 +1,7 @@
 """Per-layer budgets (PyramidKV, layer_scales): layers of different lengths on sdpa and eager."""
 
+import warnings
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -47,6 +49,11 @@ def test_a_layer_share_that_rounds_to_nothing_keeps_a_token():
         with press(model):
             model.generate(prompt(1, 100), cache=cache, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert min(layer.n for layer in cache.layers) >= 1  # (the top layer kept nothing, its newest token neither)
+    windowed = PyramidKVPress(SnapKVPress(0.9, window_size=4))  # its window keeps tokens already: not said
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert [windowed.budget_of(100, windowed.layer_scale(i, 4)) for i in range(4)] == [19, 13, 6, 4]
+    assert not [w for w in said if "rounds to no token" in str(w.message)]
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -159,11 +159,16 @@ def test_bad_arguments_are_refused(default_model):
         KVPressLM(pretrained=model, tokenizer=tokenizer, trust_remote=True)  # a loaded model: HFLM ignored it
 
 
-def test_cli_refuses_bad_press_task_and_model(default_model, capsys):
+def test_cli_refuses_bad_press_task_and_model(default_model, capsys, monkeypatch):
     from kvpress.cli import main
 
     assert main(["lm-eval", "--model_args", "pretrained=default,press=nope", "--tasks", "kvpress_needle_noise"]) == 2
-    assert "kvpress lm-eval: unknown press 'nope'; choose one of" in capsys.readouterr().err  # said, no traceback
+    said = capsys.readouterr().err
+    assert "kvpress lm-eval: unknown press 'nope'; choose one of" in said and "(raised at " in said  # no traceback
+    monkeypatch.setenv("KVPRESS_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="unknown press 'nope'"):  # the whole traceback when asked for
+        main(["lm-eval", "--model_args", "pretrained=default,press=nope", "--tasks", "kvpress_needle_noise"])
+    monkeypatch.delenv("KVPRESS_TRACEBACK")
     assert main(["lm-eval", "--model", "kvpress", "--model_args", "pretrained=default,press=nope",
                  "--tasks", "kvpress_needle_noise"]) == 2  # lm-eval's own spelling: accepted
     assert "unknown press 'nope'; choose one of" in capsys.readouterr().err

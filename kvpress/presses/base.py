@@ -274,13 +274,13 @@ class BasePress(Installable):
             keep = seen - math.floor(seen * self.compression_ratio)
             if scale != 1.0 and self.compression_ratio:  # r = 0 keeps everything, in every layer
                 keep = min(seen, math.floor(keep * scale))
-        if keep == 0 < seen:  # a layer's share rounded to nothing: it keeps its newest token
+        floor = min(seen, self.sink_count() + self.recent_count(keep))
+        if max(keep, floor) == 0 < seen:  # a layer's share rounded to nothing, and nothing protected: keep one
             keep = 1
             if not self.__dict__.get("_said_zero"):
                 self.__dict__["_said_zero"] = True
                 warnings.warn(f"{type(self).__name__}: a layer's share of the budget ({scale:.3g} of it) rounds to no "
                               f"token of {seen}: it keeps one (a larger budget keeps each layer's share)", stacklevel=2)
-        floor = min(seen, self.sink_count() + self.recent_count(keep))
         if floor > keep and not self.__dict__.get("_said_floor"):
             self.__dict__["_said_floor"] = True  # once per press: it holds for every later step alike
             warnings.warn(
