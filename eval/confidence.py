@@ -1,9 +1,11 @@
 """95% intervals of the sweeps' numbers: Wilson's for a proportion, Student's t for a mean.
 
 A cell of a sweep holds few examples (8-32), so a mean's interval uses Student's t with n - 1 degrees of
-freedom, not the normal 1.96: at n = 8 the normal interval is 21% too narrow (t = 2.365), at n = 16 8%
-(2.131), at n = 32 4% (2.040). A proportion (every score 0 or 1) uses Wilson's interval, right at 0 and 1
-and at few examples, where the normal one collapses to a point.
+freedom, not the normal 1.96: at n = 8 the t interval is 21% wider (t = 2.365), at n = 16 9% (2.131), at n = 32
+4% (2.040). The mean of several cells' means (a press's mean over a sweep's cells, `ranking.py`) pools their
+standard errors with t at the Welch-Satterthwaite degrees of freedom (`pooled_half_width`). A proportion (every
+score 0 or 1) uses Wilson's interval, right at 0 and 1 and at few examples, where the normal one collapses to a
+point.
 """
 
 from __future__ import annotations
@@ -59,6 +61,21 @@ def mean_half_width(values: list[float]) -> float:
     """Half the 95% interval of the mean of `values`: t(n - 1) sd / sqrt(n) (nan for fewer than 2)."""
     n = len(values)
     return t_quantile(n - 1) * statistics.stdev(values) / math.sqrt(n) if n > 1 else math.nan
+
+
+def pooled_half_width(parts: list[tuple[float, int]]) -> float:
+    """Half the 95% interval of the mean of k independent means, each given as (half its own t interval, its
+    examples n): their standard errors se_i = half_i / t(n_i - 1) give se = sqrt(sum se_i^2) / k, and t is taken
+    at the Welch-Satterthwaite degrees of freedom (sum se_i^2)^2 / sum(se_i^4 / (n_i - 1)), rounded down (nan when
+    a mean has fewer than 2 examples; 0 when no mean varies)."""
+    if not parts or any(n < 2 or math.isnan(half) for half, n in parts):
+        return math.nan
+    variances = [(half / t_quantile(n - 1)) ** 2 for half, n in parts]
+    total = sum(variances)
+    if total == 0:
+        return 0.0
+    df = total**2 / sum(v**2 / (n - 1) for v, (_, n) in zip(variances, parts, strict=True))
+    return t_quantile(max(1, math.floor(df))) * math.sqrt(total) / len(parts)
 
 
 def wilson(successes: float, n: int, z: float = Z) -> tuple[float, float]:

@@ -6,12 +6,12 @@ A cell is a (task, ratio) of the sweep. In each, a press's scores are paired exa
 cache's: the mean difference (press - full cache, in points of the sweep's 0-1 scores) and its 95% interval
 (Student's t, as `kvpress.eval.paired`). A task whose full cache scores below `NEAR_CHANCE` is left
 out (it has too few answers to lose; shown in the table's notes). A press's worst cell is its lowest mean
-difference, its mean the mean over the cells, whose interval adds the cells' variances (cells are disjoint
-examples or ratios of the same ones: treated as independent). Presses are ranked by worst cell, then mean;
-only presses measured in every cell are ranked. The cells' ratios are those a press evicts at (r > 0: a
-quantized press's r = 0 rows are not an eviction cell). A press paired with the full cache on fewer of its examples
-in a cell than the full cache has (a sweep widened for some presses) is marked: it was not measured on the same
-examples as the others (`--examples N` ranks every press on the first N). The model's default press
+difference, its mean the mean over the cells, whose interval pools the cells' standard errors (cells are disjoint
+examples or ratios of the same ones: treated as independent; `confidence.pooled_half_width`). Presses are ranked
+by worst cell, then mean; only presses measured in every cell are ranked. The cells' ratios are those a press
+evicts at (r > 0: a quantized press's r = 0 rows are not an eviction cell). A press paired with the full cache on
+fewer of its examples in a cell than the full cache has (a sweep widened for some presses) is marked: it was not
+measured on the same examples as the others (`--examples N` ranks every press on the first N). The model's default press
 (`kvpress/presses/defaults.json`) is marked.
 """
 
@@ -23,6 +23,7 @@ import math
 import sys
 from pathlib import Path
 
+from kvpress.eval.confidence import pooled_half_width
 from kvpress.eval.fidelity import NEAR_CHANCE
 from kvpress.eval.paired import paired_rows
 from kvpress.eval.plots import score_intervals
@@ -53,7 +54,7 @@ def ranking(rows: list[dict]) -> dict:
         stats = [found[cell] for cell in cells]
         worst = min(stats, key=lambda s: s["difference"])
         mean = _mean([s["difference"] for s in stats])
-        half = math.sqrt(sum(((s["high"] - s["low"]) / 2) ** 2 for s in stats)) / len(stats)  # nan: a cell of one
+        half = pooled_half_width([((s["high"] - s["low"]) / 2, s["n"]) for s in stats])  # nan: a cell of one
         fewer = [[s["task"], s["ratio"], s["n"]] for s in stats if s["n"] < full_n[s["task"]]]
         presses.append({"press": press, "worst": worst, "mean": mean, "mean_low": mean - half,
                         "mean_high": mean + half, "cells": stats, "fewer_examples": fewer})  # fmt: skip

@@ -33,3 +33,13 @@ def test_a_mean_interval_widens_with_few_examples():
     assert mean_half_width(values) == pytest.approx(2.3646 * sd / math.sqrt(8), abs=1e-4)
     assert math.isnan(mean_half_width([0.5]))
     assert wilson(3, 4) == pytest.approx((0.3006, 0.9544), abs=1e-4)
+
+
+def test_a_mean_of_means_pools_standard_errors_at_welch_satterthwaite_df():
+    from kvpress.eval.confidence import pooled_half_width
+
+    halves = [(t_quantile(7) * 0.1, 8), (t_quantile(7) * 0.1, 8)]  # two means, standard error 0.1 each, n = 8
+    assert pooled_half_width(halves) == pytest.approx(t_quantile(14) * math.sqrt(0.02) / 2)  # df = 7 + 7
+    wide = pooled_half_width([(t_quantile(1) * 0.05, 2), (t_quantile(31) * 0.05, 32)])
+    assert wide < t_quantile(1) * math.sqrt(0.005) / 2  # df between 1 and 32, not each cell's own t summed
+    assert pooled_half_width([(0.0, 8), (0.0, 8)]) == 0.0 and math.isnan(pooled_half_width([(0.1, 1), (0.1, 8)]))
