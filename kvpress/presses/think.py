@@ -28,7 +28,9 @@ class ThinKPress(WrapsPress, BasePress):
 
     Parameters:
         press: the press that chooses the tokens (SnapKV in `think`); its budget, sinks and window are used as they
-            are. A per-head press (AdaKV, DuoAttention) is refused: its per-head storage keeps every channel.
+            are. A per-head press (AdaKV, DuoAttention) is refused: its per-head storage keeps every channel; so is
+            one that reads every key channel (ExpectedAttention rotates its query statistics over all of them: its
+            first eviction while decoding, over thinned keys, failed; a frozen answer never reaches one).
         key_channel_ratio: the fraction of each head's key channels pruned (default 0.4, a setting the paper
             reports; not tuned here): keys keep d - floor(d x ratio) channels. On SmolLM2 it lost more than
             evicting tokens for the same bytes (eval/results/README.md, "ThinK"): a baseline, not a default.
