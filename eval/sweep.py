@@ -162,7 +162,9 @@ def run_sweep(
     prefill_chunk_size: int | None = None,
 ) -> list[dict]:
     """Run (or resume) a sweep and write its files; returns the summary rows. Rows of these tasks and
-    configurations that a changed answer budget could change (`is_final`) are measured again.
+    configurations that a changed answer budget could change (`is_final`) are measured again; a run that would
+    measure again, on a task's new examples, only some of the configurations holding rows of its older builder is
+    refused (`check_older_rows`: the rest would be left unpaired).
 
     `prefill_chunk_size`: each press that evicts as tokens are cached prefills the context live, that many tokens
     a forward, instead of being applied to one recorded prefill, and so does KVzip, which scores each chunk (other
@@ -178,6 +180,7 @@ def run_sweep(
     settings = {"examples": examples, "length": length, "seed": seed, "query_aware": query_aware,
                 "perplexity_chunk": CHUNK, "model": model_name(model), "prefill_chunk_size": prefill_chunk_size}
     _check_resume(out, settings)
+    check_older_rows(out, configs, tasks, examples)
     if rank == 0:
         _repair(out)
         (out / "settings.json").write_text(json.dumps({**settings, "presses": presses, "ratios": ratios,
@@ -196,6 +199,22 @@ def run_sweep(
         return []
     _compact(out)
     return write_summary(out)
+
+
+def check_older_rows(out: Path, configs: list[tuple[str, float]], tasks: list[str], examples: int) -> None:
+    """Refuse a run that would measure again, on a task's current examples, only some of the configurations a
+    directory holds rows of an older builder for (`task_version`): the others' rows of those examples would be left
+    without a full cache (or a partner) of their version to pair with, and drop out of every comparison."""
+    wanted, left = set(configs), {}
+    for (task, i, press, ratio), row in current_rows(out).items():
+        if task in tasks and i < examples and not built_now(row) and (press, ratio) not in wanted:
+            left.setdefault(task, set()).add(press)
+    if left:
+        said = "; ".join(f"{task}: {', '.join(sorted(presses))}" for task, presses in sorted(left.items()))
+        raise ValueError(f"{out} holds rows made by an older version of their task's builder for configurations this "
+                         f"run leaves out ({said}): measuring those examples again for this run's presses alone would "
+                         f"leave theirs unpaired. Run `kvpress sweep --refresh --out {out}` (every such row), or name "
+                         "them too, or leave the task out")  # fmt: skip
 
 
 def refresh_sweep(model: nn.Module, tokenizer, out: str | Path, progress: bool = True) -> list[dict]:
@@ -664,6 +683,8 @@ def main(argv: list[str] | None = None) -> int:
         check_sizes(args.examples, args.length, args.seed)
         early = [spec_before_loading(name, args.model) for name in presses]  # (None: a directory's default)
         check_plan([name for name in early if name is not None], tasks, args.query_aware, args.prefill_chunk_size)
+        if None not in early:  # (a directory's default is named once it loads: run_sweep checks it then)
+            check_older_rows(Path(args.out), configurations(early, ratios), tasks, args.examples)
         check_data(tasks)
     except (ValueError, TypeError) as err:
         print(f"kvpress sweep: {err}", file=sys.stderr)

@@ -708,3 +708,18 @@ def test_replay_measures_sampled_rows_again_and_appends_each(default_model, tmp_
                                for line in results.read_text().splitlines()))  # fmt: skip
     with pytest.raises(ValueError, match="holds no answer rows of the builders' current versions"):
         replay(model, tokenizer, tmp_path / "sweep", 2, tmp_path / "stale.jsonl", progress=False)
+
+
+def test_a_run_that_would_orphan_older_builder_rows_is_refused(tmp_path):
+    """Adding a press to a sweep whose task has a newer builder measured that press and the full cache on the new
+    examples, and every other press's rows of them (older builder) lost their full cache: refused, naming them."""
+    from kvpress.eval.sweep import check_older_rows
+
+    rows = [{"task": "needle_noise", "example": i, "examples": 2, "press": press, "ratio": ratio, "score": 1.0,
+             "answer": "1", "kept_bytes": 1, "full_bytes": 1}
+            for i in range(2) for press, ratio in (("none", 0.0), ("snapkv", 0.5))]  # fmt: skip (no task_version: 1)
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"older version of .* builder .*\(needle_noise: snapkv\).*--refresh"):
+        check_older_rows(tmp_path, [("none", 0.0), ("keydiff", 0.5)], ["needle_noise"], 2)
+    check_older_rows(tmp_path, [("none", 0.0), ("snapkv", 0.5), ("keydiff", 0.5)], ["needle_noise"], 2)  # all again
+    check_older_rows(tmp_path, [("none", 0.0), ("keydiff", 0.5)], ["needle_essay"], 2)  # another task: untouched
