@@ -87,6 +87,8 @@ def test_a_press_on_flash_gives_the_logits_it_gives_on_sdpa(flash, family, spec)
 @pytest.mark.parametrize("family", ["llama", "mistral-window"])
 @pytest.mark.parametrize("name", sorted(live_presses()))
 def test_every_per_token_press_on_flash_gives_the_logits_it_gives_on_sdpa(flash, family, name):
+    if name == "pyramidkv" and family in SLIDING:
+        pytest.skip("PyramidKV is refused on models with sliding-window layers (tests/test_layer_budgets.py)")
     model = tiny_model(family)
     ids = prompt(length=48)
     make = live_presses(window_size=4)[name]
