@@ -208,9 +208,10 @@ def check_older_rows(out: Path, configs: list[tuple[str, float]], tasks: list[st
     wanted, left = set(configs), {}
     for (task, i, press, ratio), row in current_rows(out).items():
         if task in tasks and i < examples and not built_now(row) and (press, ratio) not in wanted:
-            left.setdefault(task, set()).add(press)
+            left.setdefault(task, set()).add((press, ratio))
     if left:
-        said = "; ".join(f"{task}: {', '.join(sorted(presses))}" for task, presses in sorted(left.items()))
+        said = "; ".join(f"{task}: " + ", ".join(f"{press} r={ratio}" for press, ratio in sorted(pairs))
+                         for task, pairs in sorted(left.items()))  # fmt: skip
         raise ValueError(f"{out} holds rows made by an older version of their task's builder for configurations this "
                          f"run leaves out ({said}): measuring those examples again for this run's presses alone would "
                          f"leave theirs unpaired. Run `kvpress sweep --refresh --out {out}` (every such row), or name "

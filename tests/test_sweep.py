@@ -719,7 +719,7 @@ def test_a_run_that_would_orphan_older_builder_rows_is_refused(tmp_path):
              "answer": "1", "kept_bytes": 1, "full_bytes": 1}
             for i in range(2) for press, ratio in (("none", 0.0), ("snapkv", 0.5))]  # fmt: skip (no task_version: 1)
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ValueError, match=r"older version of .* builder .*\(needle_noise: snapkv\).*--refresh"):
+    with pytest.raises(ValueError, match=r"older version of .* builder .*\(needle_noise: snapkv r=0.5\).*--refresh"):
         check_older_rows(tmp_path, [("none", 0.0), ("keydiff", 0.5)], ["needle_noise"], 2)
     check_older_rows(tmp_path, [("none", 0.0), ("snapkv", 0.5), ("keydiff", 0.5)], ["needle_noise"], 2)  # all again
     check_older_rows(tmp_path, [("none", 0.0), ("keydiff", 0.5)], ["needle_essay"], 2)  # another task: untouched
