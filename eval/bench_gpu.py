@@ -221,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = {"random_weights": random, "no_cudnn": args.no_cudnn, "stand_in": args.cpu_stand_in,
             "no_varlen": args.no_varlen, "profiled": args.profile, "device": here}  # fmt: skip
     configs = [{**c, "attn": a, **mode} for a in attns for c in runs]
-    todo = [(c["attn"], c) for c in pending(configs, lambda c: _key(c) in done, _key)]
-    if todo and not torch.cuda.is_available() and not args.cpu_stand_in:
+    todo = pending(configs, lambda c: _key(c) in done, _key)
+    if todo and not cuda and not args.cpu_stand_in:
         if rows:
             write(out, rows, {})
         summarised = f"; {out / 'gpu.json'} summarises gpu.jsonl" if rows else ""
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"one variable-length call against pair by pair: {check}")
     skipped = {}
     for attn in attns:
-        mine = [c for a, c in todo if a == attn]
+        mine = [c for c in todo if c["attn"] == attn]
         why = available(attn)
         if why is not None:
             skipped[attn] = why

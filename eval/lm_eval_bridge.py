@@ -61,7 +61,7 @@ from kvpress.eval.memory import full_cache_bytes, peak_memory
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import resolve_model_path
 from kvpress.patches.model_access import cache_keyword
-from kvpress.pipeline import check_chunk_size, prefill_context
+from kvpress.pipeline import check_chunk_size, holds_whole, prefill_context
 from kvpress.presses import (
     BasePress,
     all_press_parameters,
@@ -381,12 +381,11 @@ class KVPressLM(HFLM):
         """Count a compressed prefill the press's `max_tokens` holds whole (and say so, the first time): its requests
         are answered over an uncompressed context (frozen: nothing more is evicted), which `kvpress.generate` refuses
         for its one context. (Query-aware generation evicts while it decodes: not counted there.)"""
-        max_tokens = getattr(self.press, "max_tokens", None)
-        if max_tokens is None or tokens > max_tokens:
+        if not holds_whole(self.press, tokens):
             return
         if not self.kept_whole:
-            warnings.warn(f"a context of {tokens} tokens is within max_tokens={max_tokens}: it is kept whole, "
-                          "uncompressed (each such prefill is counted in kv_summary's kept_whole)",
+            warnings.warn(f"a context of {tokens} tokens is within max_tokens={self.press.max_tokens}: it is kept "
+                          "whole, uncompressed (each such prefill is counted in kv_summary's kept_whole)",
                           stacklevel=3)  # fmt: skip
         self.kept_whole += 1
 

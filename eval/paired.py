@@ -27,6 +27,7 @@ from pathlib import Path
 
 from kvpress.eval.confidence import mean_half_width
 from kvpress.eval.sweep import current_rows
+from kvpress.eval.tasks import row_version
 
 METRICS = ("score", "answer_top1", "answer_kl", "kl")  # row fields a pair can be compared on (`sweep.py`)
 
@@ -43,7 +44,7 @@ def paired_rows(rows: list[dict], base: str, variant: str, metric: str = "score"
     for row in rows:
         if row["press"] in (base, variant) and metric in row:
             # (rows of two versions of a task's builder hold different examples under one number: never paired)
-            key = (row["task"], row["ratio"], row["example"], row.get("task_version", 1))
+            key = (row["task"], row["ratio"], row["example"], row_version(row))
             scores.setdefault(key, {})[row["press"]] = row[metric]
     versions: dict[tuple, dict[int, set]] = {}  # per (task, ratio, example): the presses measured on each version
     for (task, ratio, example, version), pair in scores.items():

@@ -55,12 +55,17 @@ def check_press(press) -> None:
                         f"...) or None, got {press!r}{hint}")  # fmt: skip
 
 
+def holds_whole(press: BasePress | None, context_tokens: int) -> bool:
+    """Whether `press` has a fixed budget (`max_tokens`) that holds a context of `context_tokens` whole."""
+    max_tokens = getattr(press, "max_tokens", None)
+    return max_tokens is not None and max_tokens >= context_tokens
+
+
 def check_compresses(press: BasePress | None, context_tokens: int) -> None:
     """Refuse a fixed budget that holds the whole context of one call: nothing would be compressed."""
-    max_tokens = getattr(press, "max_tokens", None)
-    if max_tokens is not None and max_tokens >= context_tokens:
+    if holds_whole(press, context_tokens):
         raise ValueError(
-            f"max_tokens={max_tokens} is not smaller than the context ({context_tokens} tokens), so nothing "
+            f"max_tokens={press.max_tokens} is not smaller than the context ({context_tokens} tokens), so nothing "
             "would be compressed; use a smaller max_tokens or a compression_ratio"
         )
 

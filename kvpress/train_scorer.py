@@ -161,7 +161,8 @@ def profile_scorer(model: nn.Module, tokenizer, scorer: Scorer, log=print) -> Sc
     if missing:
         raise ValueError(f"scorer {scorer.model!r} does not record how it was trained ({', '.join(missing)} missing "
                          "from its training metadata): its texts cannot be drawn again; train it anew")  # fmt: skip
-    if t.get("corpus_sha256", corpus_sha256()) != corpus_sha256():  # (scorers trained before it was recorded: none)
+    here = corpus_sha256()  # (the corpus read once)
+    if t.get("corpus_sha256", here) != here:  # (scorers trained before it was recorded: none)
         raise ValueError(f"scorer {scorer.model!r} was trained on another text than this machine's corpus (lm-eval's "
                          "task READMEs and the standard library differ): its training texts cannot be drawn again")
     texts = training_texts(tokenizer, t["texts"] + 2 * t["held_out"], t["tokens"], t["seed"], t["texts"])

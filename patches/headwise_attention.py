@@ -77,9 +77,9 @@ def _pairs(
             n = keys.shape[0]
             group = query[row, head * g : (head + 1) * g]  # [g, q, D]
             rows_mask = None  # a block of queries' rows of the mask, made when the block runs (None: no mask)
-            if q > 1 and layer.window is not None:
+            if layer.window is not None:  # (q > 1 here: a step returned above)
                 rows_mask = functools.partial(_window_rows, layer.slot("pos", row, head).long(), n - q, layer.window)
-            elif q > 1 and mass is None and not softcap and not fused:  # (the mass, soft-capping and the fused
+            elif mass is None and not softcap and not fused:  # (the mass, soft-capping and the fused
                 # call need no causal mask: `attention_with_mass` aligns the new tokens causally itself)
                 rows_mask = functools.partial(_causal_rows, n - q, query.device)
             if mass is not None or softcap:  # the weights summed for the press (from the same computation as the

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvpress import SinkWindowPress, SnapKVPress
-from tiny import left_padded, live_presses, prompt, tiny_model
+from tiny import SLIDING, left_padded, live_presses, prompt, refused_on_sliding, tiny_model
 
 # every press of the registry that evicts inside a forward, with windows that fit tiny prompts
 PRESSES = {
@@ -12,7 +12,6 @@ PRESSES = {
     "sink-window-rerotate": lambda **b: SinkWindowPress(n_sink=2, rerotate=True, **b),
 }
 FAMILIES = ["llama", "llama3", "qwen2", "qwen3", "mistral", "mistral-window", "phi3", "gemma3"]
-SLIDING = {"gemma3", "mistral-window"}  # families with sliding-window layers
 
 
 def _generate(model, ids, press=None, **kw):
@@ -26,10 +25,8 @@ def _generate(model, ids, press=None, **kw):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("name", list(PRESSES))
 def test_ratio_zero_is_identity(family, name):
-    if family in SLIDING and name.endswith("rerotate"):
-        pytest.skip("rerotate is refused on models with sliding-window layers")
-    if family in SLIDING and name == "pyramidkv":
-        pytest.skip("PyramidKV is refused on models with sliding-window layers (tests/test_layer_budgets.py)")
+    if family in SLIDING and refused_on_sliding(name):
+        pytest.skip(refused_on_sliding(name))
     model = tiny_model(family)
     ids = prompt(1, 40)
     assert torch.equal(_generate(model, ids, PRESSES[name](compression_ratio=0.0)), _generate(model, ids))

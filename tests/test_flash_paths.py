@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import kvpress
-from tiny import greedy_scores, live_presses, prompt, tiny_model
+from tiny import SLIDING, greedy_scores, live_presses, prompt, refused_on_sliding, tiny_model
 
 CALLS: list[tuple] = []  # (query length, key length, mask) of each call the stand-in got
 
@@ -69,11 +69,10 @@ OWN_ATTENTION = {"adakv:window_size=4", "h2o"}  # head-wise layers, and a press 
 
 
 FAMILIES = ("llama", "qwen2", "mistral-window", "gemma3")
-SLIDING = ("mistral-window", "gemma3")  # rerotate=True refuses models with sliding-window layers
 
 
 @pytest.mark.parametrize(("family", "spec"), [(f, s) for f in FAMILIES for s in SPECS
-                                              if not ("rerotate" in s and f in SLIDING)])  # fmt: skip
+                                              if not (f in SLIDING and refused_on_sliding(s))])  # fmt: skip
 def test_a_press_on_flash_gives_the_logits_it_gives_on_sdpa(flash, family, spec):
     model = tiny_model(family)
     ids = prompt(length=48)
@@ -87,8 +86,8 @@ def test_a_press_on_flash_gives_the_logits_it_gives_on_sdpa(flash, family, spec)
 @pytest.mark.parametrize("family", ["llama", "mistral-window"])
 @pytest.mark.parametrize("name", sorted(live_presses()))
 def test_every_per_token_press_on_flash_gives_the_logits_it_gives_on_sdpa(flash, family, name):
-    if name == "pyramidkv" and family in SLIDING:
-        pytest.skip("PyramidKV is refused on models with sliding-window layers (tests/test_layer_budgets.py)")
+    if family in SLIDING and refused_on_sliding(name):
+        pytest.skip(refused_on_sliding(name))
     model = tiny_model(family)
     ids = prompt(length=48)
     make = live_presses(window_size=4)[name]

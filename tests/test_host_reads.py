@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from kvpress import DuoAttentionPress, HeadwiseLayer
 from kvpress.patches import intercept
 from kvpress.presses import defaults, kvzap, press_from_name, press_names, press_parameters
-from tiny import CONFIGS, join_low_ids, prompt, tiny_model, tiny_pattern, tiny_scorer
+from tiny import CONFIGS, SLIDING, join_low_ids, prompt, refused_on_sliding, tiny_model, tiny_pattern, tiny_scorer
 
 # a prompt of few-shot questions (ShotKV's marker), about 250 tokens
 TEXT = " ".join(f"Question: what is {i} plus {i}? Answer: {2 * i}." for i in range(20))
@@ -230,8 +230,8 @@ def _check_host_counts(cache: DynamicCache) -> int:
 def test_a_padded_batch_keeps_its_counts_on_the_host_right(family, name):
     """The host's copies of a padded batch's per-row counts follow the device's through a chunked prefill, steps
     that evict and a sliding window's trimming (rows of different lengths, so every path of `_evict_rows` runs)."""
-    if name == "pyramidkv" and family != "llama":
-        pytest.skip("PyramidKV is refused on models with sliding-window layers (tests/test_layer_budgets.py)")
+    if family in SLIDING and refused_on_sliding(name):
+        pytest.skip(refused_on_sliding(name))
     model = tiny_model(family)
     settings = {"window_size": 2} if name in ("snapkv", "adakv", "think", "pyramidkv") else {}
     if name == "duo-attention":

@@ -71,6 +71,19 @@ def quoref_stand_in(k: int = 30) -> list[dict]:
              "question": f"Who lived by passage {i}?", "answers": [f"Name{i}"]} for i in range(k)]  # fmt: skip
 
 
+SLIDING = ("gemma3", "mistral-window")  # the families with sliding-window layers
+
+
+def refused_on_sliding(name: str) -> str | None:
+    """Why the press named `name` (a registry name or spec) is refused on a model with sliding-window layers, or
+    None: re-rotated keys, and PyramidKV's shares (tests/test_layer_budgets.py)."""
+    if "rerotate" in name:
+        return "rerotate is refused on models with sliding-window layers"
+    if name.split(":")[0] == "pyramidkv":
+        return "PyramidKV is refused on models with sliding-window layers (tests/test_layer_budgets.py)"
+    return None
+
+
 def tiny_model(family: str = "llama", attn: str = "sdpa", **overrides) -> torch.nn.Module:
     """A tiny random model (cached per arguments: tests must leave it as they found it)."""
     key = repr((family, attn, sorted(overrides.items())))

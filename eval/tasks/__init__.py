@@ -73,10 +73,14 @@ def task_version(name: str) -> int:
     return TASK_VERSIONS.get(name, 1)
 
 
+def row_version(row: dict) -> int:
+    """The version of its task's builder a result row was measured with (a row without one: 1)."""
+    return row.get("task_version", 1)
+
+
 def built_now(row: dict) -> bool:
-    """Whether a result row was measured on the examples its task's builder makes now (its `task_version`; a row
-    without one: 1)."""
-    return row.get("task_version", 1) == task_version(row["task"])
+    """Whether a result row was measured on the examples its task's builder makes now (`row_version`)."""
+    return row_version(row) == task_version(row["task"])
 
 
 # tasks whose data comes from a package: fetched once from the package index into the cache (qa_quoref) or read
