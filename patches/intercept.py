@@ -10,7 +10,7 @@ nothing.
 Activation is scoped to the caller: the wrapper and the attention function act only for forwards run in a
 context (thread, `contextvars` context) where `activated()` is entered. Another thread's forwards on the
 same model, or code that runs while a generator that activated the press is suspended, get the model's
-own attention and masks, exactly as with nothing installed, and the first such forward of each thread warns
+own attention and masks, exactly as with nothing installed, and the first such forward of each other thread warns
 (`UNPRESSED`): `threading.Thread(target=model.generate, ...)` started inside `with press(model):`, the usual way to
 stream with a `TextIteratorStreamer`, would otherwise run uncompressed without a word.
 
@@ -120,7 +120,7 @@ class Intercept:
         self._compressible: set[int] = set()  # the layers whose cache a press takes over
         self._flight = threading.Condition()
         self._forwards: dict[int, int] = {}  # thread id -> forwards of the model it is inside
-        self._warned: weakref.WeakSet = weakref.WeakSet()  # the threads told their forwards run without the press
+        self._warned: weakref.WeakSet = weakref.WeakSet()  # the other threads told their forwards run without it
 
     # ----- install / uninstall ----------------------------------------------------------------------
     def install(self) -> None:
@@ -139,7 +139,8 @@ class Intercept:
         self._compressible = set(model_access.compressible_layers(self.model))
         self.cache_key = model_access.cache_keyword(self.model)
         register(self.name, self._attention, original_mask_function(current))
-        self._forwards, self._warned = {}, weakref.WeakSet()
+        self._forwards = {}
+        self._warned = weakref.WeakSet([threading.current_thread()])  # (its own `installed()` split is deliberate)
         try:
             self._own_forward = self.model.__dict__.get("forward")  # accelerate's hooks set one, for example
             self._forward = self._wrap(self.model.forward)

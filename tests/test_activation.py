@@ -233,6 +233,14 @@ def test_frozen_needs_the_caller_that_entered():
         with installation.frozen():
             pass
     assert model.config._attn_implementation == "sdpa"
+    with installation.installed(), warnings.catch_warnings():
+        warnings.filterwarnings("error", "a forward of this")  # the installing thread's own forwards outside
+        # `activated()` are its deliberate split: not warned
+        cache = DynamicCache(config=model.config)
+        model(prompt(1, 20), cache=cache)
+        with installation.activated():
+            model(prompt(1, 20), cache=DynamicCache(config=model.config))
+    assert _plain(cache)
 
 
 def test_observers_see_every_layer_and_evict_nothing():
