@@ -424,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
         check_counts(args)  # before any model loads
         if args.command == "demo":
             for name in args.presses.split(","):
+                if name == "none":
+                    raise ValueError("--presses none: the demo prints the full cache's row (none) before the presses' "
+                                     "rows: name presses only")  # fmt: skip
                 press = _check_press(name, args.ratio, None, args.model)  # validate before loading the model
                 if press is not None and press.needs_question:
                     raise ValueError(f"--presses {name}: {type(press).__name__} scores by the question, and the "

@@ -195,6 +195,7 @@ def test_cli_refuses_flags_it_would_ignore_before_the_model_loads(tmp_path, caps
              (ask + ["--press", "none", "--query-aware"], "drop --ratio, --max-tokens and --query-aware"),
              (["train-scorer", "--out", str(tmp_path)], f"--out {tmp_path} is a directory"),
              (["demo", "--presses", "snapkv,lookahead"], "--presses lookahead: LookaheadPress scores by the question"),
+             (["demo", "--presses", "none", "--ratio", "0.3"], "--presses none: the demo prints the full cache's row"),
              (["generate", "--context-file", str(tmp_path / "c.txt"), "--question", "q", "--press",
                "sink-window:window=100", "--ratio", "0.5"], "SinkWindowPress takes window= or a budget")]  # fmt: skip
     for argv, said in cases:
