@@ -90,7 +90,7 @@ class KVPressLM(HFLM):
             loaded model (then pass `tokenizer=` too).
         press: a press name (`kvpress.PRESSES`), a press object, or None / "none" (plain HFLM).
         compression_ratio, max_tokens, and any press parameter (`window_size`, `n_sink`, ...): the press's.
-        rolling_chunk: tokens fed per forward in loglikelihood_rolling (default 128).
+        rolling_chunk: tokens fed per forward in loglikelihood_rolling (default None: 128).
         prefill_chunk_size: prefill each context this many tokens a forward, the press evicting after each
             (default None: one forward; KVzip scores each chunk, the other presses that score the whole
             context refuse it).
@@ -108,7 +108,7 @@ class KVPressLM(HFLM):
         press: str | BasePress | None = None,
         compression_ratio: float | None = None,
         max_tokens: int | None = None,
-        rolling_chunk: int = CHUNK,
+        rolling_chunk: int | None = None,
         query_aware: bool = False,
         question_key: str | None = None,
         question_regex: str | None = None,
@@ -134,7 +134,7 @@ class KVPressLM(HFLM):
         self.question_key = question_key or "question"
         self._question_tails: dict[tuple[int, ...], int] = {}  # prompt tokens -> tokens of its question
         self._question_starts: dict[str, int] = {}  # loglikelihood context -> where its question starts
-        self.rolling_chunk = _tokens("rolling_chunk", rolling_chunk)
+        self.rolling_chunk = CHUNK if rolling_chunk is None else _tokens("rolling_chunk", rolling_chunk)
         self.prefill_chunk_size = check_chunk_size(None if prefill_chunk_size is None else
                                                    _tokens("prefill_chunk_size", prefill_chunk_size))  # fmt: skip
         params = all_press_parameters()  # derived from the press classes: a new parameter reaches its press
@@ -161,7 +161,7 @@ class KVPressLM(HFLM):
         if self.press is None and not later and self.prefill_chunk_size:
             raise ValueError("prefill_chunk_size chunks a press's prefill; with no press lm-eval's own model runs "
                              "(nothing to evict: chunks would change only the memory): drop it, or give a press")
-        unused = {"query_aware": query_aware, "rolling_chunk": rolling_chunk != CHUNK, "question_key": question_key,
+        unused = {"query_aware": query_aware, "rolling_chunk": rolling_chunk is not None, "question_key": question_key,
                   "question_regex": question_regex}  # fmt: skip
         if self.press is None and not later and any(unused.values()):
             raise ValueError(f"{', '.join(k for k, v in unused.items() if v)} only shape how a press compresses; with "

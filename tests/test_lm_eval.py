@@ -144,6 +144,8 @@ def test_bad_arguments_are_refused(default_model):
         KVPressLM(pretrained=model, tokenizer=tokenizer, press="snapkv", compression_ratio=0.5, query_aware=2)
     with pytest.raises(ValueError, match="query_aware, rolling_chunk only shape how a press compresses"):
         KVPressLM(pretrained=model, tokenizer=tokenizer, query_aware="true", rolling_chunk=64)
+    with pytest.raises(ValueError, match="rolling_chunk only shape how a press compresses"):  # its default too
+        KVPressLM(pretrained=model, tokenizer=tokenizer, rolling_chunk=128)
     with pytest.raises(ValueError, match="question_regex only shape how a press compresses"):
         KVPressLM(pretrained=model, tokenizer=tokenizer, question_regex="Q:")
     with pytest.raises(ValueError, match="mixed_precision_dtype shape lm-eval's own forwards, and the bridge's"):
