@@ -92,9 +92,10 @@ def headwise_unsupported(kwargs: dict) -> list[str]:
 class _Call:
     """The state of one activation (one caller): the cache of its current forward, and whether it evicts."""
 
-    def __init__(self) -> None:
+    def __init__(self, compressing: bool = True) -> None:
+        self.owner = threading.current_thread()  # (a thread started with a copy of the context makes its own)
         self.cache: DynamicCache | None = None
-        self.compressing = True
+        self.compressing = compressing
         self.hidden: dict[int, torch.Tensor] = {}  # layer -> input hidden states of its attention, until it ran
         self.ids: torch.Tensor | None = None  # [B, q] the token ids of the forward running now (None: embeddings)
 
@@ -219,9 +220,15 @@ class Intercept:
                 _ACTIVE.set({k: v for k, v in (_ACTIVE.get() or {}).items() if k is not self})
 
     def _call(self) -> _Call | None:
-        """This caller's state, or None when the press is not active for it."""
+        """This caller's state, or None when the press is not active for it. A thread started with a copy of the
+        caller's context (`copy_context().run`, `asyncio.to_thread`) holds the same state object: it gets its own
+        on first use (whether it evicts carried over), so two threads never share a forward's cache or a frozen()."""
         active = _ACTIVE.get()
-        return None if active is None else active.get(self)
+        call = None if active is None else active.get(self)
+        if call is not None and call.owner is not threading.current_thread():
+            call = _Call(call.compressing)
+            _ACTIVE.set({**active, self: call})
+        return call
 
     def compressing(self) -> bool:
         """Whether this caller's forwards evict now (not inside `frozen()`)."""

@@ -42,6 +42,12 @@ def check_supported(model: nn.Module) -> None:
         raise TypeError(f"{type(model).__name__} holds other models besides its text decoder ({', '.join(towers)}); "
                         "kvpress compresses a text decoder's cache: load the text model alone (its ForCausalLM "
                         "class on the text config)")  # fmt: skip
+    shared = getattr(config.get_text_config(), "num_kv_shared_layers", 0) or 0
+    if shared:  # (Gemma 3n, Gemma 4: a reusing layer attends over another layer's keys, which a press would evict)
+        raise TypeError(f"{type(model).__name__} reuses earlier layers' keys and values in its last {shared} layers "
+                        "(num_kv_shared_layers): kvpress compresses each layer's own cache, and a reusing layer "
+                        "would attend over another layer's compressed slots with a mask made for the whole cache: "
+                        "not supported")  # fmt: skip
     if not model._can_set_attn_implementation():
         raise TypeError(
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "

@@ -4,6 +4,7 @@ a press is suspended, get what they would get with no press at all."""
 from __future__ import annotations
 
 import contextvars
+import functools
 import threading
 import time
 import warnings
@@ -197,6 +198,39 @@ def test_a_thread_started_inside_runs_without_the_press_unless_given_the_context
             carried.join()
     assert _plain(caches[0])
     assert not _plain(caches[1]) and caches[1].layers[0].n < caches[1].layers[0].seen
+
+
+def test_threads_given_the_context_keep_their_own_state():
+    """Threads started with a copy of the caller's context (`copy_context().run`, `asyncio.to_thread`) share no
+    state with it or with each other: one's frozen() pauses its own forwards only, and two generate at once."""
+    model = tiny_model("llama")
+    ids = prompt(1, 40)
+    press = SnapKVPress(compression_ratio=0.75, window_size=4)
+    _, alone_pressed = _alone(model, ids, press)
+    held, done, outputs = threading.Event(), threading.Event(), []
+    barrier = threading.Barrier(2)
+    with press(model) as installation:
+
+        def freeze() -> None:
+            with installation.frozen():
+                held.set()
+                done.wait(timeout=60)
+
+        def generate_thrice() -> None:
+            barrier.wait(timeout=60)
+            for _ in range(3):
+                outputs.append(_generate(model, ids))
+
+        worker = threading.Thread(target=contextvars.copy_context().run, args=(freeze,))
+        worker.start()
+        held.wait(timeout=60)
+        try:
+            assert torch.equal(_generate(model, ids), alone_pressed)  # the worker's frozen() is not the caller's
+        finally:
+            done.set()
+            worker.join()
+        _run(*(functools.partial(contextvars.copy_context().run, generate_thrice) for _ in range(2)))
+    assert len(outputs) == 6 and all(torch.equal(out, alone_pressed) for out in outputs)
 
 
 def test_suspended_stream_leaves_the_caller_alone():

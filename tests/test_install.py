@@ -82,6 +82,14 @@ def test_unsupported_models():
     with pytest.raises(TypeError, match=r"holds other models besides its text decoder \(vision_config\)"):
         SnapKVPress(compression_ratio=0.5)(model)  # its vision tower's attention would have been routed too
     assert _snapshot(model) == before
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    shared = Gemma4ForCausalLM(Gemma4TextConfig(**{**text, "num_hidden_layers": 3}, num_kv_shared_layers=1,
+                                                layer_types=["full_attention"] * 3))  # fmt: skip
+    before = _snapshot(shared)
+    with pytest.raises(TypeError, match=r"reuses earlier layers' keys and values in its last 1 layers"):
+        SnapKVPress(compression_ratio=0.5)(shared)  # its reusing layer would read the producer's compressed slots
+    assert _snapshot(shared) == before
 
 
 def test_rerotate_refused_with_sliding_layers():
