@@ -42,10 +42,10 @@ def check_supported(model: nn.Module) -> None:
         raise TypeError(f"{type(model).__name__} holds other models besides its text decoder ({', '.join(towers)}); "
                         "kvpress compresses a text decoder's cache: load the text model alone (its ForCausalLM "
                         "class on the text config)")  # fmt: skip
-    shared = getattr(config.get_text_config(), "num_kv_shared_layers", 0) or 0
-    if shared:  # (Gemma 3n, Gemma 4: a reusing layer attends over another layer's keys, which a press would evict)
-        raise TypeError(f"{type(model).__name__} reuses earlier layers' keys and values in its last {shared} layers "
-                        "(num_kv_shared_layers): kvpress compresses each layer's own cache, and a reusing layer "
+    shared = _kv_reusing_layers(config.get_text_config())
+    if shared:  # (Gemma 3n, Gemma 4, Mistral Large 4: a reusing layer attends over another layer's keys)
+        raise TypeError(f"{type(model).__name__} reuses earlier layers' keys and values in {shared} of its layers "
+                        "(kv_sharing_modes): kvpress compresses each layer's own cache, and a reusing layer "
                         "would attend over another layer's compressed slots with a mask made for the whole cache: "
                         "not supported")  # fmt: skip
     if not model._can_set_attn_implementation():
@@ -55,6 +55,15 @@ def check_supported(model: nn.Module) -> None:
         )
     if not attention_modules(model):
         raise TypeError(f"{type(model).__name__} has no attention module with a `layer_idx`; not supported")
+
+
+def _kv_reusing_layers(config) -> int:
+    """How many layers of a text config read another layer's keys and values instead of caching their own."""
+    try:
+        modes = getattr(config, "kv_sharing_modes", None) or ()
+    except ValueError:  # (a config whose sharing does not add up: its count of shared layers says enough)
+        modes = ()
+    return sum(1 for mode in modes if mode and mode.startswith("reuse")) or getattr(config, "num_kv_shared_layers", 0)
 
 
 def attention_modules(model: nn.Module) -> dict[int, nn.Module]:

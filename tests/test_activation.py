@@ -230,6 +230,10 @@ def test_threads_given_the_context_keep_their_own_state():
             done.set()
             worker.join()
         _run(*(functools.partial(contextvars.copy_context().run, generate_thrice) for _ in range(2)))
+        paused = DynamicCache(config=model.config)
+        with installation.frozen():  # a thread started while the caller's eviction is paused starts paused too
+            _run(functools.partial(contextvars.copy_context().run, _generate, model, ids, paused))
+    assert paused.layers[0].n == paused.layers[0].seen > 40
     assert len(outputs) == 6 and all(torch.equal(out, alone_pressed) for out in outputs)
 
 
