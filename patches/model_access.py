@@ -61,9 +61,10 @@ def _kv_reusing_layers(config) -> int:
     """How many layers of a text config read another layer's keys and values instead of caching their own."""
     try:
         modes = getattr(config, "kv_sharing_modes", None) or ()
-    except ValueError:  # (a config whose sharing does not add up: its count of shared layers says enough)
+    except (ValueError, TypeError, IndexError):  # (a config whose sharing does not add up: its count says enough)
         modes = ()
-    return sum(1 for mode in modes if mode and mode.startswith("reuse")) or getattr(config, "num_kv_shared_layers", 0)
+    reusing = sum(1 for mode in modes if isinstance(mode, str) and mode.startswith("reuse"))
+    return reusing or getattr(config, "num_kv_shared_layers", 0) or 0
 
 
 def attention_modules(model: nn.Module) -> dict[int, nn.Module]:

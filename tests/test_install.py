@@ -90,6 +90,12 @@ def test_unsupported_models():
     with pytest.raises(TypeError, match=r"reuses earlier layers' keys and values in 1 of its layers"):
         SnapKVPress(compression_ratio=0.5)(shared)  # its reusing layer would read the producer's compressed slots
     assert _snapshot(shared) == before
+    from transformers.models.mistral_large4.configuration_mistral_large4 import MistralLarge4TextConfig
+
+    from kvpress.patches.model_access import _kv_reusing_layers
+
+    # (Mistral Large 4 shares through kv_source_layers, with no num_kv_shared_layers; too large to build here)
+    assert _kv_reusing_layers(MistralLarge4TextConfig(num_hidden_layers=4, kv_source_layers=[0, 0, 2, 2])) == 2
 
 
 def test_rerotate_refused_with_sliding_layers():
