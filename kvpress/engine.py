@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -367,16 +368,25 @@ class PressInstallation:
         with self.observing(recorder):
             forward(*head_args, **{**head_kwargs, "logits_to_keep": 1})
         token_ids = None if ids.is_floating_point() else ids[:, :-1]
-        if fresh:
-            recording = Recording(cache, recorder.queries, ids[:, :-1], next_ids=ids[:, -1:], hidden=recorder.hidden)
-            self.press.prepare(self.model, recording, self.tokenizer)
-        else:
-            self.press.prepare_chunk(self.model, cache, torch.cat([*self._unscored, token_ids], dim=-1), self.tokenizer)
-        for layer in compress_layers(self.press, cache, recorder.queries, recorder.hidden, token_ids):
-            layer.driven = True  # a layer moved to per-head storage: the rest of the forward drives it too
-        if self.press.scores_later_chunks:
-            self._scored, self._unscored = weakref.ref(cache), []
-            self._note(ids[:, -1:])
+        with SCORING:  # the press holds this prompt's scores from its prepare to the end of its eviction
+            if not fresh and self._scored() is not cache:  # another caller's prompt was scored since this one's
+                raise ValueError(
+                    f"{type(self.press).__name__} scores a later chunk of a prompt with what it kept of the chunks "
+                    "before, and another generation's prompt was scored meanwhile: with a press that scores the "
+                    "whole context, feed a chunked prompt (prefill_chunk_size) while no other thread starts one"
+                )
+            if fresh:
+                recording = Recording(cache, recorder.queries, ids[:, :-1], next_ids=ids[:, -1:],
+                                      hidden=recorder.hidden)  # fmt: skip
+                self.press.prepare(self.model, recording, self.tokenizer)
+            else:
+                self.press.prepare_chunk(self.model, cache, torch.cat([*self._unscored, token_ids], dim=-1),
+                                         self.tokenizer)  # fmt: skip
+            for layer in compress_layers(self.press, cache, recorder.queries, recorder.hidden, token_ids):
+                layer.driven = True  # a layer moved to per-head storage: the rest of the forward drives it too
+            if self.press.scores_later_chunks:
+                self._scored, self._unscored = weakref.ref(cache), []
+                self._note(ids[:, -1:])
         return forward(*tail[0], **tail[1])
 
     def _note(self, ids: torch.Tensor) -> None:
@@ -516,6 +526,11 @@ def compress_layers(
             moved.append(replacement)
     return moved
 
+
+# A press that scores the whole context keeps a prompt's scores (KVzip's), draft (Lookahead) or layer plan
+# (SimLayerKV) on itself from its `prepare` to the end of that prompt's eviction: callers in other threads (given
+# the context, or a second model sharing the press) take turns there, so none evicts by another's scores.
+SCORING = threading.RLock()
 
 # the observers `observe()` adds to an active installation, per caller
 _OBSERVING: contextvars.ContextVar[dict | None] = contextvars.ContextVar("kvpress_observing", default=None)

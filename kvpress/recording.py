@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from kvpress.engine import QueryRecorder, Recording, compress_layers, observe
+from kvpress.engine import SCORING, QueryRecorder, Recording, compress_layers, observe
 from kvpress.presses.base import BasePress
 
 __all__ = ["QueryRecorder", "Recording", "compress_recording", "record_prefill"]
@@ -52,8 +52,9 @@ def compress_recording(
     if press.needs_hidden and not recording.hidden:
         raise ValueError(f"{type(press).__name__} scores from the hidden states, which this recording did not keep: "
                          "record it with record_prefill(..., keep_hidden=True)")  # fmt: skip
-    press.prepare(model, recording, tokenizer)
-    cache = recording.cache if in_place else copy.deepcopy(recording.cache)
     ids = None if recording.ids.is_floating_point() else recording.ids
-    compress_layers(press, cache, recording.queries, recording.hidden, ids)
+    with SCORING:  # the press holds the recording's scores until it has evicted by them
+        press.prepare(model, recording, tokenizer)
+        cache = recording.cache if in_place else copy.deepcopy(recording.cache)
+        compress_layers(press, cache, recording.queries, recording.hidden, ids)
     return cache

@@ -3,11 +3,13 @@ a press is suspended, get what they would get with no press at all."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import threading
 import time
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 import kvpress
-from kvpress import SinkWindowPress, SnapKVPress
+from kvpress import KVzipPress, SinkWindowPress, SnapKVPress
 from tiny import prompt, tiny_model
 
 # the other thread runs without the press on purpose (its warning is tested on its own)
@@ -235,6 +237,42 @@ def test_threads_given_the_context_keep_their_own_state():
             _run(functools.partial(contextvars.copy_context().run, _generate, model, ids, paused))
     assert paused.layers[0].n == paused.layers[0].seen > 40
     assert len(outputs) == 6 and all(torch.equal(out, alone_pressed) for out in outputs)
+
+
+class _RepeatRequest:
+    """Stands in for a tokenizer where KVzip writes its repeat request: the tokens 5, 6, 7."""
+
+    def __call__(self, text, add_special_tokens=False, return_tensors="pt"):
+        return SimpleNamespace(input_ids=torch.tensor([[5, 6, 7]]))
+
+
+def test_threads_take_turns_scoring_the_whole_context(monkeypatch):
+    """A press that scores the whole context keeps the prompt's scores on itself until it has evicted by them:
+    two threads given the context, each prefilling its own prompt, evict by their own prompt's scores."""
+    model = tiny_model("llama")
+    prompts = [prompt(1, 40, seed=1), prompt(1, 56, seed=2)]
+    press = KVzipPress(0.5, window_size=4)
+    with press(model, tokenizer=_RepeatRequest()):
+        alone = [_generate(model, ids) for ids in prompts]
+    both_scored, prepare = threading.Barrier(2), KVzipPress.prepare
+
+    def prepare_then_wait(self, *args, **kwargs):  # without turns both would score before either evicts
+        prepare(self, *args, **kwargs)
+        with contextlib.suppress(threading.BrokenBarrierError):
+            both_scored.wait(timeout=2)
+
+    monkeypatch.setattr(KVzipPress, "prepare", prepare_then_wait)
+    outputs, errors = {}, []
+
+    def generate(i: int) -> None:
+        try:
+            outputs[i] = _generate(model, prompts[i])
+        except Exception as error:  # noqa: BLE001 (reported by the assertion below)
+            errors.append(error)
+
+    with press(model, tokenizer=_RepeatRequest()):
+        _run(*(functools.partial(contextvars.copy_context().run, generate, i) for i in range(2)))
+    assert not errors and all(torch.equal(outputs[i], alone[i]) for i in range(2))
 
 
 def test_suspended_stream_leaves_the_caller_alone():

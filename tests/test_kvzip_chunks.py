@@ -1,6 +1,8 @@
 """KVzip chunk by chunk: each later forward of several tokens (a chunk of a chunked prefill, a new turn) is
 scored by a reconstruction pass over the cache compressed so far, and the budget of every token seen holds."""
 
+import contextvars
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -224,3 +226,43 @@ def test_what_cannot_be_scored_later_is_refused(tokenized):
             model(ids[:, :16], cache=cache)
             model(inputs_embeds=model.get_input_embeddings()(ids[:, 16:32]), cache=cache)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_chunk_is_refused_once_another_thread_scored_its_prompt_meanwhile(monkeypatch):
+    """The press keeps the ids it last scored (KVzip's lead-in) for the next chunk: a chunk whose first part ran
+    while another thread's prompt was scored is refused, where it would be scored after the other's lead-in."""
+    model = tiny_model("llama")
+    ids = prompt(1, 48)
+    first, second = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    ready, go, done, calls = threading.Event(), threading.Event(), threading.Event(), []
+
+    def other_caller() -> None:
+        with torch.inference_mode():  # (a thread starts outside the tests' inference mode)
+            model(ids[:, :16], cache=DynamicCache(config=model.config))  # its state made while the caller evicts
+            ready.set()
+            go.wait(timeout=60)
+            model(ids[:, :16], cache=second)
+        done.set()
+
+    class ScoringElsewhere(engine.QueryRecorder):  # the chunk's first part: the other thread scores its prompt
+        def __call__(self, obs):
+            if calls == ["chunk"]:
+                calls.append("other")
+                go.set()
+                done.wait(timeout=60)
+            return super().__call__(obs)
+
+    with KVzipPress(0.5, window_size=4)(model, tokenizer=_Tokenizer()):
+        other = threading.Thread(target=contextvars.copy_context().run, args=(other_caller,))
+        other.start()
+        ready.wait(timeout=60)
+        model(ids[:, :16], cache=first)
+        monkeypatch.setattr(engine, "QueryRecorder", ScoringElsewhere)
+        calls.append("chunk")
+        try:
+            with pytest.raises(ValueError, match="another generation's prompt was scored meanwhile"):
+                model(ids[:, 16:32], cache=first)
+        finally:
+            go.set()
+            other.join()
+    assert calls == ["chunk", "other"] and second.layers[0].n < 16  # the other thread's prompt was compressed
