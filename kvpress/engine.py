@@ -369,25 +369,34 @@ class PressInstallation:
             forward(*head_args, **{**head_kwargs, "logits_to_keep": 1})
         token_ids = None if ids.is_floating_point() else ids[:, :-1]
         with SCORING:  # the press holds this prompt's scores from its prepare to the end of its eviction
-            if not fresh and self._scored() is not cache:  # another caller's prompt was scored since this one's
-                raise ValueError(
-                    f"{type(self.press).__name__} scores a later chunk of a prompt with what it kept of the chunks "
-                    "before, and another generation's prompt was scored meanwhile: with a press that scores the "
-                    "whole context, feed a chunked prompt (prefill_chunk_size) while no other thread starts one"
-                )
-            if fresh:
-                recording = Recording(cache, recorder.queries, ids[:, :-1], next_ids=ids[:, -1:],
-                                      hidden=recorder.hidden)  # fmt: skip
-                self.press.prepare(self.model, recording, self.tokenizer)
-            else:
-                self.press.prepare_chunk(self.model, cache, torch.cat([*self._unscored, token_ids], dim=-1),
-                                         self.tokenizer)  # fmt: skip
-            for layer in compress_layers(self.press, cache, recorder.queries, recorder.hidden, token_ids):
-                layer.driven = True  # a layer moved to per-head storage: the rest of the forward drives it too
-            if self.press.scores_later_chunks:
-                self._scored, self._unscored = weakref.ref(cache), []
-                self._note(ids[:, -1:])
+            try:
+                self._score(cache, recorder, ids, token_ids, fresh)
+            except BaseException:
+                if not fresh:  # the cache holds the chunk's first part, which nothing scored: it cannot go on
+                    for layer in cache.layers:
+                        layer.torn = True
+                raise
         return forward(*tail[0], **tail[1])
+
+    def _score(self, cache: DynamicCache, recorder: QueryRecorder, ids: torch.Tensor, token_ids, fresh: bool) -> None:
+        """The press scores the prompt (`fresh`) or the chunk just fed to `cache` and evicts by its scores."""
+        if not fresh and self._scored() is not cache:  # another caller's prompt was scored since this one's
+            raise ValueError(
+                f"{type(self.press).__name__} scores a later chunk of a prompt with what it kept of the chunks "
+                "before, and another generation's prompt was scored meanwhile: with a press that scores the whole "
+                "context, feed a chunked prompt (prefill_chunk_size) while no other thread starts one (this cache "
+                "now holds the chunk unscored and is marked torn: start it again)"
+            )
+        if fresh:
+            recording = Recording(cache, recorder.queries, ids[:, :-1], next_ids=ids[:, -1:], hidden=recorder.hidden)
+            self.press.prepare(self.model, recording, self.tokenizer)
+        else:
+            self.press.prepare_chunk(self.model, cache, torch.cat([*self._unscored, token_ids], dim=-1), self.tokenizer)
+        for layer in compress_layers(self.press, cache, recorder.queries, recorder.hidden, token_ids):
+            layer.driven = True  # a layer moved to per-head storage: the rest of the forward drives it too
+        if self.press.scores_later_chunks:
+            self._scored, self._unscored = weakref.ref(cache), []
+            self._note(ids[:, -1:])
 
     def _note(self, ids: torch.Tensor) -> None:
         """Keep the ids of tokens fed unscored to the cache the press scored last (none can be kept of embeddings)."""

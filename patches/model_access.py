@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -242,21 +243,30 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 @contextlib.contextmanager
 def skipped_layers(model: nn.Module, skip: Iterable[int]) -> Iterator[None]:
     """Inside this block the decoder layers `skip` pass their hidden states through untouched (no attention, no
-    MLP, no cache update): the model runs as a layer-skipped draft of itself. Each skipped layer's `forward` is
-    an attribute of that instance while the block lasts; leaving it, error or not, removes them."""
+    MLP, no cache update) in the thread that entered it: the model runs as a layer-skipped draft of itself there,
+    and as itself in any other thread. Each skipped layer's `forward` is an attribute of that instance while the
+    block lasts; leaving it, error or not, removes them."""
     skip = sorted(set(skip))
     chosen = [decoder_layers(model)[i] for i in skip] if skip else []
     taken = [layer for layer in chosen if "forward" in vars(layer)]
     if taken:
         raise RuntimeError("a decoder layer's forward is already replaced (a skipped_layers block inside another?)")
+    drafting = threading.get_ident()
     try:
         for layer in chosen:
-            layer.forward = _pass_through
+            layer.forward = _passing_through_in(drafting, type(layer).forward.__get__(layer))
         yield
     finally:
         for layer in chosen:
             vars(layer).pop("forward", None)
 
 
-def _pass_through(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    return hidden_states
+def _passing_through_in(thread: int, forward: Callable) -> Callable:
+    """A layer's `forward` that hands its hidden states back untouched in `thread`, and is `forward` elsewhere."""
+
+    def skipped(hidden_states: torch.Tensor, *args, **kwargs):
+        if threading.get_ident() == thread:
+            return hidden_states
+        return forward(hidden_states, *args, **kwargs)
+
+    return skipped

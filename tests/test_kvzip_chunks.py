@@ -237,12 +237,15 @@ def test_a_chunk_is_refused_once_another_thread_scored_its_prompt_meanwhile(monk
     ready, go, done, calls = threading.Event(), threading.Event(), threading.Event(), []
 
     def other_caller() -> None:
-        with torch.inference_mode():  # (a thread starts outside the tests' inference mode)
-            model(ids[:, :16], cache=DynamicCache(config=model.config))  # its state made while the caller evicts
+        try:
+            with torch.inference_mode():  # (a thread starts outside the tests' inference mode)
+                model(ids[:, :16], cache=DynamicCache(config=model.config))  # its state made while the caller evicts
+                ready.set()
+                go.wait(timeout=60)
+                model(prompt(1, 20, seed=3), cache=second)  # another prompt: its lead-in is not the caller's
+        finally:
             ready.set()
-            go.wait(timeout=60)
-            model(ids[:, :16], cache=second)
-        done.set()
+            done.set()
 
     class ScoringElsewhere(engine.QueryRecorder):  # the chunk's first part: the other thread scores its prompt
         def __call__(self, obs):
@@ -265,4 +268,23 @@ def test_a_chunk_is_refused_once_another_thread_scored_its_prompt_meanwhile(monk
         finally:
             go.set()
             other.join()
-    assert calls == ["chunk", "other"] and second.layers[0].n < 16  # the other thread's prompt was compressed
+    assert calls == ["chunk", "other"] and second.layers[0].n < 20  # the other thread's prompt was compressed
+    with pytest.raises(RuntimeError, match="left half-updated"):  # the refused chunk's first part stays unscored
+        model(ids[:, 32:33], cache=first)
+
+
+def test_a_press_shared_by_two_models_refuses_a_chunk_after_scoring_the_other():
+    """KVzip keeps the scores and last ids of the cache it scored last for that cache's next chunk: once the same
+    press object scored a cache on another model, the first cache's next chunk is refused, not scored by them."""
+    models = tiny_model("llama"), tiny_model("qwen2")
+    press = KVzipPress(0.5, window_size=4)
+    ids = prompt(1, 48)
+    first = DynamicCache(config=models[0].config)
+    with press(models[0], tokenizer=_Tokenizer()):
+        models[0](ids[:, :16], cache=first)
+        with press(models[1], tokenizer=_Tokenizer()):
+            models[1](prompt(1, 16, seed=3), cache=DynamicCache(config=models[1].config))  # as long: no shape tells
+        with pytest.raises(ValueError, match="it has scored another since .this press object on another model"):
+            models[0](ids[:, 16:32], cache=first)
+    with pytest.raises(RuntimeError, match="left half-updated"):
+        models[0](ids[:, 32:33], cache=first)

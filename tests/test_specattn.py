@@ -1,6 +1,7 @@
 """SpecAttn: a layer-skipped draft of the answer scores the context; each layer reads its closest drafted layer."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -52,6 +53,25 @@ def test_the_draft_skips_layers_and_each_layer_reads_its_closest_drafted_pair():
                   for d, h in pairs]  # fmt: skip
             d, h = pairs[min(range(len(kl)), key=kl.__getitem__)]
             assert torch.equal(got, rows[d][h])
+
+
+def test_layers_are_skipped_for_the_drafting_thread_only():
+    """The draft skips layers on the model itself: another thread's forward meanwhile runs the whole model."""
+    model = tiny_model("llama", num_hidden_layers=5)
+    ids = prompt(1, 12, seed=4)
+    whole, elsewhere = model(ids).logits, []
+
+    def other() -> None:
+        with torch.inference_mode():  # (a thread starts outside the tests' inference mode)
+            elsewhere.append(model(ids).logits)
+
+    with model_access.skipped_layers(model, {1, 3}):
+        drafted = model(ids).logits
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+    assert not torch.allclose(drafted, whole) and torch.equal(elsewhere[0], whole)
+    assert all("forward" not in vars(layer) for layer in model_access.decoder_layers(model))
 
 
 def test_drafting_with_every_layer_is_lookaheads_draft():

@@ -11,6 +11,7 @@ smaller caches with negligible loss on SQuAD, NIAH, SCBench and GSM8K, Qwen2.5-7
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -93,6 +94,7 @@ class KVzipPress(BasePress):
     scores: dict[int, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
     _shares: dict[int, float] | None = field(default=None, init=False, repr=False, compare=False)
     _lead: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)  # last ids scored
+    _scored: weakref.ref | None = field(default=None, init=False, repr=False, compare=False)  # the cache they are of
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str) or not self.prompt.strip():
@@ -122,6 +124,7 @@ class KVzipPress(BasePress):
             prompt = self._request(tokenizer, ids.device)
             recording.memo[key] = reconstruction_scores(model, recording.cache, ids, prompt, self.reconstruction_chunk)
         self.scores, self._lead = recording.memo[key], recording.ids[:, -LEAD_IN:]
+        self._scored = weakref.ref(recording.cache)
         self._shares = self._layer_shares(self.scores, recording.tokens) if self.global_budget else None
 
     def prepare_chunk(self, model: nn.Module, cache, ids: torch.Tensor, tokenizer=None) -> None:
@@ -131,6 +134,12 @@ class KVzipPress(BasePress):
         gets now, a token no longer held scores 0; the layer budgets are spread again over every token seen."""
         if self.scores is None or self._lead is None:
             raise RuntimeError("KVzipPress scores a later chunk after scoring the first one (`prepare`)")
+        if self._scored is None or self._scored() is not cache:
+            raise ValueError(
+                "KVzipPress scores a later chunk with the scores and last ids of the cache it scored before, and it "
+                "has scored another since (this press object on another model, in another thread, or in "
+                "compress_recording): give each generation that feeds chunks a press of its own"
+            )
         prompt = self._request(tokenizer, ids.device)
         peaks = reconstruction_scores(model, cache, ids, prompt, self.reconstruction_chunk, lead_in=self._lead)
         scores = {}
