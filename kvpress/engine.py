@@ -230,6 +230,21 @@ class Installable:
         return PressInstallation(model, self, tokenizer=tokenizer)
 
 
+@dataclass
+class _Unscored:
+    """The cache a press that `scores_later_chunks` scored last, and the ids fed to it since (None: some were
+    embeddings, whose ids cannot be kept). Replaced whole when another cache is scored."""
+
+    cache: weakref.ref
+    ids: list[torch.Tensor] | None = field(default_factory=list)
+
+    def note(self, ids: torch.Tensor) -> None:
+        if self.ids is None or ids.is_floating_point():
+            self.ids = None
+        else:
+            self.ids.append(ids)
+
+
 class PressInstallation:
     """The context `with press(model):` returns: the press (and any observers) applied to the forwards of
     the caller inside the block. `frozen()` pauses eviction; `installed()` + `activated()` split entering in
@@ -262,9 +277,7 @@ class PressInstallation:
             _check_press(model, press)
             self._inv_freq = model_access.inv_freq(model) if press.rerotate else None
         self._activation = None
-        # the cache the press scored last (`scores_later_chunks`), and the ids fed to it since (None: embeddings)
-        self._scored: weakref.ref | None = None
-        self._unscored: list[torch.Tensor] | None = None
+        self._unscored: _Unscored | None = None  # (`scores_later_chunks`) the cache scored last, the ids fed since
 
     # ----- entering -----------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -341,8 +354,9 @@ class PressInstallation:
         if self.press is None or not self.press.needs_whole_context:
             return forward(*args, **kwargs)
         if q < 2 or frozen:
-            if self._scored is not None and self._scored() is cache and not (_OBSERVING.get() or {}).get(self):
-                self._note(new_tokens(args, kwargs))  # fed by the caller (not a press's own pass): kept unscored
+            unscored = self._unscored  # (read once: another thread's scoring may replace it)
+            if unscored is not None and unscored.cache() is cache and not (_OBSERVING.get() or {}).get(self):
+                unscored.note(new_tokens(args, kwargs))  # fed by the caller (not a press's own pass): kept unscored
             return forward(*args, **kwargs)
         if not fresh and self.press.refuses_chunks:
             seen = max(getattr(layer, "seen", 0) for layer in cache.layers)
@@ -353,11 +367,14 @@ class PressInstallation:
                 "turn), which it cannot score, so the budget would not hold: feed the prompt in one forward (no "
                 f"prefill_chunk_size), use {instead}, or read a new turn inside `installed.frozen()` to keep it whole"
             )
-        if not fresh and (self._scored is None or self._scored() is not cache or self._unscored is None):
+        unscored = self._unscored
+        if not fresh and (unscored is None or unscored.cache() is not cache or unscored.ids is None):
             raise ValueError(
                 f"{type(self.press).__name__} scores a later forward of several tokens by the ids fed since it "
                 f"compressed the cache; this forward adds {q} tokens to a cache it did not compress in this block, "
-                "or one fed embeddings since: feed token ids to the cache it compressed"
+                "or not last (another prompt was scored since, in this thread or another: on one model, start no "
+                "prompt while another's chunks are fed), or one fed embeddings since: feed token ids to the cache "
+                "it compressed last"
             )
         ids = new_tokens(args, kwargs)
         if not fresh and ids.is_floating_point():
@@ -365,22 +382,25 @@ class PressInstallation:
                              "not inputs_embeds")  # fmt: skip
         (head_args, head_kwargs), tail = split_inputs(args, kwargs, q - 1)
         recorder = QueryRecorder(keep_hidden=self.press.needs_hidden, keep_queries=self.press.reads_queries)
-        with self.observing(recorder):
-            forward(*head_args, **{**head_kwargs, "logits_to_keep": 1})
-        token_ids = None if ids.is_floating_point() else ids[:, :-1]
-        with SCORING:  # the press holds this prompt's scores from its prepare to the end of its eviction
-            try:
-                self._score(cache, recorder, ids, token_ids, fresh)
-            except BaseException:
-                if not fresh:  # the cache holds the chunk's first part, which nothing scored: it cannot go on
-                    for layer in cache.layers:
+        seen = [getattr(layer, "seen", 0) for layer in cache.layers]
+        try:
+            with self.observing(recorder):
+                forward(*head_args, **{**head_kwargs, "logits_to_keep": 1})
+            with SCORING:  # the press holds this prompt's scores from its prepare to the end of its eviction
+                self._score(cache, recorder, ids, fresh)
+        except BaseException:
+            if not fresh and seen != [getattr(layer, "seen", 0) for layer in cache.layers]:
+                for layer in cache.layers:  # it holds the chunk's first part, which nothing scored: it cannot go on
+                    if isinstance(layer, (PressedLayer, HeadwiseLayer)):
                         layer.torn = True
-                raise
+            raise
         return forward(*tail[0], **tail[1])
 
-    def _score(self, cache: DynamicCache, recorder: QueryRecorder, ids: torch.Tensor, token_ids, fresh: bool) -> None:
-        """The press scores the prompt (`fresh`) or the chunk just fed to `cache` and evicts by its scores."""
-        if not fresh and self._scored() is not cache:  # another caller's prompt was scored since this one's
+    def _score(self, cache: DynamicCache, recorder: QueryRecorder, ids: torch.Tensor, fresh: bool) -> None:
+        """The press scores the prompt (`fresh`) or the chunk just fed to `cache` (all of `ids` but the last) and
+        evicts by its scores."""
+        token_ids = None if ids.is_floating_point() else ids[:, :-1]
+        if not fresh and self._unscored.cache() is not cache:  # another caller's prompt was scored since this one's
             raise ValueError(
                 f"{type(self.press).__name__} scores a later chunk of a prompt with what it kept of the chunks "
                 "before, and another generation's prompt was scored meanwhile: with a press that scores the whole "
@@ -391,19 +411,14 @@ class PressInstallation:
             recording = Recording(cache, recorder.queries, ids[:, :-1], next_ids=ids[:, -1:], hidden=recorder.hidden)
             self.press.prepare(self.model, recording, self.tokenizer)
         else:
-            self.press.prepare_chunk(self.model, cache, torch.cat([*self._unscored, token_ids], dim=-1), self.tokenizer)
+            fed = torch.cat([*self._unscored.ids, token_ids], dim=-1)
+            self.press.prepare_chunk(self.model, cache, fed, self.tokenizer)
         for layer in compress_layers(self.press, cache, recorder.queries, recorder.hidden, token_ids):
             layer.driven = True  # a layer moved to per-head storage: the rest of the forward drives it too
         if self.press.scores_later_chunks:
-            self._scored, self._unscored = weakref.ref(cache), []
-            self._note(ids[:, -1:])
-
-    def _note(self, ids: torch.Tensor) -> None:
-        """Keep the ids of tokens fed unscored to the cache the press scored last (none can be kept of embeddings)."""
-        if self._unscored is None or ids.is_floating_point():
-            self._unscored = None
-        else:
-            self._unscored.append(ids)
+            unscored = _Unscored(weakref.ref(cache))
+            unscored.note(ids[:, -1:])
+            self._unscored = unscored
 
     def _watching(self) -> tuple[Observer, ...]:
         """The observers of this caller's forwards now: the installation's, and those `observing()` added."""

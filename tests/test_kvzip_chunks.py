@@ -210,7 +210,8 @@ def test_what_cannot_be_scored_later_is_refused(tokenized):
     with press(model, tokenizer=tokenizer):
         model(ids[:, :16], cache=cache)
         model(inputs_embeds=model.get_input_embeddings()(ids[:, 16:17]), cache=cache)
-        with pytest.raises(ValueError, match="a cache it did not compress in this block, or one fed embeddings"):
+        refused = "a cache it did not compress in this block, or not last .*, or one fed embeddings"
+        with pytest.raises(ValueError, match=refused):
             model(ids[:, 17:33], cache=cache)
     with press(model, tokenizer=tokenizer):
         with pytest.raises(ValueError, match="a cache it did not compress in this block"):
@@ -288,3 +289,30 @@ def test_a_press_shared_by_two_models_refuses_a_chunk_after_scoring_the_other():
             models[0](ids[:, 16:32], cache=first)
     with pytest.raises(RuntimeError, match="left half-updated"):
         models[0](ids[:, 32:33], cache=first)
+
+
+def test_a_chunk_stopped_after_its_first_part_leaves_its_cache_torn(monkeypatch):
+    """Stopped between the chunk's first part and its scoring (waiting its turn, say), the cache holds tokens nothing
+    scored, over the budget: it is marked torn. A forward refused before it fed anything leaves the cache usable."""
+    model = tiny_model("llama")
+    ids = prompt(1, 48)
+    press = KVzipPress(0.5, window_size=4)
+
+    class Interrupted:
+        def __enter__(self):
+            raise KeyboardInterrupt
+
+        def __exit__(self, *exc):
+            return False
+
+    with press(model, tokenizer=_Tokenizer()):
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :16], cache=cache)
+        with pytest.raises(ValueError, match="feed input_ids"):  # refused before any layer ran: still usable
+            model(inputs_embeds=model.get_input_embeddings()(ids[:, 16:32]), cache=cache)
+        model(ids[:, 16:32], cache=cache)
+        monkeypatch.setattr(engine, "SCORING", Interrupted())
+        with pytest.raises(KeyboardInterrupt):
+            model(ids[:, 32:40], cache=cache)
+    with pytest.raises(RuntimeError, match="left half-updated"):
+        model(ids[:, 40:41], cache=cache)
