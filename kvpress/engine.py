@@ -32,7 +32,7 @@ from kvpress.patches import kv_quantization as quant
 from kvpress.patches import model_access, rope
 from kvpress.patches.cache import PressedLayer
 from kvpress.patches.head_cache import HeadwiseLayer
-from kvpress.patches.intercept import Intercept, active_handler, cache_positions, new_tokens, split_inputs
+from kvpress.patches.intercept import Intercept, active_handler, cache_positions, new_tokens, split_inputs, tear
 
 
 @dataclass
@@ -387,31 +387,29 @@ class PressInstallation:
             with self.observing(recorder):
                 forward(*head_args, **{**head_kwargs, "logits_to_keep": 1})
             with SCORING:  # the press holds this prompt's scores from its prepare to the end of its eviction
-                self._score(cache, recorder, ids, fresh)
+                self._score(cache, recorder, ids, None if fresh else unscored)
         except BaseException:
             if not fresh and seen != [getattr(layer, "seen", 0) for layer in cache.layers]:
-                for layer in cache.layers:  # it holds the chunk's first part, which nothing scored: it cannot go on
-                    if isinstance(layer, (PressedLayer, HeadwiseLayer)):
-                        layer.torn = True
+                tear(cache)  # it holds the chunk's first part, which nothing scored: it cannot go on
             raise
         return forward(*tail[0], **tail[1])
 
-    def _score(self, cache: DynamicCache, recorder: QueryRecorder, ids: torch.Tensor, fresh: bool) -> None:
-        """The press scores the prompt (`fresh`) or the chunk just fed to `cache` (all of `ids` but the last) and
-        evicts by its scores."""
+    def _score(self, cache: DynamicCache, recorder: QueryRecorder, ids: torch.Tensor, unscored: _Unscored | None):
+        """The press scores the prompt (`unscored` None) or the chunk just fed to `cache` (all of `ids` but the
+        last) after the ids `unscored` holds, and evicts by its scores."""
         token_ids = None if ids.is_floating_point() else ids[:, :-1]
-        if not fresh and self._unscored.cache() is not cache:  # another caller's prompt was scored since this one's
+        if unscored is not None and self._unscored is not unscored:  # another caller's prompt was scored since
             raise ValueError(
                 f"{type(self.press).__name__} scores a later chunk of a prompt with what it kept of the chunks "
                 "before, and another generation's prompt was scored meanwhile: with a press that scores the whole "
                 "context, feed a chunked prompt (prefill_chunk_size) while no other thread starts one (this cache "
                 "now holds the chunk unscored and is marked torn: start it again)"
             )
-        if fresh:
+        if unscored is None:
             recording = Recording(cache, recorder.queries, ids[:, :-1], next_ids=ids[:, -1:], hidden=recorder.hidden)
             self.press.prepare(self.model, recording, self.tokenizer)
         else:
-            fed = torch.cat([*self._unscored.ids, token_ids], dim=-1)
+            fed = torch.cat([*unscored.ids, token_ids], dim=-1)
             self.press.prepare_chunk(self.model, cache, fed, self.tokenizer)
         for layer in compress_layers(self.press, cache, recorder.queries, recorder.hidden, token_ids):
             layer.driven = True  # a layer moved to per-head storage: the rest of the forward drives it too

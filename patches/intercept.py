@@ -270,9 +270,7 @@ class Intercept:
                     return self.handler.run_forward(forward, call.cache, args, kwargs)
             except BaseException:
                 if call is not None and call.cache is not None and _torn(call.cache):
-                    for layer in call.cache.layers:  # refused from now on, with or without the press
-                        if isinstance(layer, _DRIVEN):
-                            layer.torn = True
+                    tear(call.cache)
                 raise
             finally:
                 if call is not None:  # the outer forward goes on with its own cache (a draft runs on another)
@@ -566,6 +564,13 @@ def _sized_for_another_layer(mask, key: torch.Tensor) -> bool:
     """transformers sizes one mask per layer type from the first such layer; a full layer after a compressed
     one (per-layer budgets that leave a layer whole) holds more keys than that mask covers."""
     return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] != key.shape[-2]
+
+
+def tear(cache: DynamicCache) -> None:
+    """Mark every layer a press drives in `cache` torn: refused from now on, with or without the press."""
+    for layer in cache.layers:
+        if isinstance(layer, _DRIVEN):
+            layer.torn = True
 
 
 def _torn(cache: DynamicCache) -> bool:
