@@ -37,10 +37,12 @@ traceback).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import functools
 import inspect
+import io
 import os
 import re
 import sys
@@ -115,6 +117,38 @@ class KVPressLM(HFLM):
         prefill_chunk_size: int | str | None = None,
         **kwargs,
     ) -> None:
+        pretrained, kwargs, beside = self._settle(pretrained, press, compression_ratio, max_tokens, rolling_chunk,
+                                                  query_aware, question_key, question_regex, prefill_chunk_size,
+                                                  **kwargs)  # fmt: skip
+        cpu_processes = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+        if cpu_processes:  # torchrun --nproc_per_node N on CPUs: accelerate must join them over gloo
+            os.environ["ACCELERATE_USE_CPU"] = "true"
+        super().__init__(pretrained=pretrained, **kwargs)
+        if isinstance(press, str) and resolve_default(press) != press:  # `default`: this model's default press
+            self.press = press_from_name(press, self.model, **beside)
+            _check_question(self.press, self.query_aware)
+        check_chunk_size(self.prefill_chunk_size, self.press)  # refused before any task runs
+        self.kv_records: list[dict] = []
+        self.kept_whole = 0  # contexts within the press's max_tokens: nothing to compress (said once, counted)
+        if cpu_processes and self._world_size == 1:  # HFLM shards data only across GPUs: shard it here
+            from accelerate import Accelerator
+
+            self.accelerator = Accelerator(cpu=True)
+            self._rank, self._world_size = self.accelerator.process_index, self.accelerator.num_processes
+
+    @classmethod
+    def check_model_args(cls, model_args: dict) -> None:
+        """Refuse `model_args` (`--model_args` as lm-eval parses it) as the bridge would, without loading the model:
+        a bad press, parameter or setting is said before lm-eval reads its task index (~10 s)."""
+        bound = inspect.signature(cls.__init__).bind(None, **model_args)  # __init__'s defaults, as lm-eval calls it
+        bound.apply_defaults()
+        args = {key: value for key, value in bound.arguments.items() if key not in ("self", "kwargs")}
+        cls.__new__(cls)._settle(**args, **bound.arguments["kwargs"])
+
+    def _settle(self, pretrained, press, compression_ratio, max_tokens, rolling_chunk, query_aware, question_key,
+                question_regex, prefill_chunk_size, **kwargs) -> tuple[object, dict, dict]:
+        """Every check and setting made before the model loads: HFLM's `pretrained` and arguments, and the press
+        parameters a model's default press is built with once it loads."""
         if isinstance(query_aware, str) and query_aware.lower() in ("true", "false"):  # from --model_args
             query_aware = query_aware.lower() == "true"
         if not isinstance(query_aware, bool):
@@ -140,6 +174,7 @@ class KVPressLM(HFLM):
         params = all_press_parameters()  # derived from the press classes: a new parameter reaches its press
         press_kwargs = {key: kwargs.pop(key) for key in list(kwargs) if key in params}
         _check_leftovers(kwargs, params, loaded=isinstance(pretrained, nn.Module))
+        beside = {"compression_ratio": compression_ratio, "max_tokens": max_tokens, **press_kwargs}
         if isinstance(press, BasePress):
             if compression_ratio is not None or max_tokens is not None or press_kwargs:
                 raise ValueError("pass press parameters either in the press object or as arguments, not both")
@@ -150,12 +185,10 @@ class KVPressLM(HFLM):
                                  f"{press_kwargs}")  # fmt: skip
             self.press = None
         else:  # `default`: built as the named model's default press, and as the model's own once it loads
-            budget = {"compression_ratio": compression_ratio, "max_tokens": max_tokens}
             named = pretrained if isinstance(pretrained, str) and pretrained != "default" else None
-            beside = {**budget, **press_kwargs}
             early = resolve_default(press, pretrained, beside) if isinstance(pretrained, nn.Module) else (
                 spec_before_loading(press, named, beside))  # (None: a directory's default, known once it loads)
-            self.press = None if early is None else press_from_name(early, **budget, **press_kwargs)
+            self.press = None if early is None else press_from_name(early, **beside)
         later = self.press is None and press is not None and press != "none"  # (built once the model loads)
         _check_question(self.press, self.query_aware)
         if self.press is None and not later and self.prefill_chunk_size:
@@ -175,21 +208,7 @@ class KVPressLM(HFLM):
             pretrained = str(resolve_model_path(None if pretrained == "default" else pretrained))
             kwargs.setdefault("dtype", "float32")
             kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
-        cpu_processes = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
-        if cpu_processes:  # torchrun --nproc_per_node N on CPUs: accelerate must join them over gloo
-            os.environ["ACCELERATE_USE_CPU"] = "true"
-        super().__init__(pretrained=pretrained, **kwargs)
-        if isinstance(press, str) and resolve_default(press) != press:  # `default`: this model's default press
-            self.press = press_from_name(press, self.model, **budget, **press_kwargs)
-            _check_question(self.press, self.query_aware)
-        check_chunk_size(self.prefill_chunk_size, self.press)  # refused before any task runs
-        self.kv_records: list[dict] = []
-        self.kept_whole = 0  # contexts within the press's max_tokens: nothing to compress (said once, counted)
-        if cpu_processes and self._world_size == 1:  # HFLM shards data only across GPUs: shard it here
-            from accelerate import Accelerator
-
-            self.accelerator = Accelerator(cpu=True)
-            self._rank, self._world_size = self.accelerator.process_index, self.accelerator.num_processes
+        return pretrained, kwargs, beside
 
     # ----- loglikelihood: the context compressed, the continuation scored against it ------------------------
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
@@ -439,12 +458,17 @@ TASKS_DIR = str(Path(__file__).parent / "tasks")
 
 
 @functools.cache
-def _run_flags(dest: str) -> tuple[str, ...]:
-    """The option strings of lm-eval's `run` for `dest`, read from its own parser (`--model` is also `-M`)."""
+def _run_parser():
+    """lm-eval's own parser of its `run` command."""
     from lm_eval._cli.harness import HarnessCLI
 
-    run = HarnessCLI()._subparsers.choices["run"]
-    flags = next((tuple(action.option_strings) for action in run._actions if action.dest == dest), None)
+    return HarnessCLI()._subparsers.choices["run"]
+
+
+@functools.cache
+def _run_flags(dest: str) -> tuple[str, ...]:
+    """The option strings of lm-eval's `run` for `dest`, read from its own parser (`--model` is also `-M`)."""
+    flags = next((tuple(action.option_strings) for action in _run_parser()._actions if action.dest == dest), None)
     if flags is None:
         raise RuntimeError(f"lm-eval's run command has no {dest!r} option any more: kvpress lm-eval needs updating")
     return flags
@@ -458,6 +482,20 @@ def _given(arg: str, flags: tuple[str, ...]) -> str | None:
         if not flag.startswith("--") and arg.startswith(flag) and len(arg) > len(flag):
             return arg[len(flag) :]
     return None
+
+
+def _model_args(argv: list[str]) -> dict | None:
+    """`--model_args` as lm-eval's `run` parses `argv`; None where it leaves them to a `--config` file or stops at
+    `argv` (help, a bad flag: lm-eval itself then says so)."""
+    if any(arg in _run_flags("help") or arg in _run_flags("config") or _given(arg, _run_flags("config")) is not None
+           for arg in argv):  # fmt: skip
+        return None
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            parsed, _ = _run_parser().parse_known_args(argv)
+    except SystemExit:
+        return None
+    return parsed.model_args or {}
 
 
 def main(argv: list[str]) -> int:
@@ -492,6 +530,9 @@ def main(argv: list[str]) -> int:
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]
     try:
+        model_args = _model_args(argv[1:])
+        if model_args is not None:  # a bad press or setting said at once, not after lm-eval's task index
+            KVPressLM.check_model_args(model_args)
         cli_evaluate()
     except (ValueError, TypeError, FileNotFoundError) as err:  # a bad press, parameter or task: said, no traceback
         if os.environ.get("KVPRESS_TRACEBACK"):

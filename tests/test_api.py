@@ -110,32 +110,45 @@ def _cli(*args):
     return subprocess.run([sys.executable, "-m", "kvpress.cli", *args], capture_output=True, text=True)
 
 
-def test_cli_unknown_press(tmp_path):
+def _refused(monkeypatch, capsys, *args: str) -> str:
+    """`kvpress ARGS` run in this process: refused with status 2 before any model loads; what it said."""
+    from kvpress.cli import main
+
+    def loaded(*args, **kwargs):
+        raise RuntimeError("the model loads")
+
+    monkeypatch.setattr(kvpress, "load_model", loaded)
+    assert main(list(args)) == 2
+    return capsys.readouterr().err
+
+
+def test_the_cli_entry_point_refuses_an_unknown_press_with_status_2(tmp_path):
     (tmp_path / "c.txt").write_text("hello")
     res = _cli("generate", "--press", "nope", "--context-file", str(tmp_path / "c.txt"), "--question", "q")
     assert res.returncode == 2
     assert "unknown press 'nope'" in res.stderr
 
 
-def test_cli_missing_file(tmp_path):
-    res = _cli("generate", "--press", "snapkv", "--context-file", str(tmp_path / "none.txt"), "--question", "q")
-    assert res.returncode == 2
-    assert "none.txt does not exist" in res.stderr
+def test_cli_missing_file(tmp_path, monkeypatch, capsys):
+    said = _refused(monkeypatch, capsys, "generate", "--press", "snapkv", "--context-file", str(tmp_path / "none.txt"),
+                    "--question", "q")  # fmt: skip
+    assert "none.txt does not exist" in said
 
 
-def test_cli_bad_ratio(tmp_path):
+def test_cli_bad_ratio(tmp_path, monkeypatch, capsys):
     (tmp_path / "c.txt").write_text("hello")
-    res = _cli("generate", "--ratio", "1.2", "--context-file", str(tmp_path / "c.txt"), "--question", "q")
-    assert res.returncode == 2
-    assert "compression_ratio must be in [0, 1)" in res.stderr
+    said = _refused(monkeypatch, capsys, "generate", "--ratio", "1.2", "--context-file", str(tmp_path / "c.txt"),
+                    "--question", "q")  # fmt: skip
+    assert "compression_ratio must be in [0, 1)" in said
 
 
-def test_cli_counts_are_checked_before_the_model_loads(tmp_path):
+def test_cli_counts_are_checked_before_the_model_loads(tmp_path, monkeypatch, capsys):
     (tmp_path / "c.txt").write_text("hello")
-    res = _cli("generate", "--max-new-tokens", "0", "--context-file", str(tmp_path / "c.txt"), "--question", "q")
-    assert res.returncode == 2 and "--max-new-tokens must be an integer >= 1, got 0" in res.stderr
-    res = _cli("calibrate-heads", "--out", str(tmp_path / "p.json"), "--examples", "0")
-    assert res.returncode == 2 and "--examples must be an integer >= 1, got 0" in res.stderr
+    said = _refused(monkeypatch, capsys, "generate", "--max-new-tokens", "0", "--context-file", str(tmp_path / "c.txt"),
+                    "--question", "q")  # fmt: skip
+    assert "--max-new-tokens must be an integer >= 1, got 0" in said
+    said = _refused(monkeypatch, capsys, "calibrate-heads", "--out", str(tmp_path / "p.json"), "--examples", "0")
+    assert "--examples must be an integer >= 1, got 0" in said
 
 
 def test_cli_checks_budgets_in_specs_and_chunk_sizes_before_the_model_loads(tmp_path, monkeypatch, capsys):
@@ -243,7 +256,7 @@ def test_protected_tokens_over_the_budget_are_said_once():
     assert len([w for w in said if "budget allows" in str(w.message)]) == 1
 
 
-def test_cli_saves_a_cache_and_a_new_process_answers_from_it(tmp_path):
+def test_cli_saves_a_cache_and_a_new_process_answers_from_it(tmp_path, monkeypatch, capsys):
     """`kvpress generate --save-cache` then `--load-cache` (two processes): the same answer and bytes; the
     loaded cache keeps its press; flags that cannot go together are refused before a model loads."""
     from kvpress.cli import DEMO_QUESTION, demo_document
@@ -259,7 +272,5 @@ def test_cli_saves_a_cache_and_a_new_process_answers_from_it(tmp_path):
     assert "snapkv:window_size=8:compression_ratio=0.5" in second.stderr.splitlines()[-1]
     for extra, said in ((("--press", "knorm"), "drop --press"), (("--query-aware",), "drop --query-aware"),
                         (("--save-cache", str(saved)), "give one")):  # fmt: skip
-        res = _cli(*ask, "--load-cache", str(saved), *extra)
-        assert res.returncode == 2 and said in res.stderr
-    res = _cli(*ask, "--load-cache", str(tmp_path / "none.safetensors"))
-    assert res.returncode == 2 and "does not exist" in res.stderr
+        assert said in _refused(monkeypatch, capsys, *ask, "--load-cache", str(saved), *extra)
+    assert "does not exist" in _refused(monkeypatch, capsys, *ask, "--load-cache", str(tmp_path / "none.safetensors"))

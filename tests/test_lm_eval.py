@@ -162,8 +162,18 @@ def test_bad_arguments_are_refused(default_model):
 
 
 def test_cli_refuses_bad_press_task_and_model(default_model, capsys, monkeypatch):
+    """A bad press or parameter is refused before lm-eval runs (its task index alone takes ~10 s); a bad task by
+    lm-eval; another model before either."""
+    import lm_eval.__main__
+
     from kvpress.cli import main
 
+    real = lm_eval.__main__.cli_evaluate
+
+    def evaluate():
+        raise AssertionError("lm-eval ran")
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", evaluate)
     assert main(["lm-eval", "--model_args", "pretrained=default,press=nope", "--tasks", "kvpress_needle_noise"]) == 2
     said = capsys.readouterr().err
     assert "kvpress lm-eval: unknown press 'nope'; choose one of" in said and "(raised at " in said  # no traceback
@@ -175,8 +185,13 @@ def test_cli_refuses_bad_press_task_and_model(default_model, capsys, monkeypatch
                  "--tasks", "kvpress_needle_noise"]) == 2  # lm-eval's own spelling: accepted
     assert "unknown press 'nope'; choose one of" in capsys.readouterr().err
     assert main(["lm-eval", "--model_args", "pretrained=default,press=snapkv,compression_ratio=0.5,window_sise=8",
-                 "--tasks", "kvpress_needle_noise"]) == 2  # a directory: it reached the model's class
+                 "--tasks", "kvpress_needle_noise"]) == 2  # (a directory: HFLM would hand it to the model's class)
     assert "window_sise=8 is neither a press parameter (did you mean window_size?)" in capsys.readouterr().err
+    assert main(["lm-eval", "-a", "press=snapkv", "query_aware=maybe", "--tasks", "x"]) == 2  # (lm-eval's other form)
+    assert "query_aware must be true or false, got 'maybe'" in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="lm-eval ran"):  # good arguments reach lm-eval
+        main(["lm-eval", "--model_args", "pretrained=default,press=snapkv,compression_ratio=0.5", "--tasks", "x"])
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", real)
     assert main(["lm-eval", "--model_args", "pretrained=default", "--tasks", "no_such_task"]) == 2
     assert "kvpress lm-eval: Tasks not found: no_such_task" in capsys.readouterr().err
     assert main(["lm-eval", "--model", "hf", "--tasks", "kvpress_needle_noise"]) == 2
