@@ -59,3 +59,13 @@ def varlen_on_cpu(monkeypatch):
     VARLEN_CALLS.clear()
     yield VARLEN_CALLS
     hw._flash_runs_on.cache_clear()
+
+
+@pytest.fixture
+def short_answers(monkeypatch):
+    """Sweep answers of at most 12 tokens (a needle's key and its words fit), for tests whose checks do not hang on
+    the tasks' full budgets: the real model's answers take most of a sweep's time."""
+    from kvpress.eval import tasks as task_module
+
+    for task, budget in task_module.ANSWER_TOKENS.items():
+        monkeypatch.setitem(task_module.ANSWER_TOKENS, task, min(budget, 12))

@@ -31,7 +31,7 @@ def test_the_guide_runs_as_written(capsys):
 
 
 @pytest.mark.parametrize("line", [b for kind, b in BLOCKS if kind == "bash" and "kvpress sweep" in b])
-def test_the_guides_sweep_runs(line, tmp_path):
+def test_the_guides_sweep_runs(line, tmp_path, short_answers):
     from kvpress.eval.sweep import main
 
     args = shlex.split(line.strip())[2:]

@@ -59,7 +59,7 @@ def default_model():
     return kvpress.load_model()
 
 
-def test_one_prefill_per_example_and_resume(default_model, tmp_path):
+def test_one_prefill_per_example_and_resume(default_model, tmp_path, short_answers):
     model, tokenizer = default_model
     fed = []
 
@@ -313,7 +313,7 @@ def test_replay_samples_every_press_in_turn():
     assert sample_rows(rows, 5, seed=1) == picked and len(sample_rows(rows, 99)) == len(rows)
 
 
-def test_a_torn_last_row_is_measured_again(default_model, tmp_path, capsys):
+def test_a_torn_last_row_is_measured_again(default_model, tmp_path, capsys, short_answers):
     model, tokenizer = default_model
     kwargs = dict(presses=["snapkv"], ratios=[0, 0.5], tasks=["needle_noise"], out=tmp_path, examples=1, length=160,
                   progress=False)  # fmt: skip
@@ -659,7 +659,7 @@ def test_the_summary_counts_empty_answers_per_cell(tmp_path):
     assert "n=2 empty=2 (" in table and "n=2 empty=1 (" in table and "] n=2 (" in table  # none for the full cache
 
 
-def test_rows_reach_a_results_file_replaced_while_the_sweep_runs(default_model, tmp_path, monkeypatch):
+def test_rows_reach_a_results_file_replaced_while_the_sweep_runs(default_model, tmp_path, monkeypatch, short_answers):
     import kvpress.eval.sweep as sweep
 
     model, tokenizer = default_model
@@ -683,7 +683,7 @@ def test_rows_reach_a_results_file_replaced_while_the_sweep_runs(default_model, 
 
 
 @pytest.mark.parametrize("chunk", [None, 32])
-def test_replay_measures_sampled_rows_again_and_appends_each(default_model, tmp_path, chunk):
+def test_replay_measures_sampled_rows_again_and_appends_each(default_model, tmp_path, chunk, short_answers):
     from kvpress.eval.replay import replay
 
     model, tokenizer = default_model
