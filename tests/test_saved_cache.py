@@ -32,31 +32,36 @@ def _continue(model, cache, press, ids) -> torch.Tensor:
         return model.generate(ids, cache=cache, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("name", list(PRESSES))
-def test_a_saved_cache_answers_the_same_in_a_new_process(tmp_path, family, name):
-    model = tiny_model(family, **FAMILIES[family])
-    ids = prompt(1, 40)
-    cache = DynamicCache(config=model.config)
-    with PRESSES[name]()(model):
-        model(ids[:, :-1], cache=cache)
-    path = tmp_path / "cache.safetensors"
-    kvpress.save_cache(cache, path, model, press=name)
-    assert read_metadata(path)["press"] == name
-    expected = _continue(model, cache, PRESSES[name](), ids)
+def test_saved_caches_answer_the_same_in_a_new_process(tmp_path):
+    """Each press on each family: the cache saved here, loaded in a new process (one for all of them, as a process
+    costs seconds), continues with the same tokens."""
+    cases = [(family, name) for family in FAMILIES for name in PRESSES]
+    expected = []
+    for i, (family, name) in enumerate(cases):
+        model = tiny_model(family, **FAMILIES[family])
+        ids = prompt(1, 40)
+        cache = DynamicCache(config=model.config)
+        with PRESSES[name]()(model):
+            model(ids[:, :-1], cache=cache)
+        kvpress.save_cache(cache, tmp_path / f"{i}.safetensors", model, press=name)
+        assert read_metadata(tmp_path / f"{i}.safetensors")["press"] == name
+        expected.append(str(_continue(model, cache, PRESSES[name](), ids)[0].tolist()))
     script = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(TESTS)!r})
-        import torch, kvpress
+        import kvpress
         from tiny import prompt, tiny_model
         from test_saved_cache import PRESSES, FAMILIES, _continue
-        model = tiny_model({family!r}, **FAMILIES[{family!r}])
-        cache = kvpress.load_cache({str(path)!r}, model)
-        out = _continue(model, cache, PRESSES[{name!r}](), prompt(1, 40))
-        print(out[0].tolist())
+        for i, (family, name) in enumerate({cases!r}):
+            model = tiny_model(family, **FAMILIES[family])
+            cache = kvpress.load_cache({str(tmp_path)!r} + f"/{{i}}.safetensors", model)
+            print("continued", i, _continue(model, cache, PRESSES[name](), prompt(1, 40))[0].tolist())
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == str(expected[0].tolist())
+    got = [line.split(" ", 2)[2] for line in done.stdout.splitlines() if line.startswith("continued ")]
+    assert len(got) == len(cases)
+    for case, mine, theirs in zip(cases, expected, got, strict=True):
+        assert theirs == mine, case
 
 
 def test_a_saved_dense_layer_holds_its_slots_not_the_room_after_them(tmp_path):
