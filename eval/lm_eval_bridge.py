@@ -61,7 +61,7 @@ from transformers import DynamicCache
 import kvpress
 from kvpress.eval.memory import full_cache_bytes, peak_memory
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
-from kvpress.models import resolve_model_path
+from kvpress.models import PACKAGED_MODELS, resolve_model_path
 from kvpress.patches.model_access import cache_keyword
 from kvpress.pipeline import check_chunk_size, holds_whole, prefill_context
 from kvpress.presses import (
@@ -117,7 +117,7 @@ class KVPressLM(HFLM):
         prefill_chunk_size: int | str | None = None,
         **kwargs,
     ) -> None:
-        pretrained, kwargs, beside = self._settle(pretrained, press, compression_ratio, max_tokens, rolling_chunk,
+        pretrained, kwargs, beside = self._settle(True, pretrained, press, compression_ratio, max_tokens, rolling_chunk,
                                                   query_aware, question_key, question_regex, prefill_chunk_size,
                                                   **kwargs)  # fmt: skip
         cpu_processes = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
@@ -139,16 +139,19 @@ class KVPressLM(HFLM):
     @classmethod
     def check_model_args(cls, model_args: dict) -> None:
         """Refuse `model_args` (`--model_args` as lm-eval parses it) as the bridge would, without loading the model:
-        a bad press, parameter or setting is said before lm-eval reads its task index (~10 s)."""
+        a bad press, parameter or setting is said before lm-eval reads its task index (~10 s). A packaged model is
+        not converted here (the run converts it on first use, once lm-eval has checked the rest); what depends on
+        the loaded model (a directory's `default` press) is checked once it loads."""
         bound = inspect.signature(cls.__init__).bind(None, **model_args)  # __init__'s defaults, as lm-eval calls it
         bound.apply_defaults()
         args = {key: value for key, value in bound.arguments.items() if key not in ("self", "kwargs")}
-        cls.__new__(cls)._settle(**args, **bound.arguments["kwargs"])
+        cls.__new__(cls)._settle(False, **args, **bound.arguments["kwargs"])
 
-    def _settle(self, pretrained, press, compression_ratio, max_tokens, rolling_chunk, query_aware, question_key,
-                question_regex, prefill_chunk_size, **kwargs) -> tuple[object, dict, dict]:
-        """Every check and setting made before the model loads: HFLM's `pretrained` and arguments, and the press
-        parameters a model's default press is built with once it loads."""
+    def _settle(self, convert: bool, pretrained, press, compression_ratio, max_tokens, rolling_chunk, query_aware,
+                question_key, question_regex, prefill_chunk_size, **kwargs) -> tuple[object, dict, dict]:
+        """Every check and setting made before the model loads: HFLM's `pretrained` (a packaged model converted on
+        first use where `convert`) and arguments, and the press parameters a model's default press is built with
+        once it loads."""
         if isinstance(query_aware, str) and query_aware.lower() in ("true", "false"):  # from --model_args
             query_aware = query_aware.lower() == "true"
         if not isinstance(query_aware, bool):
@@ -191,6 +194,8 @@ class KVPressLM(HFLM):
             self.press = None if early is None else press_from_name(early, **beside)
         later = self.press is None and press is not None and press != "none"  # (built once the model loads)
         _check_question(self.press, self.query_aware)
+        if self.press is not None:  # (a directory's default press: checked once it loads)
+            check_chunk_size(self.prefill_chunk_size, self.press)
         if self.press is None and not later and self.prefill_chunk_size:
             raise ValueError("prefill_chunk_size chunks a press's prefill; with no press lm-eval's own model runs "
                              "(nothing to evict: chunks would change only the memory): drop it, or give a press")
@@ -205,6 +210,8 @@ class KVPressLM(HFLM):
                              "with a press run outside them (in the model's dtype, log-probabilities in float32): "
                              "load the model in the dtype wanted (dtype=bfloat16), or drop them")  # fmt: skip
         if isinstance(pretrained, str):  # a local directory: HFLM loads it (and shards data under accelerate)
+            if not convert and (pretrained == "default" or pretrained in PACKAGED_MODELS):
+                return pretrained, kwargs, beside
             pretrained = str(resolve_model_path(None if pretrained == "default" else pretrained))
             kwargs.setdefault("dtype", "float32")
             kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
@@ -485,13 +492,13 @@ def _given(arg: str, flags: tuple[str, ...]) -> str | None:
 
 
 def _model_args(argv: list[str]) -> dict | None:
-    """`--model_args` as lm-eval's `run` parses `argv`; None where it leaves them to a `--config` file or stops at
-    `argv` (help, a bad flag: lm-eval itself then says so)."""
+    """`--model_args` as lm-eval's `run` parses `argv` (flags it does not know left to lm-eval); None where a
+    `--config` file may add to them, or where `argv` asks for help or does not parse (lm-eval itself then answers)."""
     if any(arg in _run_flags("help") or arg in _run_flags("config") or _given(arg, _run_flags("config")) is not None
            for arg in argv):  # fmt: skip
         return None
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):  # (--hel)
             parsed, _ = _run_parser().parse_known_args(argv)
     except SystemExit:
         return None

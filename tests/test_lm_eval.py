@@ -189,6 +189,8 @@ def test_cli_refuses_bad_press_task_and_model(default_model, capsys, monkeypatch
     assert "window_sise=8 is neither a press parameter (did you mean window_size?)" in capsys.readouterr().err
     assert main(["lm-eval", "-a", "press=snapkv", "query_aware=maybe", "--tasks", "x"]) == 2  # (lm-eval's other form)
     assert "query_aware must be true or false, got 'maybe'" in capsys.readouterr().err
+    assert main(["lm-eval", "--model_args", "press=simlayerkv,compression_ratio=0.5,prefill_chunk_size=64"]) == 2
+    assert "SimLayerKVPress scores the whole context once it is cached" in capsys.readouterr().err
     with pytest.raises(AssertionError, match="lm-eval ran"):  # good arguments reach lm-eval
         main(["lm-eval", "--model_args", "pretrained=default,press=snapkv,compression_ratio=0.5", "--tasks", "x"])
     monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", real)
@@ -199,6 +201,31 @@ def test_cli_refuses_bad_press_task_and_model(default_model, capsys, monkeypatch
     for other in (["-M", "hf"], ["-Mhf"], ["--model=hf"], ["-M=hf"]):  # every spelling lm-eval's parser takes
         assert main(["lm-eval", *other, "--tasks", "kvpress_needle_noise"]) == 2
         assert "--model hf: kvpress lm-eval runs lm-eval's model kvpress" in capsys.readouterr().err
+
+
+def test_the_early_check_reads_model_args_as_lm_eval_does_and_converts_no_model(tmp_path, monkeypatch):
+    """`--model_args` read by lm-eval's own parser (both forms, JSON); none where a --config file may add to them or
+    the arguments ask for help or do not parse; a packaged model is not converted by the check, a directory is
+    looked for."""
+    from kvpress.eval import lm_eval_bridge as bridge
+
+    assert bridge._model_args(["--model_args", "press=snapkv,compression_ratio=0.5", "--tasks", "x"]) == {
+        "press": "snapkv", "compression_ratio": 0.5}  # fmt: skip
+    assert bridge._model_args(["-a", "press=snapkv", "window_size=8", "--bogus"]) == {"press": "snapkv",
+                                                                                        "window_size": 8}  # fmt: skip
+    assert bridge._model_args(["--model_args", '{"press": "knorm"}']) == {"press": "knorm"}
+    assert bridge._model_args(["--tasks", "x"]) == {}
+    for argv in (["-h"], ["--hel"], ["--config", "c.yaml"], ["-Cc.yaml"], ["--config=c.yaml"], ["--limit", "many"]):
+        assert bridge._model_args([*argv, "--model_args", "press=nope"]) is None, argv
+
+    def converted(*args):
+        raise AssertionError("a model was converted")
+
+    monkeypatch.setattr(bridge, "resolve_model_path", converted)
+    KVPressLM.check_model_args({"pretrained": "qwen2.5-0.5b", "press": "snapkv", "compression_ratio": 0.5})
+    monkeypatch.undo()
+    with pytest.raises(FileNotFoundError, match="nor a local transformers directory"):
+        KVPressLM.check_model_args({"pretrained": str(tmp_path), "press": "snapkv", "compression_ratio": 0.5})
 
 
 def _needle_requests(examples, kind="generate_until"):

@@ -48,19 +48,20 @@ def test_saved_caches_answer_the_same_in_a_new_process(tmp_path):
         expected.append(str(_continue(model, cache, PRESSES[name](), ids)[0].tolist()))
     script = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(TESTS)!r})
-        import kvpress
+        import kvpress, tiny
         from tiny import prompt, tiny_model
         from test_saved_cache import PRESSES, FAMILIES, _continue
         for i, (family, name) in enumerate({cases!r}):
+            tiny._MODELS.clear()  # a model built afresh for each cache, as a process of its own would
             model = tiny_model(family, **FAMILIES[family])
             cache = kvpress.load_cache({str(tmp_path)!r} + f"/{{i}}.safetensors", model)
             print("continued", i, _continue(model, cache, PRESSES[name](), prompt(1, 40))[0].tolist())
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    got = [line.split(" ", 2)[2] for line in done.stdout.splitlines() if line.startswith("continued ")]
-    assert len(got) == len(cases)
-    for case, mine, theirs in zip(cases, expected, got, strict=True):
+    got = [line.split(" ", 2) for line in done.stdout.splitlines() if line.startswith("continued ")]
+    assert [int(i) for _, i, _ in got] == list(range(len(cases)))
+    for case, mine, (_, _, theirs) in zip(cases, expected, got, strict=True):
         assert theirs == mine, case
 
 
