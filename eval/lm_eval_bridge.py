@@ -117,9 +117,11 @@ class KVPressLM(HFLM):
         prefill_chunk_size: int | str | None = None,
         **kwargs,
     ) -> None:
-        pretrained, kwargs, beside = self._settle(True, pretrained, press, compression_ratio, max_tokens, rolling_chunk,
-                                                  query_aware, question_key, question_regex, prefill_chunk_size,
-                                                  **kwargs)  # fmt: skip
+        pretrained, kwargs, beside = self._settle(
+            True, pretrained=pretrained, press=press, compression_ratio=compression_ratio, max_tokens=max_tokens,
+            rolling_chunk=rolling_chunk, query_aware=query_aware, question_key=question_key,
+            question_regex=question_regex, prefill_chunk_size=prefill_chunk_size, **kwargs,
+        )  # by name: a parameter added to one and not the other is refused at the first call
         cpu_processes = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
         if cpu_processes:  # torchrun --nproc_per_node N on CPUs: accelerate must join them over gloo
             os.environ["ACCELERATE_USE_CPU"] = "true"
@@ -147,7 +149,7 @@ class KVPressLM(HFLM):
         args = {key: value for key, value in bound.arguments.items() if key not in ("self", "kwargs")}
         cls.__new__(cls)._settle(False, **args, **bound.arguments["kwargs"])
 
-    def _settle(self, convert: bool, pretrained, press, compression_ratio, max_tokens, rolling_chunk, query_aware,
+    def _settle(self, convert: bool, *, pretrained, press, compression_ratio, max_tokens, rolling_chunk, query_aware,
                 question_key, question_regex, prefill_chunk_size, **kwargs) -> tuple[object, dict, dict]:
         """Every check and setting made before the model loads: HFLM's `pretrained` (a packaged model converted on
         first use where `convert`) and arguments, and the press parameters a model's default press is built with
