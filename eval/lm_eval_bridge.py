@@ -129,7 +129,7 @@ class KVPressLM(HFLM):
         if isinstance(press, str) and resolve_default(press) != press:  # `default`: this model's default press
             self.press = press_from_name(press, self.model, **beside)
             _check_question(self.press, self.query_aware)
-        check_chunk_size(self.prefill_chunk_size, self.press)  # refused before any task runs
+            check_chunk_size(self.prefill_chunk_size, self.press)  # (any other press: checked by _settle)
         self.kv_records: list[dict] = []
         self.kept_whole = 0  # contexts within the press's max_tokens: nothing to compress (said once, counted)
         if cpu_processes and self._world_size == 1:  # HFLM shards data only across GPUs: shard it here
