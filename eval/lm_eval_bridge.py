@@ -494,17 +494,23 @@ def _given(arg: str, flags: tuple[str, ...]) -> str | None:
 
 
 def _model_args(argv: list[str]) -> dict | None:
-    """`--model_args` as lm-eval's `run` parses `argv` (flags it does not know left to lm-eval); None where a
-    `--config` file may add to them, or where `argv` asks for help or does not parse (lm-eval itself then answers)."""
-    if any(arg in _run_flags("help") or arg in _run_flags("config") or _given(arg, _run_flags("config")) is not None
-           for arg in argv):  # fmt: skip
+    """`--model_args` as lm-eval's `run` reads `argv` (flags it does not know left to lm-eval), a `--config` YAML
+    file's `model_args` where the command line gives none (lm-eval's precedence: a given `--model_args` replaces the
+    file's); None where `argv` asks for help or does not parse (lm-eval itself then answers). A config file that is
+    missing or not a YAML mapping raises lm-eval's own error."""
+    if any(arg in _run_flags("help") for arg in argv):
         return None
     try:
         with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):  # (--hel)
             parsed, _ = _run_parser().parse_known_args(argv)
     except SystemExit:
         return None
-    return parsed.model_args or {}
+    if parsed.model_args or not parsed.config:
+        return parsed.model_args or {}
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    given = EvaluatorConfig.load_yaml_config(parsed.config).get("model_args") or {}
+    return EvaluatorConfig(model_args=given)._parse_dict_args().model_args  # a string read as lm-eval reads it
 
 
 def main(argv: list[str]) -> int:

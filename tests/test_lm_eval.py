@@ -161,9 +161,9 @@ def test_bad_arguments_are_refused(default_model):
         KVPressLM(pretrained=model, tokenizer=tokenizer, trust_remote=True)  # a loaded model: HFLM ignored it
 
 
-def test_cli_refuses_bad_press_task_and_model(default_model, capsys, monkeypatch):
-    """A bad press or parameter is refused before lm-eval runs (its task index alone takes ~10 s); a bad task by
-    lm-eval; another model before either."""
+def test_cli_refuses_bad_press_task_and_model(default_model, capsys, monkeypatch, tmp_path):
+    """A bad press or parameter is refused before lm-eval runs (its task index alone takes ~10 s), given on the
+    command line or in a --config file; a bad task by lm-eval; another model before either."""
     import lm_eval.__main__
 
     from kvpress.cli import main
@@ -191,6 +191,9 @@ def test_cli_refuses_bad_press_task_and_model(default_model, capsys, monkeypatch
     assert "query_aware must be true or false, got 'maybe'" in capsys.readouterr().err
     assert main(["lm-eval", "--model_args", "press=simlayerkv,compression_ratio=0.5,prefill_chunk_size=64"]) == 2
     assert "SimLayerKVPress scores the whole context once it is cached" in capsys.readouterr().err
+    (tmp_path / "c.yaml").write_text("model_args:\n  press: nope\ntasks: [kvpress_needle_noise]\n")
+    assert main(["lm-eval", "--config", str(tmp_path / "c.yaml")]) == 2
+    assert "unknown press 'nope'; choose one of" in capsys.readouterr().err
     with pytest.raises(AssertionError, match="lm-eval ran"):  # good arguments reach lm-eval
         main(["lm-eval", "--model_args", "pretrained=default,press=snapkv,compression_ratio=0.5", "--tasks", "x"])
     monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", real)
@@ -204,9 +207,10 @@ def test_cli_refuses_bad_press_task_and_model(default_model, capsys, monkeypatch
 
 
 def test_the_early_check_reads_model_args_as_lm_eval_does_and_converts_no_model(tmp_path, monkeypatch):
-    """`--model_args` read by lm-eval's own parser (both forms, JSON); none where a --config file may add to them or
-    the arguments ask for help or do not parse; a packaged model is not converted by the check, a directory is
-    looked for."""
+    """`--model_args` read by lm-eval's own parser (both forms, JSON), or from a --config file where the command
+    line gives none (a mapping or lm-eval's string; a given --model_args replaces the file's); none where the
+    arguments ask for help or do not parse; a packaged model is not converted by the check, a directory is looked
+    for."""
     from kvpress.eval import lm_eval_bridge as bridge
 
     assert bridge._model_args(["--model_args", "press=snapkv,compression_ratio=0.5", "--tasks", "x"]) == {
@@ -215,8 +219,19 @@ def test_the_early_check_reads_model_args_as_lm_eval_does_and_converts_no_model(
                                                                                         "window_size": 8}  # fmt: skip
     assert bridge._model_args(["--model_args", '{"press": "knorm"}']) == {"press": "knorm"}
     assert bridge._model_args(["--tasks", "x"]) == {}
-    for argv in (["-h"], ["--hel"], ["--config", "c.yaml"], ["-Cc.yaml"], ["--config=c.yaml"], ["--limit", "many"]):
+    for argv in (["-h"], ["--hel"], ["--limit", "many"]):
         assert bridge._model_args([*argv, "--model_args", "press=nope"]) is None, argv
+    mapping, string, bare = tmp_path / "m.yaml", tmp_path / "s.yaml", tmp_path / "b.yaml"
+    mapping.write_text("model_args:\n  press: nope\n  compression_ratio: 0.5\ntasks: [x]\n")
+    string.write_text('model_args: "press=snapkv,window_size=8"\n')
+    bare.write_text("tasks: [x]\n")
+    for argv in (["--config", str(mapping)], [f"-C{mapping}"], [f"--config={mapping}"]):
+        assert bridge._model_args(argv) == {"press": "nope", "compression_ratio": 0.5}, argv
+    assert bridge._model_args(["--config", str(string)]) == {"press": "snapkv", "window_size": 8}
+    assert bridge._model_args(["--config", str(mapping), "--model_args", "press=knorm"]) == {"press": "knorm"}
+    assert bridge._model_args(["--config", str(bare)]) == {}
+    with pytest.raises(FileNotFoundError, match="Config file not found"):
+        bridge._model_args(["--config", str(tmp_path / "none.yaml")])
 
     def converted(*args):
         raise AssertionError("a model was converted")
