@@ -510,7 +510,8 @@ def _model_args(argv: list[str]) -> dict | None:
     from lm_eval.config.evaluate_config import EvaluatorConfig
 
     given = EvaluatorConfig.load_yaml_config(parsed.config).get("model_args") or {}
-    return EvaluatorConfig(model_args=given)._parse_dict_args().model_args  # a string read as lm-eval reads it
+    given = EvaluatorConfig(model_args=given)._parse_dict_args().model_args  # a string read as lm-eval reads it
+    return given if isinstance(given, dict) else None  # (a list, a number: lm-eval itself answers)
 
 
 def main(argv: list[str]) -> int:

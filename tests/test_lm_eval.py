@@ -230,6 +230,8 @@ def test_the_early_check_reads_model_args_as_lm_eval_does_and_converts_no_model(
     assert bridge._model_args(["--config", str(string)]) == {"press": "snapkv", "window_size": 8}
     assert bridge._model_args(["--config", str(mapping), "--model_args", "press=knorm"]) == {"press": "knorm"}
     assert bridge._model_args(["--config", str(bare)]) == {}
+    bare.write_text("model_args: [press, nope]\n")
+    assert bridge._model_args(["--config", str(bare)]) is None
     with pytest.raises(FileNotFoundError, match="Config file not found"):
         bridge._model_args(["--config", str(tmp_path / "none.yaml")])
 
