@@ -37,6 +37,7 @@ traceback).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import difflib
@@ -493,23 +494,39 @@ def _given(arg: str, flags: tuple[str, ...]) -> str | None:
     return None
 
 
-def _model_args(argv: list[str]) -> dict | None:
-    """`--model_args` as lm-eval's `run` reads `argv` (flags it does not know left to lm-eval), a `--config` YAML
-    file's `model_args` where the command line gives none (lm-eval's precedence: a given `--model_args` replaces the
-    file's); None where `argv` asks for help or does not parse (lm-eval itself then answers). A config file that is
-    missing or not a YAML mapping raises lm-eval's own error."""
+def _parsed(argv: list[str]) -> argparse.Namespace | None:
+    """`argv` as lm-eval's `run` parses it (flags it does not know left to lm-eval); None where it asks for help or
+    does not parse (lm-eval itself then answers)."""
     if any(arg in _run_flags("help") for arg in argv):
         return None
     try:
         with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):  # (--hel)
-            parsed, _ = _run_parser().parse_known_args(argv)
+            return _run_parser().parse_known_args(argv)[0]
     except SystemExit:
         return None
-    if parsed.model_args or not parsed.config:
+
+
+def _config_file(parsed: argparse.Namespace | None) -> dict:
+    """The `--config` YAML file's settings as lm-eval reads them ({} without one); a file that is missing or not a
+    YAML mapping raises lm-eval's own error."""
+    if parsed is None or not parsed.config:
+        return {}
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    return EvaluatorConfig.load_yaml_config(parsed.config)
+
+
+def _model_args(parsed: argparse.Namespace | None, config: dict) -> dict | None:
+    """The model arguments lm-eval will build its model with: `--model_args` as parsed, or the config file's where
+    the command line gives none (lm-eval's precedence: a given `--model_args` replaces the file's); None where the
+    arguments ask for help or do not parse, or the file's are not arguments (lm-eval itself then answers)."""
+    if parsed is None:
+        return None
+    if parsed.model_args or "model_args" not in config:
         return parsed.model_args or {}
     from lm_eval.config.evaluate_config import EvaluatorConfig
 
-    given = EvaluatorConfig.load_yaml_config(parsed.config).get("model_args") or {}
+    given = {} if config["model_args"] is None else config["model_args"]
     given = EvaluatorConfig(model_args=given)._parse_dict_args().model_args  # a string read as lm-eval reads it
     return given if isinstance(given, dict) else None  # (a list, a number: lm-eval itself answers)
 
@@ -536,17 +553,24 @@ def main(argv: list[str]) -> int:
                    "itself")  # fmt: skip
         print(f"kvpress lm-eval: {message}", file=sys.stderr)
         return 2
-    argv = rest
     from lm_eval.__main__ import cli_evaluate
 
-    argv = ["run", "--model", "kvpress", *argv]
-    include = _run_flags("include_path")
-    if not any(arg in include or _given(arg, include) is not None for arg in argv):
-        argv += ["--include_path", TASKS_DIR]  # a path of the user's own replaces it (lm-eval reads one)
     saved = sys.argv
-    sys.argv = ["lm-eval", *argv]
     try:
-        model_args = _model_args(argv[1:])
+        parsed = _parsed(rest)
+        config = _config_file(parsed)
+        if config.get("model") not in (None, "kvpress"):
+            message = (f"{parsed.config} sets model: {config['model']}: kvpress lm-eval runs lm-eval's model kvpress "
+                       "(drop the file's model, or run `lm_eval` itself for its other models)")  # fmt: skip
+            print(f"kvpress lm-eval: {message}", file=sys.stderr)
+            return 2
+        argv = ["run", "--model", "kvpress", *rest]
+        include = _run_flags("include_path")
+        if not config.get("include_path") and not any(arg in include or _given(arg, include) is not None
+                                                      for arg in argv):  # fmt: skip
+            argv += ["--include_path", TASKS_DIR]  # a path of the user's own (or the file's) replaces it
+        sys.argv = ["lm-eval", *argv]
+        model_args = _model_args(parsed, config)
         if model_args is not None:  # a bad press or setting said at once, not after lm-eval's task index
             KVPressLM.check_model_args(model_args)
         cli_evaluate()

@@ -1,5 +1,7 @@
 """The lm-eval bridge on the default model: r = 0 equals plain HFLM; compression is real; bad input is refused."""
 
+import sys
+
 import pytest
 import torch
 from lm_eval.api.instance import Instance
@@ -7,7 +9,7 @@ from lm_eval.models.huggingface import HFLM
 from transformers import DynamicCache
 
 import kvpress
-from kvpress.eval.lm_eval_bridge import KVPressLM, full_cache_bytes
+from kvpress.eval.lm_eval_bridge import TASKS_DIR, KVPressLM, full_cache_bytes
 from kvpress.pipeline import answer_from_cache, prefill_context
 
 
@@ -170,7 +172,10 @@ def test_cli_refuses_bad_press_task_and_model(default_model, capsys, monkeypatch
 
     real = lm_eval.__main__.cli_evaluate
 
+    ran = []
+
     def evaluate():
+        ran.append(sys.argv[1:])
         raise AssertionError("lm-eval ran")
 
     monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", evaluate)
@@ -194,8 +199,16 @@ def test_cli_refuses_bad_press_task_and_model(default_model, capsys, monkeypatch
     (tmp_path / "c.yaml").write_text("model_args:\n  press: nope\ntasks: [kvpress_needle_noise]\n")
     assert main(["lm-eval", "--config", str(tmp_path / "c.yaml")]) == 2
     assert "unknown press 'nope'; choose one of" in capsys.readouterr().err
+    (tmp_path / "hf.yaml").write_text("model: hf\n")  # another model in the file: refused as on the command line
+    assert main(["lm-eval", "--config", str(tmp_path / "hf.yaml")]) == 2
+    assert "hf.yaml sets model: hf: kvpress lm-eval runs lm-eval's model kvpress" in capsys.readouterr().err
     with pytest.raises(AssertionError, match="lm-eval ran"):  # good arguments reach lm-eval
         main(["lm-eval", "--model_args", "pretrained=default,press=snapkv,compression_ratio=0.5", "--tasks", "x"])
+    assert ran[-1][-2:] == ["--include_path", TASKS_DIR]  # kvpress's offline tasks
+    (tmp_path / "own.yaml").write_text(f"include_path: {tmp_path}\nmodel: kvpress\n")
+    with pytest.raises(AssertionError, match="lm-eval ran"):  # the file's own tasks: kvpress's do not replace them
+        main(["lm-eval", "--config", str(tmp_path / "own.yaml"), "--tasks", "x"])
+    assert ran[-1] == ["run", "--model", "kvpress", "--config", str(tmp_path / "own.yaml"), "--tasks", "x"]
     monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", real)
     assert main(["lm-eval", "--model_args", "pretrained=default", "--tasks", "no_such_task"]) == 2
     assert "kvpress lm-eval: Tasks not found: no_such_task" in capsys.readouterr().err
@@ -213,27 +226,32 @@ def test_the_early_check_reads_model_args_as_lm_eval_does_and_converts_no_model(
     for."""
     from kvpress.eval import lm_eval_bridge as bridge
 
-    assert bridge._model_args(["--model_args", "press=snapkv,compression_ratio=0.5", "--tasks", "x"]) == {
+    def read(argv):
+        parsed = bridge._parsed(argv)
+        return bridge._model_args(parsed, bridge._config_file(parsed))
+
+    assert read(["--model_args", "press=snapkv,compression_ratio=0.5", "--tasks", "x"]) == {
         "press": "snapkv", "compression_ratio": 0.5}  # fmt: skip
-    assert bridge._model_args(["-a", "press=snapkv", "window_size=8", "--bogus"]) == {"press": "snapkv",
-                                                                                        "window_size": 8}  # fmt: skip
-    assert bridge._model_args(["--model_args", '{"press": "knorm"}']) == {"press": "knorm"}
-    assert bridge._model_args(["--tasks", "x"]) == {}
+    assert read(["-a", "press=snapkv", "window_size=8", "--bogus"]) == {"press": "snapkv", "window_size": 8}
+    assert read(["--model_args", '{"press": "knorm"}']) == {"press": "knorm"}
+    assert read(["--tasks", "x"]) == {}
     for argv in (["-h"], ["--hel"], ["--limit", "many"]):
-        assert bridge._model_args([*argv, "--model_args", "press=nope"]) is None, argv
+        assert read([*argv, "--model_args", "press=nope"]) is None, argv
     mapping, string, bare = tmp_path / "m.yaml", tmp_path / "s.yaml", tmp_path / "b.yaml"
     mapping.write_text("model_args:\n  press: nope\n  compression_ratio: 0.5\ntasks: [x]\n")
     string.write_text('model_args: "press=snapkv,window_size=8"\n')
     bare.write_text("tasks: [x]\n")
     for argv in (["--config", str(mapping)], [f"-C{mapping}"], [f"--config={mapping}"]):
-        assert bridge._model_args(argv) == {"press": "nope", "compression_ratio": 0.5}, argv
-    assert bridge._model_args(["--config", str(string)]) == {"press": "snapkv", "window_size": 8}
-    assert bridge._model_args(["--config", str(mapping), "--model_args", "press=knorm"]) == {"press": "knorm"}
-    assert bridge._model_args(["--config", str(bare)]) == {}
-    bare.write_text("model_args: [press, nope]\n")
-    assert bridge._model_args(["--config", str(bare)]) is None
+        assert read(argv) == {"press": "nope", "compression_ratio": 0.5}, argv
+    assert read(["--config", str(string)]) == {"press": "snapkv", "window_size": 8}
+    assert read(["--config", str(mapping), "--model_args", "press=knorm"]) == {"press": "knorm"}
+    assert read(["--config", str(bare)]) == {}
+    assert read(["--config", str(mapping), "--model_args", ""]) == {"press": "nope", "compression_ratio": 0.5}
+    for odd in ("[press, nope]", "0"):  # not arguments: lm-eval itself answers
+        bare.write_text(f"model_args: {odd}\n")
+        assert read(["--config", str(bare)]) is None, odd
     with pytest.raises(FileNotFoundError, match="Config file not found"):
-        bridge._model_args(["--config", str(tmp_path / "none.yaml")])
+        read(["--config", str(tmp_path / "none.yaml")])
 
     def converted(*args):
         raise AssertionError("a model was converted")
