@@ -22,7 +22,7 @@ run: setup
 
 test: setup
 	$(PY) -m ruff check kvpress patches eval tests
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2
 
 lint: setup
 	$(PY) -m ruff check kvpress patches eval tests
