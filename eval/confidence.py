@@ -3,9 +3,9 @@
 A cell of a sweep holds few examples (8-32), so a mean's interval uses Student's t with n - 1 degrees of
 freedom, not the normal 1.96: at n = 8 the t interval is 21% wider (t = 2.365), at n = 16 9% (2.131), at n = 32
 4% (2.040). The mean of several cells' means (a press's mean over a sweep's cells, `ranking.py`) pools their
-standard errors with t at the Welch-Satterthwaite degrees of freedom (`pooled_half_width`). A proportion (every
-score 0 or 1) uses Wilson's interval, right at 0 and 1 and at few examples, where the normal one collapses to a
-point.
+standard errors, with the covariance of cells that share examples (one task's ratios), and takes t at the
+Welch-Satterthwaite degrees of freedom (`pooled_half_width`). A proportion (every score 0 or 1) uses Wilson's
+interval, right at 0 and 1 and at few examples, where the normal one collapses to a point.
 """
 
 from __future__ import annotations
@@ -63,19 +63,38 @@ def mean_half_width(values: list[float]) -> float:
     return t_quantile(n - 1) * statistics.stdev(values) / math.sqrt(n) if n > 1 else math.nan
 
 
-def pooled_half_width(parts: list[tuple[float, int]]) -> float:
-    """Half the 95% interval of the mean of k independent means, each given as (half its own t interval, its
-    examples n): their standard errors se_i = half_i / t(n_i - 1) give se = sqrt(sum se_i^2) / k, and t is taken
-    at the Welch-Satterthwaite degrees of freedom (sum se_i^2)^2 / sum(se_i^4 / (n_i - 1)), rounded down (nan when
-    a mean has fewer than 2 examples; 0 when no mean varies)."""
-    if not parts or any(n < 2 or math.isnan(half) for half, n in parts):
+def pooled_half_width(groups: list[list[dict]]) -> float:
+    """Half the 95% interval of the mean of k means, each the mean of one mapping's values (example -> value),
+    given in groups: the means of a group may share examples (a press's cells of one task at several ratios, whose
+    differences move together) and groups are independent (tasks: disjoint examples). A group's variance is that
+    of its sum of means, sum_ij cov_ij n_ij / (n_i n_j) over its means i, j (cov_ij over the n_ij examples both
+    hold; i = j: the variance over n_i), the mean's is their total over k^2, and t is taken at the
+    Welch-Satterthwaite degrees of freedom over groups, each with its fewest examples less one, rounded down (nan
+    when a mean has fewer than 2 examples or a value is nan; 0 when nothing varies). Two means sharing fewer than 2
+    examples add no covariance. Groups of one mean each: independent means."""
+    groups = [group for group in groups if group]
+    means = [m for group in groups for m in group]
+    if not means or any(len(m) < 2 for m in means):
         return math.nan
-    variances = [(half / t_quantile(n - 1)) ** 2 for half, n in parts]
+    variances, dfs = [], []
+    for group in groups:
+        total = 0.0
+        for a in group:
+            for b in group:
+                common = [e for e in a if e in b]
+                if len(common) > 1:
+                    mean_a, mean_b = statistics.fmean(a[e] for e in common), statistics.fmean(b[e] for e in common)
+                    cov = sum((a[e] - mean_a) * (b[e] - mean_b) for e in common) / (len(common) - 1)
+                    total += cov * len(common) / (len(a) * len(b))
+        variances.append(max(total, 0.0))  # (covariances over partly shared examples: never below 0)
+        dfs.append(min(len(m) for m in group) - 1)
     total = sum(variances)
+    if math.isnan(total):
+        return math.nan
     if total == 0:
         return 0.0
-    df = total**2 / sum(v**2 / (n - 1) for v, (_, n) in zip(variances, parts, strict=True))
-    return t_quantile(max(1, math.floor(df))) * math.sqrt(total) / len(parts)
+    df = total**2 / sum(v**2 / d for v, d in zip(variances, dfs, strict=True))
+    return t_quantile(max(1, math.floor(df + 1e-9))) * math.sqrt(total) / len(means)  # (7 - 1e-15 is 7 df)
 
 
 def wilson(successes: float, n: int, z: float = Z) -> tuple[float, float]:

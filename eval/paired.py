@@ -32,10 +32,9 @@ from kvpress.eval.tasks import row_version
 METRICS = ("score", "answer_top1", "answer_kl", "kl")  # row fields a pair can be compared on (`sweep.py`)
 
 
-def paired_rows(rows: list[dict], base: str, variant: str, metric: str = "score") -> list[dict]:
-    """One row per (task, ratio) and per ratio over all tasks ("all"): n, mean A, mean B, mean B - A and its
-    95% interval of the rows' `metric`, for the examples both `base` and `variant` answered with it. The full cache
-    ("none", measured at r = 0 only) pairs at every ratio of the other press."""
+def paired_examples(rows: list[dict], base: str, variant: str, metric: str = "score") -> dict[tuple, dict]:
+    """Per (task, ratio) both were measured at: {(example, task_version): (A's `metric`, B's)} for the examples
+    both answered with it. The full cache ("none", measured at r = 0 only) pairs at every ratio of the other press."""
     if "none" in (base, variant):
         ratios = {row["ratio"] for row in rows if row["press"] in (base, variant) and row["press"] != "none"}
         rows = [row for row in rows if row["press"] != "none"] + [
@@ -53,16 +52,30 @@ def paired_rows(rows: list[dict], base: str, variant: str, metric: str = "score"
                 and set().union(*found.values()) == {base, variant})  # fmt: skip
     if apart:
         warnings.warn(f"{apart} examples measured with {base} and {variant} on different versions of their task's "
-                      "builder (task_version) are not paired: their examples differ", stacklevel=2)  # fmt: skip
-    cells: dict[tuple, list[tuple[float, float]]] = {}
-    for (task, ratio, _, _), pair in sorted(scores.items()):
+                      "builder (task_version) are not paired: their examples differ", stacklevel=3)  # fmt: skip
+    cells: dict[tuple, dict[tuple, tuple[float, float]]] = {}
+    for (task, ratio, example, version), pair in sorted(scores.items()):
         if base in pair and variant in pair:
-            cells.setdefault((task, ratio), []).append((pair[base], pair[variant]))
-            cells.setdefault(("all", ratio), []).append((pair[base], pair[variant]))
-    return [_stats(task, ratio, pairs, base, variant, metric) for (task, ratio), pairs in sorted(cells.items())]
+            cells.setdefault((task, ratio), {})[(example, version)] = (pair[base], pair[variant])
+    return cells
 
 
-def _stats(task: str, ratio: float, pairs: list[tuple[float, float]], base: str, variant: str, metric: str) -> dict:
+def paired_rows(rows: list[dict], base: str, variant: str, metric: str = "score") -> list[dict]:
+    """One row per (task, ratio) and per ratio over all tasks ("all"): n, mean A, mean B, mean B - A and its
+    95% interval of the rows' `metric`, for the examples both `base` and `variant` answered with it
+    (`paired_examples`)."""
+    cells: dict[tuple, list[tuple[float, float]]] = {}
+    for (task, ratio), pairs in paired_examples(rows, base, variant, metric).items():
+        cells[(task, ratio)] = list(pairs.values())
+        cells.setdefault(("all", ratio), []).extend(pairs.values())
+    return [difference_stats(task, ratio, pairs, base, variant, metric)
+            for (task, ratio), pairs in sorted(cells.items())]
+
+
+def difference_stats(task: str, ratio: float, pairs: list[tuple[float, float]], base: str, variant: str,
+                     metric: str) -> dict:  # fmt: skip
+    """A paired row of `pairs` (A's value, B's) of one cell: n, the means, B - A with its 95% interval (t), how many
+    changed."""
     diffs = [b - a for a, b in pairs]
     n = len(diffs)
     half = mean_half_width(diffs)

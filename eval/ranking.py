@@ -6,13 +6,14 @@ A cell is a (task, ratio) of the sweep. In each, a press's scores are paired exa
 cache's: the mean difference (press - full cache, in points of the sweep's 0-1 scores) and its 95% interval
 (Student's t, as `kvpress.eval.paired`). A task whose full cache scores below `NEAR_CHANCE` is left
 out (it has too few answers to lose; shown in the table's notes). A press's worst cell is its lowest mean
-difference, its mean the mean over the cells, whose interval pools the cells' standard errors (cells are disjoint
-examples or ratios of the same ones: treated as independent; `confidence.pooled_half_width`). Presses are ranked
-by worst cell, then mean; only presses measured in every cell are ranked. The cells' ratios are those a press
-evicts at (r > 0: a quantized press's r = 0 rows are not an eviction cell). A press paired with the full cache on
-fewer of its examples in a cell than the full cache has (a sweep widened for some presses) is marked: it was not
-measured on the same examples as the others (`--examples N` ranks every press on the first N). The model's default press
-(`kvpress/presses/defaults.json`) is marked.
+difference, its mean the mean over the cells, whose interval pools the cells' standard errors
+(`confidence.pooled_half_width`): a task's cells at several ratios hold the same examples, whose differences move
+together (an example a press loses at r = 0.5 it mostly loses at 0.75 too), so their covariance counts; tasks are
+independent (disjoint examples). Presses are ranked by worst cell, then mean; only presses measured in every cell
+are ranked. The cells' ratios are those a press evicts at (r > 0: a quantized press's r = 0 rows are not an
+eviction cell). A press paired with the full cache on fewer of its examples in a cell than the full cache has (a
+sweep widened for some presses) is marked: it was not measured on the same examples as the others (`--examples N`
+ranks every press on the first N). The model's default press (`kvpress/presses/defaults.json`) is marked.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from kvpress.eval.confidence import pooled_half_width
 from kvpress.eval.fidelity import NEAR_CHANCE
-from kvpress.eval.paired import paired_rows
+from kvpress.eval.paired import difference_stats, paired_examples
 from kvpress.eval.plots import score_intervals
 from kvpress.eval.sweep import current_rows
 from kvpress.presses.defaults import default_for
@@ -45,8 +46,8 @@ def ranking(rows: list[dict]) -> dict:
     full_n = {task: sum(r["task"] == task for r in full) for task in full_score}
     presses, not_ranked = [], {}
     for press in sorted({row["press"] for row in rows} - {"none"}):
-        found = {(s["task"], s["ratio"]): s for s in paired_rows(full + [r for r in rows if r["press"] == press],
-                                                                  "none", press)}  # fmt: skip
+        pairs = paired_examples(full + [r for r in rows if r["press"] == press], "none", press)
+        found = {cell: difference_stats(*cell, list(p.values()), "none", press, "score") for cell, p in pairs.items()}
         missing = [cell for cell in cells if cell not in found]
         if missing or not cells:
             not_ranked[press] = missing
@@ -54,7 +55,8 @@ def ranking(rows: list[dict]) -> dict:
         stats = [found[cell] for cell in cells]
         worst = min(stats, key=lambda s: s["difference"])
         mean = _mean([s["difference"] for s in stats])
-        half = pooled_half_width([((s["high"] - s["low"]) / 2, s["n"]) for s in stats])  # nan: a cell of one
+        half = pooled_half_width([[{e: b - a for e, (a, b) in pairs[(task, ratio)].items()} for ratio in ratios]
+                                  for task in kept])  # nan: a cell of one example
         fewer = [[s["task"], s["ratio"], s["n"]] for s in stats if s["n"] < full_n[s["task"]]]
         presses.append({"press": press, "worst": worst, "mean": mean, "mean_low": mean - half,
                         "mean_high": mean + half, "cells": stats, "fewer_examples": fewer})  # fmt: skip

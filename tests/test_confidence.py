@@ -36,10 +36,34 @@ def test_a_mean_interval_widens_with_few_examples():
 
 
 def test_a_mean_of_means_pools_standard_errors_at_welch_satterthwaite_df():
+    """Independent means (groups of one): their standard errors pooled, t at the Welch-Satterthwaite df."""
     from kvpress.eval.confidence import pooled_half_width
 
-    halves = [(t_quantile(7) * 0.1, 8), (t_quantile(7) * 0.1, 8)]  # two means, standard error 0.1 each, n = 8
-    assert pooled_half_width(halves) == pytest.approx(t_quantile(14) * math.sqrt(0.02) / 2)  # df = 7 + 7
-    wide = pooled_half_width([(t_quantile(1) * 0.05, 2), (t_quantile(31) * 0.05, 32)])
-    assert wide < t_quantile(1) * math.sqrt(0.005) / 2  # df between 1 and 32, not each cell's own t summed
-    assert pooled_half_width([(0.0, 8), (0.0, 8)]) == 0.0 and math.isnan(pooled_half_width([(0.1, 1), (0.1, 8)]))
+    values = [0.0, 1.0, 1.0, 0.5, 0.25, 0.75, 1.0, 0.0]
+    se = mean_half_width(values) / t_quantile(7)
+    two = [[dict(enumerate(values))], [dict(enumerate(reversed(values)))]]  # the same variance, n = 8 each
+    assert pooled_half_width(two) == pytest.approx(t_quantile(14) * math.sqrt(2 * se**2) / 2)  # df = 7 + 7
+    wide = pooled_half_width([[{0: 0.0, 1: 0.1}], [dict(enumerate(values * 4))]])
+    assert wide < t_quantile(1) * math.sqrt(0.005 / 2 + (mean_half_width(values * 4) / t_quantile(31)) ** 2) / 2
+    assert pooled_half_width([[{0: 0.5, 1: 0.5}], [{0: 1.0, 1: 1.0}]]) == 0.0
+    assert math.isnan(pooled_half_width([[{0: 0.1}], [{0: 0.1, 1: 0.2}]]))
+    assert math.isnan(pooled_half_width([[{0: math.nan, 1: 0.2}], [{0: 0.1, 1: 0.2}]]))
+    assert pooled_half_width([[], *two]) == pooled_half_width(two) and math.isnan(pooled_half_width([[]]))
+
+
+def test_means_over_the_same_examples_count_their_covariance():
+    """One task's cells at two ratios hold the same examples: two equal cells are one cell's interval (not a
+    sqrt(2) narrower one, as independent means would be), cells that move apart cancel, and a group's df is its
+    examples' less one."""
+    from kvpress.eval.confidence import pooled_half_width
+
+    values = [0.0, 1.0, 1.0, 0.5, 0.25, 0.75, 1.0, 0.0]
+    cell = dict(enumerate(values))
+    assert pooled_half_width([[cell, dict(cell)]]) == pytest.approx(mean_half_width(values))
+    assert pooled_half_width([[cell], [dict(cell)]]) < mean_half_width(values)  # as two independent tasks
+    assert pooled_half_width([[cell, {e: 1 - v for e, v in cell.items()}]]) == pytest.approx(0.0, abs=1e-12)
+    partial = {e: v for e, v in cell.items() if e < 4}  # shares 4 of its examples with `cell`
+    shared = pooled_half_width([[cell, partial]])
+    var, var4 = (mean_half_width(values) / t_quantile(7)) ** 2, (mean_half_width(values[:4]) / t_quantile(3)) ** 2
+    cov = var4 * 4 * 4 / (8 * 4)  # their covariance over the 4 shared examples (their variance), n_ij / (n_i n_j)
+    assert shared == pytest.approx(t_quantile(3) * math.sqrt(var + var4 + 2 * cov) / 2)

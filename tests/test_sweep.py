@@ -572,6 +572,29 @@ def test_ranking_puts_the_best_worst_cell_first_and_leaves_out_tasks_at_chance()
     assert steady_["mean"] == -0.125 and steady_["mean_low"] < -0.125 < steady_["mean_high"]
 
 
+def test_a_press_mean_counts_its_cells_at_two_ratios_as_the_same_examples():
+    """A press that loses the same examples at r = 0.5 and 0.75 has learnt no more from the second cell: its mean's
+    interval is one cell's, not the sqrt(2) narrower one of two independent cells; another task is independent."""
+    from kvpress.eval.confidence import mean_half_width, pooled_half_width, t_quantile
+    from kvpress.eval.ranking import ranking
+
+    def rows(press, ratio, task, scores):
+        return [{"task": task, "ratio": ratio, "example": i, "press": press, "score": s} for i, s in enumerate(scores)]
+
+    lost = [1, 0, 1, 1, 0, 1, 1, 1]
+    full = rows("none", 0.0, "needle", [1] * 8)
+    press = [row for r in (0.5, 0.75) for row in rows("p", r, "needle", lost)]
+    mean = ranking(full + press)["presses"][0]
+    half = mean_half_width([s - 1 for s in lost])
+    assert mean["mean"] == -0.25 and mean["mean_high"] - mean["mean"] == pytest.approx(half)
+    other = full + press + rows("none", 0.0, "vt", [1] * 8) + rows("p", 0.5, "vt", lost) + rows("p", 0.75, "vt", lost)
+    diffs = {i: s - 1 for i, s in enumerate(lost)}
+    two_tasks = ranking(other)["presses"][0]
+    wide = two_tasks["mean_high"] - two_tasks["mean"]
+    assert wide == pytest.approx(pooled_half_width([[diffs, diffs], [diffs, diffs]]))
+    assert wide == pytest.approx(half * t_quantile(14) / t_quantile(7) / math.sqrt(2))  # two tasks: 14 df, n twice
+
+
 def test_ranking_examples_ranks_on_the_first_examples_only(tmp_path, capsys):
     """--examples N: a sweep widened for some presses ranked at the width every press reached; N < 1 refused."""
     from kvpress.eval.ranking import main
