@@ -4,16 +4,17 @@
 
 A cell is a (task, ratio) of the sweep. In each, a press's scores are paired example by example with the full
 cache's: the mean difference (press - full cache, in points of the sweep's 0-1 scores) and its 95% interval
-(Student's t, as `kvpress.eval.paired`). A task whose full cache scores below `NEAR_CHANCE` is left
-out (it has too few answers to lose; shown in the table's notes). A press's worst cell is its lowest mean
-difference, its mean the mean over the cells, whose interval pools the cells' standard errors
-(`confidence.pooled_half_width`): a task's cells at several ratios hold the same examples, whose differences move
-together (an example a press loses at r = 0.5 it mostly loses at 0.75 too), so their covariance counts; tasks are
-independent (disjoint examples). Presses are ranked by worst cell, then mean; only presses measured in every cell
-are ranked. The cells' ratios are those a press evicts at (r > 0: a quantized press's r = 0 rows are not an
-eviction cell). A press paired with the full cache on fewer of its examples in a cell than the full cache has (a
-sweep widened for some presses) is marked: it was not measured on the same examples as the others (`--examples N`
-ranks every press on the first N). The model's default press (`kvpress/presses/defaults.json`) is marked.
+(Student's t, as `kvpress.eval.paired`). A task whose full cache scores below `NEAR_CHANCE` is left out (it has too
+few answers to lose; shown in the table's notes). A press's worst cell is its lowest mean difference (the table also
+gives its mean over the tasks at each ratio), its mean the mean over the cells, whose interval pools the cells'
+standard errors (`confidence.pooled_half_width`): a task's cells at several ratios hold the same examples, whose
+differences move together (an example a press loses at r = 0.5 it mostly loses at 0.75 too), so their covariance
+counts; tasks are independent (disjoint examples). Presses are ranked by worst cell, then mean; only presses
+measured in every cell are ranked. The cells' ratios are those a press evicts at (r > 0: a quantized press's r = 0
+rows are not an eviction cell). A press paired with the full cache on fewer of its examples in a cell than the full
+cache has (a sweep widened for some presses) is marked: it was not measured on the same examples as the others
+(`--examples N` ranks every press on the first N). The model's default press (`kvpress/presses/defaults.json`)
+is marked.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from kvpress.presses.defaults import default_for
 def ranking(rows: list[dict]) -> dict:
     """{"cells": the informative (task, ratio) cells, "left_out": {task: full score} of the near-chance tasks,
     "not_ranked": {press: the cells it was not measured in} of the presses left out of the ranking,
-    "presses": one entry per ranked press (worst cell, mean, each cell's paired difference), best first}."""
+    "presses": one entry per ranked press (worst cell, mean, the mean over tasks at each ratio, each cell's paired
+    difference), best first}."""
     full = [row for row in rows if row["press"] == "none"]
     ratios = sorted({row["ratio"] for row in rows if row["press"] != "none" and row["ratio"] > 0})
     full_score = {task: _mean([r["score"] for r in full if r["task"] == task])
@@ -55,11 +57,17 @@ def ranking(rows: list[dict]) -> dict:
         stats = [found[cell] for cell in cells]
         worst = min(stats, key=lambda s: s["difference"])
         mean = _mean([s["difference"] for s in stats])
-        half = pooled_half_width([[{e: b - a for e, (a, b) in pairs[(task, ratio)].items()} for ratio in ratios]
-                                  for task in kept])  # nan: a cell of one example
+        diffs = {cell: {e: b - a for e, (a, b) in pairs[cell].items()} for cell in cells}
+        half = pooled_half_width([[diffs[(task, ratio)] for ratio in ratios] for task in kept])  # nan: an example
+        by_ratio = []  # the mean over tasks at each ratio (tasks independent)
+        for ratio in ratios:
+            at = _mean([found[(task, ratio)]["difference"] for task in kept])
+            width = pooled_half_width([[diffs[(task, ratio)]] for task in kept])
+            by_ratio.append({"ratio": ratio, "mean": at, "low": at - width, "high": at + width})
         fewer = [[s["task"], s["ratio"], s["n"]] for s in stats if s["n"] < full_n[s["task"]]]
         presses.append({"press": press, "worst": worst, "mean": mean, "mean_low": mean - half,
-                        "mean_high": mean + half, "cells": stats, "fewer_examples": fewer})  # fmt: skip
+                        "mean_high": mean + half, "by_ratio": by_ratio, "cells": stats,
+                        "fewer_examples": fewer})  # fmt: skip
     presses.sort(key=lambda p: (-p["worst"]["difference"], -p["mean"], p["press"]))
     bands = score_intervals(full)
     full_interval = {task: list(bands.get((task, "none", 0.0), (math.nan, math.nan))) for task in full_score}
@@ -72,16 +80,21 @@ def _mean(values: list[float]) -> float:
 
 
 def table(result: dict, default: str | None = None) -> str:
-    """The ranking as Markdown: one line per press, its worst cell and mean with intervals."""
-    lines = ["| rank | press | worst cell | worst: press - full (95% interval) | n | mean of cells (95% interval) |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    """The ranking as Markdown: one line per press, its worst cell, its mean and its mean at each ratio with
+    intervals."""
+    ratios = sorted({ratio for _, ratio in result["cells"]})
+    lines = ["| rank | press | worst cell | worst: press - full (95% interval) | n | mean of cells (95% interval) |"
+             + "".join(f" mean at r = {ratio} |" for ratio in ratios),
+             "|---|---|---|---|---|---|" + "---|" * len(ratios)]  # fmt: skip
     for rank, p in enumerate(result["presses"], 1):
         w = p["worst"]
         name = f"{p['press']} (default)" if p["press"] == default else p["press"]
         name += " †" if p["fewer_examples"] else ""
         lines.append(f"| {rank} | {name} | {w['task']}, r = {w['ratio']} | {w['difference']:+.3f} "
                      f"{_interval(w['low'], w['high'])} | "
-                     f"{w['n']} | {p['mean']:+.3f} {_interval(p['mean_low'], p['mean_high'])} |")  # fmt: skip
+                     f"{w['n']} | {p['mean']:+.3f} {_interval(p['mean_low'], p['mean_high'])} |"
+                     + "".join(f" {at['mean']:+.3f} {_interval(at['low'], at['high'])} |"
+                               for at in p["by_ratio"]))  # fmt: skip
     full = ", ".join(f"{task} {score:.3f} {_band(*result['full_interval'][task])} (n = {result['full_n'][task]})"
                      for task, score in sorted(result["full"].items()))  # fmt: skip
     lines.append(f"\nfull cache: {full}; left out (full cache below {NEAR_CHANCE}): "

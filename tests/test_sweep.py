@@ -574,9 +574,10 @@ def test_ranking_puts_the_best_worst_cell_first_and_leaves_out_tasks_at_chance()
 
 def test_a_press_mean_counts_its_cells_at_two_ratios_as_the_same_examples():
     """A press that loses the same examples at r = 0.5 and 0.75 has learnt no more from the second cell: its mean's
-    interval is one cell's, not the sqrt(2) narrower one of two independent cells; another task is independent."""
+    interval is one cell's, not the sqrt(2) narrower one of two independent cells; another task is independent. Its
+    mean at each ratio (over tasks, independent) is in the result and the table."""
     from kvpress.eval.confidence import mean_half_width, pooled_half_width, t_quantile
-    from kvpress.eval.ranking import ranking
+    from kvpress.eval.ranking import ranking, table
 
     def rows(press, ratio, task, scores):
         return [{"task": task, "ratio": ratio, "example": i, "press": press, "score": s} for i, s in enumerate(scores)]
@@ -593,6 +594,14 @@ def test_a_press_mean_counts_its_cells_at_two_ratios_as_the_same_examples():
     wide = two_tasks["mean_high"] - two_tasks["mean"]
     assert wide == pytest.approx(pooled_half_width([[diffs, diffs], [diffs, diffs]]))
     assert wide == pytest.approx(half * t_quantile(14) / t_quantile(7) / math.sqrt(2))  # two tasks: 14 df, n twice
+    at = {a["ratio"]: a for a in mean["by_ratio"]}  # the mean over tasks at each ratio: here one cell's
+    assert set(at) == {0.5, 0.75} and at[0.5]["mean"] == -0.25 and at[0.5]["high"] + 0.25 == pytest.approx(half)
+    at = {a["ratio"]: a for a in two_tasks["by_ratio"]}  # two independent tasks' cells
+    assert at[0.75]["high"] - at[0.75]["mean"] == pytest.approx(wide)
+    assert "| mean at r = 0.5 | mean at r = 0.75 |" in table(ranking(other))
+    assert table(ranking(other)).splitlines()[2].endswith(f"| {at[0.5]['mean']:+.3f} [{at[0.5]['low']:+.3f}, "
+                                                          f"{at[0.5]['high']:+.3f}] | {at[0.75]['mean']:+.3f} "
+                                                          f"[{at[0.75]['low']:+.3f}, {at[0.75]['high']:+.3f}] |")
 
 
 def test_ranking_examples_ranks_on_the_first_examples_only(tmp_path, capsys):
