@@ -79,13 +79,14 @@ def pooled_half_width(groups: list[list[dict]]) -> float:
     variances, dfs = [], []
     for group in groups:
         total = 0.0
-        for a in group:
-            for b in group:
+        for i, a in enumerate(group):
+            for j in range(i, len(group)):  # each pair once, the cross terms twice
+                b = group[j]
                 common = [e for e in a if e in b]
                 if len(common) > 1:
                     mean_a, mean_b = statistics.fmean(a[e] for e in common), statistics.fmean(b[e] for e in common)
                     cov = sum((a[e] - mean_a) * (b[e] - mean_b) for e in common) / (len(common) - 1)
-                    total += cov * len(common) / (len(a) * len(b))
+                    total += (1 if i == j else 2) * cov * len(common) / (len(a) * len(b))
         variances.append(max(total, 0.0))  # (covariances over partly shared examples: never below 0)
         dfs.append(min(len(m) for m in group) - 1)
     total = sum(variances)
