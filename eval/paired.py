@@ -2,13 +2,14 @@
 
     python -m kvpress.eval.paired --out eval/results/sweep-quantized --pair snapkv snapkv:kv_bits=4
 
-For each `--pair A B`, each task and each ratio both were measured at, on the examples both answered: the mean
-score of A and of B, the mean of B - A with its 95% interval (Student's t, t(n - 1) sd / sqrt(n), `confidence.py`;
-[0, 0] when no score changed) and how many examples' scores changed, then the same pooled over tasks (every example
-of every task counted once). Scores are the sweep's (0 to 1; points = 100 x). `--metric` pairs another field of
-the rows instead: an answer row's `answer_top1` or `answer_kl` (its fidelity to the full cache's answer, which does
-not hang on the model answering right) or a continuation row's `kl`; rows without the field are left out. A KL is
-in nats and lower is closer to the full cache: there a negative B - A favours B.
+For each `--pair A B`, each task and each ratio both were measured at, on the examples both answered: the mean score
+of A and of B, the mean of B - A with its 95% interval (Student's t, t(n - 1) sd / sqrt(n), `confidence.py`, clipped
+to [-1, 1] for a score or a top-1 agreement, which lie in [0, 1]; [0, 0] when no score changed) and how many
+examples' scores changed, then the same pooled over tasks (every example of every task counted once). Scores are the
+sweep's (0 to 1; points = 100 x). `--metric` pairs another field of the rows instead: an answer row's `answer_top1`
+or `answer_kl` (its fidelity to the full cache's answer, which does not hang on the model answering right) or a
+continuation row's `kl`; rows without the field are left out. A KL is in nats and lower is closer to the full cache:
+there a negative B - A favours B.
 Prints a Markdown table; `--json` writes the rows too. `--also DIR` adds the rows of another sweep of the same
 examples (model, length, seed), its presses named `press@DIR's name`: a query-aware sweep against a query-agnostic
 one, `--also eval/results/sweep-recall-query-aware-qwen2.5-0.5b --pair recall:inner=snapkv
@@ -29,7 +30,11 @@ from kvpress.eval.confidence import mean_half_width
 from kvpress.eval.sweep import current_rows
 from kvpress.eval.tasks import row_version
 
-METRICS = ("score", "answer_top1", "answer_kl", "kl")  # row fields a pair can be compared on (`sweep.py`)
+# the row fields a pair can be compared on (`sweep.py`), each with the range of its values where it has one (a score
+# and a top-1 agreement lie in [0, 1]; a KL has no upper bound): a difference's interval is clipped to what the
+# difference can be, as a cell's score interval is to [0, 1] (`plots.intervals`)
+METRICS: dict[str, tuple[float, float] | None] = {"score": (0.0, 1.0), "answer_top1": (0.0, 1.0), "answer_kl": None,
+                                                  "kl": None}  # fmt: skip
 
 
 def paired_examples(rows: list[dict], base: str, variant: str, metric: str = "score") -> dict[tuple, dict]:
@@ -74,17 +79,30 @@ def paired_rows(rows: list[dict], base: str, variant: str, metric: str = "score"
 
 def difference_stats(task: str, ratio: float, pairs: list[tuple[float, float]], base: str, variant: str,
                      metric: str) -> dict:  # fmt: skip
-    """A paired row of `pairs` (A's value, B's) of one cell: n, the means, B - A with its 95% interval (t), how many
-    changed."""
+    """A paired row of `pairs` (A's value, B's) of one cell: n, the means, B - A with its 95% interval (t, clipped to
+    what a difference of `metric` can be: `difference_interval`), how many changed."""
     diffs = [b - a for a, b in pairs]
     n = len(diffs)
-    half = mean_half_width(diffs)
     mean = statistics.fmean(diffs)
+    low, high = difference_interval(mean, mean_half_width(diffs), metric)
     return {"base": base, "variant": variant, "metric": metric, "task": task, "ratio": ratio, "n": n,
             "changed": sum(d != 0 for d in diffs),
             "base_score": statistics.fmean(a for a, _ in pairs),
             "variant_score": statistics.fmean(b for _, b in pairs),
-            "difference": mean, "low": mean - half, "high": mean + half}  # fmt: skip
+            "difference": mean, "low": low, "high": high}  # fmt: skip
+
+
+def difference_interval(mean: float, half: float, metric: str) -> tuple[float, float]:
+    """mean -/+ half, clipped to the differences `metric` allows: [-1, 1] for a value in [0, 1] (a t interval
+    of a difference near -1 reaches past it), unbounded for a KL (`METRICS`)."""
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
+    low, high = mean - half, mean + half
+    bounds = METRICS[metric]
+    if bounds is None or math.isnan(half):
+        return low, high
+    span = bounds[1] - bounds[0]
+    return max(low, -span), min(high, span)
 
 
 def table(rows: list[dict]) -> str:
@@ -107,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a press and its variant, named as the sweep wrote them (repeatable)")
     parser.add_argument("--also", action="append", default=[], metavar="DIR",
                         help="another sweep of the same examples, its presses named press@DIR (repeatable)")
-    parser.add_argument("--metric", choices=METRICS, default="score",
+    parser.add_argument("--metric", choices=list(METRICS), default="score",
                         help="what is paired: the score (default), or an answer row's fidelity to the full cache's "
                              "answer (answer_top1, answer_kl), or a continuation row's kl")  # fmt: skip
     parser.add_argument("--json", help="also write the rows to this file")

@@ -9,7 +9,8 @@ few answers to lose; shown in the table's notes). A press's worst cell is its lo
 gives its mean over the tasks at each ratio), its mean the mean over the cells, whose interval pools the cells'
 standard errors (`confidence.pooled_half_width`): a task's cells at several ratios hold the same examples, whose
 differences move together (an example a press loses at r = 0.5 it mostly loses at 0.75 too), so their covariance
-counts; tasks are independent (disjoint examples). Presses are ranked by worst cell, then mean; only presses
+counts; tasks are independent (disjoint examples). Every interval is clipped to [-1, 1], what a difference of two
+scores in [0, 1] can be (`paired.difference_interval`). Presses are ranked by worst cell, then mean; only presses
 measured in every cell are ranked. The cells' ratios are those a press evicts at (r > 0: a quantized press's r = 0
 rows are not an eviction cell). A press paired with the full cache on fewer of its examples in a cell than the full
 cache has (a sweep widened for some presses) is marked: it was not measured on the same examples as the others
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from kvpress.eval.confidence import pooled_half_width
 from kvpress.eval.fidelity import NEAR_CHANCE
-from kvpress.eval.paired import difference_stats, paired_examples
+from kvpress.eval.paired import difference_interval, difference_stats, paired_examples
 from kvpress.eval.plots import score_intervals
 from kvpress.eval.sweep import current_rows
 from kvpress.presses.defaults import default_for
@@ -58,15 +59,17 @@ def ranking(rows: list[dict]) -> dict:
         worst = min(stats, key=lambda s: s["difference"])
         mean = _mean([s["difference"] for s in stats])
         diffs = {cell: {e: b - a for e, (a, b) in pairs[cell].items()} for cell in cells}
-        half = pooled_half_width([[diffs[(task, ratio)] for ratio in ratios] for task in kept])  # nan: an example
+        low, high = difference_interval(  # nan: a cell of one example
+            mean, pooled_half_width([[diffs[(task, ratio)] for ratio in ratios] for task in kept]), "score")
         by_ratio = []  # the mean over tasks at each ratio (tasks independent)
         for ratio in ratios:
             at = _mean([found[(task, ratio)]["difference"] for task in kept])
-            width = pooled_half_width([[diffs[(task, ratio)]] for task in kept])
-            by_ratio.append({"ratio": ratio, "mean": at, "low": at - width, "high": at + width})
+            at_low, at_high = difference_interval(at, pooled_half_width([[diffs[(task, ratio)]] for task in kept]),
+                                                  "score")  # fmt: skip
+            by_ratio.append({"ratio": ratio, "mean": at, "low": at_low, "high": at_high})
         fewer = [[s["task"], s["ratio"], s["n"]] for s in stats if s["n"] < full_n[s["task"]]]
-        presses.append({"press": press, "worst": worst, "mean": mean, "mean_low": mean - half,
-                        "mean_high": mean + half, "by_ratio": by_ratio, "cells": stats,
+        presses.append({"press": press, "worst": worst, "mean": mean, "mean_low": low,
+                        "mean_high": high, "by_ratio": by_ratio, "cells": stats,
                         "fewer_examples": fewer})  # fmt: skip
     presses.sort(key=lambda p: (-p["worst"]["difference"], -p["mean"], p["press"]))
     bands = score_intervals(full)

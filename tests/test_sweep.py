@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 import kvpress
 from kvpress import AdaKVPress, DuoAttentionPress, HeavyHitterPress, PyramidKVPress, SnapKVPress
-from kvpress.eval.paired import paired_rows
+from kvpress.eval.paired import difference_stats, paired_rows
 from kvpress.eval.sweep import check_plan, configurations, main, run_sweep
 from kvpress.patterns import config_hash
 from kvpress.recording import compress_recording, record_prefill
@@ -423,8 +423,7 @@ def test_paired_differences_count_only_examples_both_answered():
             for i, p, s in [(0, "a", 1.0), (0, "b", 0.0), (1, "a", 1.0), (1, "b", 1.0), (2, "a", 1.0)]]  # fmt: skip
     cell, pooled = paired_rows(rows, "a", "b")[1], paired_rows(rows, "a", "b")[0]
     assert pooled["task"] == "all" and cell["task"] == "t" and cell["n"] == 2  # example 2 has no "b"
-    assert cell["difference"] == -0.5 and cell["low"] < -0.5 < cell["high"]
-    assert cell["high"] - cell["difference"] == pytest.approx(12.7062 * 0.5, abs=1e-3)  # t(1) sd / sqrt(2)
+    assert cell["difference"] == -0.5 and (cell["low"], cell["high"]) == (-1.0, 1.0)  # -0.5 -/+ t(1) sd / sqrt(2)
     from kvpress.eval.paired import table
 
     assert "| 1 | 1.000 | 0.000 | -1.000 (one example: no interval) | 1 |" in table(paired_rows(rows[:2], "a", "b"))
@@ -432,6 +431,21 @@ def test_paired_differences_count_only_examples_both_answered():
     cells = paired_rows(full + rows, "none", "a")  # the full cache, measured at r = 0, pairs at a's ratio
     assert [(c["task"], c["ratio"], c["n"], c["difference"]) for c in cells] == [("all", 0.75, 3, 0.0),
                                                                                 ("t", 0.75, 3, 0.0)]
+
+
+def test_paired_intervals_are_clipped_to_what_a_difference_can_be():
+    from kvpress.eval.paired import difference_interval
+
+    lost = [(1.0, 0.0)] * 7 + [(1.0, 1.0)]  # 7 of 8 examples lost: -0.875 -/+ 0.296, past -1
+    cell = difference_stats("t", 0.75, lost, "none", "a", "score")
+    assert cell["low"] == -1.0 and cell["high"] == pytest.approx(-0.875 + 0.2956, abs=1e-4)  # t(7) sd / sqrt(8)
+    top1 = difference_stats("t", 0.75, [(0.0, 1.0)] * 7 + [(0.0, 0.0)], "none", "a", "answer_top1")
+    assert top1["high"] == 1.0 and top1["low"] == pytest.approx(0.875 - 0.2956, abs=1e-4)
+    kl = difference_stats("t", 0.75, [(0.0, 1.0)] * 7 + [(0.0, 0.0)], "none", "a", "kl")  # a KL has no bound above
+    assert kl["high"] == pytest.approx(0.875 + 0.2956, abs=1e-4) and kl["low"] == top1["low"]
+    assert all(map(math.isnan, difference_interval(0.5, math.nan, "score")))  # one example: no interval
+    with pytest.raises(ValueError, match="metric must be one of score, answer_top1, answer_kl, kl, got 'ppl'"):
+        difference_interval(0.0, 0.1, "ppl")
 
 
 def test_paired_also_pairs_against_another_sweep_of_the_same_examples(tmp_path, capsys):
@@ -596,6 +610,9 @@ def test_a_press_mean_counts_its_cells_at_two_ratios_as_the_same_examples():
     assert wide == pytest.approx(half * t_quantile(14) / t_quantile(7) / math.sqrt(2))  # two tasks: 14 df, n twice
     at = {a["ratio"]: a for a in mean["by_ratio"]}  # the mean over tasks at each ratio: here one cell's
     assert set(at) == {0.5, 0.75} and at[0.5]["mean"] == -0.25 and at[0.5]["high"] + 0.25 == pytest.approx(half)
+    gone = ranking(full + [row for r in (0.5, 0.75) for row in rows("p", r, "needle", [0] * 7 + [1])])["presses"][0]
+    assert gone["mean"] == -0.875 and gone["mean_low"] == -1.0 < gone["mean_high"] < -0.5  # -0.875 -/+ 0.296, clipped
+    assert gone["worst"]["low"] == -1.0 and [a["low"] for a in gone["by_ratio"]] == [-1.0, -1.0]
     at = {a["ratio"]: a for a in two_tasks["by_ratio"]}  # two independent tasks' cells
     assert at[0.75]["high"] - at[0.75]["mean"] == pytest.approx(wide)
     assert "| mean at r = 0.5 | mean at r = 0.75 |" in table(ranking(other))
