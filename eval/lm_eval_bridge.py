@@ -61,6 +61,7 @@ from transformers import DynamicCache
 
 import kvpress
 from kvpress.eval.memory import full_cache_bytes, peak_memory
+from kvpress.eval.tasks.lm_eval_hooks import metadata_keys
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import PACKAGED_MODELS, resolve_model_path
 from kvpress.patches.model_access import cache_keyword
@@ -179,6 +180,12 @@ class KVPressLM(HFLM):
                                                    _tokens("prefill_chunk_size", prefill_chunk_size))  # fmt: skip
         params = all_press_parameters()  # derived from the press classes: a new parameter reaches its press
         press_kwargs = {key: kwargs.pop(key) for key in list(kwargs) if key in params}
+        shared = [key for key in press_kwargs if key in metadata_keys()]  # (RandomPress's seed)
+        if shared:  # lm-eval merges model_args into the tasks' metadata: there they would draw other examples
+            raise ValueError(f"{', '.join(f'{key}={press_kwargs[key]!r}' for key in shared)} in model_args would also "
+                             f"reach kvpress's tasks (lm-eval hands them model_args), whose {', '.join(shared)} "
+                             f"draws their examples: give it in the press's name (press={press}:{shared[0]}="
+                             f"{press_kwargs[shared[0]]}), and the tasks' in --metadata")  # fmt: skip
         _check_leftovers(kwargs, params, loaded=isinstance(pretrained, nn.Module))
         beside = {"compression_ratio": compression_ratio, "max_tokens": max_tokens, **press_kwargs}
         if isinstance(press, BasePress):

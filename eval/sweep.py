@@ -66,6 +66,7 @@ from kvpress.eval.plots import intervals, plot_sweep, score_intervals
 from kvpress.eval.tasks import (
     ANSWER_TOKENS,
     DEFAULT_TASKS,
+    MIN_LENGTHS,
     SCORE_GROWS_WITH_TEXT,
     TASKS,
     UNAVAILABLE,
@@ -117,8 +118,8 @@ def check_tasks(tasks: list[str]) -> None:
 
 def check_plan(presses: list[str], tasks: list[str], query_aware: bool, prefill_chunk_size: int | None) -> None:
     """Refuse presses that cannot run these tasks this way: each is built (a bad parameter named), one that reads
-    the question needs `query_aware`, the perplexity tasks take neither a press scoring the whole context nor
-    chunks of their own."""
+    the question needs `query_aware` and tasks that ask one (not the continuation and perplexity tasks), the
+    perplexity tasks take neither a press scoring the whole context nor chunks of their own."""
     chunked = [task for task in tasks if task.startswith("perplexity")]  # fed in chunks through the press
     built = {name: kvpress.press_from_name(name, compression_ratio=0.5) for name in presses}
     same = [(a, b) for i, a in enumerate(presses) for b in presses[i + 1 :] if repr(built[a]) == repr(built[b])]
@@ -128,6 +129,10 @@ def check_plan(presses: list[str], tasks: list[str], query_aware: bool, prefill_
     asking = [name for name, press in built.items() if press.needs_question]
     if asking and not query_aware:
         raise ValueError(f"{asking} score by the question: sweep them with --query-aware")
+    questionless = [task for task in tasks if task.startswith(("continuation", "perplexity"))]  # (text, no question)
+    if asking and questionless:
+        raise ValueError(f"{asking} score by the question, and the tasks {questionless} ask none (a text scored as it "
+                         "goes on): sweep them separately")  # fmt: skip
     if chunked and whole:
         raise ValueError(f"{whole} score a context once it is all cached; the perplexity tasks {chunked} feed "
                          "documents in chunks through the press: sweep them separately")  # fmt: skip
@@ -140,11 +145,19 @@ def check_plan(presses: list[str], tasks: list[str], query_aware: bool, prefill_
 MIN_LENGTH = 64  # context tokens: room for a task's fact and its filler
 
 
-def check_sizes(examples: int, length: int, seed: int) -> None:
-    """Refuse example counts, context lengths and seeds no task can be drawn with (before a model loads)."""
+def check_sizes(examples: int, length: int, seed: int, tasks: list[str]) -> None:
+    """Refuse example counts, context lengths and seeds `tasks` cannot be drawn with (before a model loads): a
+    length below `MIN_LENGTH` or below a task's own floor (`MIN_LENGTHS`: the multi-needle tasks and common_words
+    need 128)."""
     for name, value, least in (("examples", examples, 1), ("length", length, MIN_LENGTH), ("seed", seed, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    short = [task for task in tasks if length < MIN_LENGTHS.get(task, 0)]
+    if short:
+        least = max(MIN_LENGTHS[task] for task in short)
+        floors = ", ".join(f"{task} ({MIN_LENGTHS[task]})" for task in short)
+        raise ValueError(f"length {length} is below the shortest context these tasks build, in tokens: {floors}; "
+                         f"give --length {least} or more, or leave them out")  # fmt: skip
 
 
 def run_sweep(
@@ -172,9 +185,10 @@ def run_sweep(
     `prefill_chunk_size` None)."""
     configs = configurations(presses, ratios)
     check_tasks(tasks)
-    check_sizes(examples, length, seed)
+    check_sizes(examples, length, seed, tasks)
     check_plan(presses, tasks, query_aware, prefill_chunk_size)
     out = Path(out)
+    check_spellings(out, presses)
     out.mkdir(parents=True, exist_ok=True)
     rank, world, state = _shard()
     settings = {"examples": examples, "length": length, "seed": seed, "query_aware": query_aware,
@@ -199,6 +213,28 @@ def run_sweep(
         return []
     _compact(out)
     return write_summary(out)
+
+
+def check_spellings(out: Path, presses: list[str]) -> None:
+    """Refuse a press that `out` holds rows of under another name (an alias, its parameters in another order or
+    given at their defaults): rows are keyed by the name, so it would be measured again and listed twice."""
+    found = {row["press"] for row in current_rows(out).values()}
+    held = sorted(found - {"none", *presses})
+    if not held:
+        return
+
+    def built(name: str) -> str | None:
+        try:
+            return repr(kvpress.press_from_name(name, compression_ratio=0.5))
+        except (ValueError, TypeError):  # (a press of an older version, no longer built: not this run's)
+            return None
+
+    mine = {built(name): name for name in presses}
+    for name in held:
+        twin = mine.get(built(name))  # (this run's presses all build: check_plan)
+        if twin is not None and twin not in found:  # (both names held already: the run goes on with either)
+            raise ValueError(f"{out} holds rows of {name!r}, the same press as {twin!r}: give it as {name!r} (rows are "
+                             f"keyed by the name; named {twin!r} it would be measured again and listed twice)")
 
 
 def check_older_rows(out: Path, configs: list[tuple[str, float]], tasks: list[str], examples: int) -> None:
@@ -678,13 +714,17 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, value)
     presses, tasks = args.presses.split(","), args.tasks.split(",")
     try:
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            raise ValueError(f"--out {args.out} is a file: give a directory (made if missing, resumed if it holds a "
+                             "sweep)")  # fmt: skip
         ratios = [_ratio(r) for r in args.ratios.split(",")]
         configurations(presses, ratios)
         check_tasks(tasks)  # before the model loads
-        check_sizes(args.examples, args.length, args.seed)
+        check_sizes(args.examples, args.length, args.seed, tasks)
         early = [spec_before_loading(name, args.model) for name in presses]  # (None: a directory's default)
         check_plan([name for name in early if name is not None], tasks, args.query_aware, args.prefill_chunk_size)
         if None not in early:  # (a directory's default is named once it loads: run_sweep checks it then)
+            check_spellings(Path(args.out), early)
             check_older_rows(Path(args.out), configurations(early, ratios), tasks, args.examples)
         check_data(tasks)
     except (ValueError, TypeError) as err:

@@ -225,7 +225,7 @@ def load_model(
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # before a damaged file is looked for
         raise ValueError(f"dtype must be a floating torch.dtype (torch.float32, torch.bfloat16, torch.float16), "
                          f"got {dtype!r}")  # fmt: skip
-    name = name_or_path or DEFAULT_MODEL
+    name = DEFAULT_MODEL if name_or_path is None else name_or_path  # ("" is refused by resolve_model_path)
     path = resolve_model_path(name)
     for attempt in (1, 2):
         try:

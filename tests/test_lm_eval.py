@@ -263,6 +263,20 @@ def test_the_early_check_reads_model_args_as_lm_eval_does_and_converts_no_model(
         KVPressLM.check_model_args({"pretrained": str(tmp_path), "press": "snapkv", "compression_ratio": 0.5})
 
 
+def test_a_press_parameter_the_tasks_also_read_is_refused_in_model_args():
+    """lm-eval merges model_args into the tasks' metadata: RandomPress's `seed=7` there drew kvpress's tasks from
+    seed 7 too (other examples than every other run's); given in the press's name it reaches the press alone."""
+    from kvpress.eval.tasks.lm_eval_hooks import dataset, metadata_keys
+
+    assert metadata_keys() == ("length", "n", "seed")
+    with pytest.raises(ValueError, match=r"seed=7 in model_args would also reach kvpress's tasks .* \(press=random:"
+                                         r"seed=7\), and the tasks' in --metadata"):  # fmt: skip
+        KVPressLM.check_model_args({"press": "random", "compression_ratio": 0.5, "seed": 7})
+    KVPressLM.check_model_args({"press": "random:seed=7", "compression_ratio": 0.5})
+    named = dataset("needle_noise", length=128, n=1, press="random:seed=7")["test"][0]  # (the press's seed: not read)
+    assert named == dataset("needle_noise", length=128, n=1)["test"][0] != dataset("needle_noise", 128, 1, 7)["test"][0]
+
+
 def _needle_requests(examples, kind="generate_until"):
     docs = [{"context": e.context, "question": e.question, "answers": list(e.answers)} for e in examples]
     if kind == "generate_until":
@@ -411,8 +425,10 @@ def test_needle_task_end_to_end_as_lm_eval_runs_it(default_model):
 
 
 def test_every_press_parameter_reaches_the_press(monkeypatch):
-    """Each parameter of each press (the registry's, derived from the classes) goes to the press, not to HFLM."""
+    """Each parameter of each press (the registry's, derived from the classes) goes to the press, not to HFLM (but
+    those the tasks read too: refused, `test_a_press_parameter_the_tasks_also_read_is_refused_in_model_args`)."""
     from kvpress.eval import lm_eval_bridge
+    from kvpress.eval.tasks.lm_eval_hooks import metadata_keys
     from kvpress.presses import press_names, press_parameters
 
     class Built(Exception):
@@ -424,7 +440,7 @@ def test_every_press_parameter_reaches_the_press(monkeypatch):
     monkeypatch.setattr(lm_eval_bridge, "press_from_name", capture)
     for name in press_names():
         for param in press_parameters(name):
-            if param in ("compression_ratio", "max_tokens"):
+            if param in ("compression_ratio", "max_tokens", *metadata_keys()):
                 continue
             with pytest.raises(Built) as built:
                 KVPressLM(pretrained="unused", press=name, compression_ratio=0.5, **{param: "value"})

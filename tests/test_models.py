@@ -164,6 +164,8 @@ def test_damaged_packaged_model_is_converted_again(tmp_path, conversions, monkey
 
 @pytest.mark.parametrize("name", ["", "  ", 3])
 def test_an_empty_or_non_text_model_name_is_refused(name):
-    """"" named the default model silently; a number failed inside pathlib."""
+    """"" named the default model silently (in `load_model` too); a number failed inside pathlib."""
     with pytest.raises(ValueError, match="model must be a packaged model name"):
         models.resolve_model_path(name)
+    with pytest.raises(ValueError, match="model must be a packaged model name"):
+        models.load_model(name)

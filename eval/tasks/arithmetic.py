@@ -46,7 +46,8 @@ class ArithmeticExample(Example):
         return first_number_score(self.answers, text)
 
 
-def _problems(generator: str, seed: int, size: int, config: dict):
+def reasoning_gym():
+    """The `reasoning_gym` package the problems come from, or ModuleNotFoundError saying how to install it."""
     try:
         import reasoning_gym
     except ImportError as err:
@@ -54,7 +55,14 @@ def _problems(generator: str, seed: int, size: int, config: dict):
             f"the arithmetic task generates its problems with reasoning-gym, not installed: "
             f"pip install 'kvpress[tasks]' ({err})"
         ) from err
-    return reasoning_gym.create_dataset(generator, size=size, seed=seed, **config)
+    return reasoning_gym
+
+
+def _problems(generator: str, seed: int, size: int, config: dict):
+    return reasoning_gym().create_dataset(generator, size=size, seed=seed, **config)
+
+
+MIN_LENGTH = 64  # context tokens: the shortest this task builds (a sweep checks it before loading)
 
 
 def arithmetic_examples(
@@ -62,8 +70,8 @@ def arithmetic_examples(
 ) -> list[ArithmeticExample]:
     """`n` examples: solved problems of reasoning-gym's `generator` filling about `length` tokens, then the
     target problem (default: `chain_sum` with `DEFAULT_CONFIG`)."""
-    if n < 1 or length < 64:
-        raise ValueError(f"need n >= 1 and length >= 64, got n={n}, length={length}")
+    if n < 1 or length < MIN_LENGTH:
+        raise ValueError(f"need n >= 1 and length >= {MIN_LENGTH}, got n={n}, length={length}")
     config = config or (DEFAULT_CONFIG if generator == DEFAULT_GENERATOR else {})
     problems = _problems(generator, seed, POOL, config)
     if first_number(str(problems[0]["answer"])) is None:  # scored by the first number of the reply

@@ -84,10 +84,14 @@ def _entries(tokenizer, length: int) -> int:
     return n
 
 
+MIN_LENGTH = 128  # context tokens: the shortest this task builds (a sweep checks it before loading)
+
+
 def common_words_examples(tokenizer, n: int, length: int, seed: int, top: int = 10) -> list[CommonWordsExample]:
     """`n` examples whose context lists words in about `length` tokens, `top` of them far more often."""
-    if n < 1 or length < 128 or not 1 <= top <= 20:
-        raise ValueError(f"need n >= 1, length >= 128 and 1 <= top <= 20, got n={n}, length={length}, top={top}")
+    if n < 1 or length < MIN_LENGTH or not 1 <= top <= 20:
+        raise ValueError(f"need n >= 1, length >= {MIN_LENGTH} and 1 <= top <= 20, got n={n}, length={length}, "
+                         f"top={top}")
     rng = random.Random(f"common-words-{seed}")
     n_entries = _entries(tokenizer, length)
     n_common = max(4, n_entries // (2 * top))  # the common words fill about half the list

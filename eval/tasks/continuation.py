@@ -29,12 +29,15 @@ class Continuation:
     following_ids: tuple[int, ...]
 
 
+MIN_LENGTH = 16  # context tokens: the shortest this task builds (a sweep checks it before loading)
+
+
 def continuation_examples(tokenizer, n: int, length: int, seed: int, source: str = "essay") -> list[Continuation]:
     """`n` contexts of `length` tokens of `source`, each with the `FOLLOWING` tokens after it."""
     if source not in SOURCES:
         raise ValueError(f"unknown continuation source {source!r}; choose one of {SOURCES}")
-    if n < 1 or length < 16:
-        raise ValueError(f"need n >= 1 and length >= 16, got n={n}, length={length}")
+    if n < 1 or length < MIN_LENGTH:
+        raise ValueError(f"need n >= 1 and length >= {MIN_LENGTH}, got n={n}, length={length}")
     rng = random.Random(f"continuation-{source}-{seed}")
     examples = []
     for _ in range(n):

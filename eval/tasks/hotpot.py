@@ -58,12 +58,15 @@ def hotpot_items() -> tuple[dict, ...]:
     return tuple(items)
 
 
+MIN_LENGTH = 64  # context tokens: the shortest this task builds (a sweep checks it before loading)
+
+
 def hotpot_examples(tokenizer, n: int, length: int, seed: int, items: tuple[dict, ...] | None = None) -> list[Example]:
     """`n` examples of about `length` tokens (`ruler_qa.context_budget`): a question's two supporting paragraphs,
     its distractors, then other questions' paragraphs, in a random order; a question whose supporting paragraphs do
     not fit is passed over."""
-    if n < 1 or length < 64:
-        raise ValueError(f"need n >= 1 and length >= 64, got n={n}, length={length}")
+    if n < 1 or length < MIN_LENGTH:
+        raise ValueError(f"need n >= 1 and length >= {MIN_LENGTH}, got n={n}, length={length}")
     items = hotpot_items() if items is None else items
     if n > len(items):
         raise ValueError(f"n={n} is more than the {len(items)} questions")

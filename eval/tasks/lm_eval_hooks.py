@@ -56,11 +56,16 @@ def dataset(task: str, length: int = 1024, n: int = 32, seed: int = 0, **kwargs)
     return {"test": datasets.Dataset.from_list(rows)}
 
 
+def metadata_keys() -> tuple[str, ...]:
+    """The metadata keys that shape a task's examples (`dataset`'s parameters): length, n, seed."""
+    return tuple(p for p in inspect.signature(dataset).parameters if p not in ("task", "kwargs"))
+
+
 def _check_keys(kwargs: dict) -> None:
     """Refuse a metadata key that looks like a misspelling of one the tasks read (`lenght`, `Seed`, `tokeniser`),
     which would leave the default in its place. Other keys pass: lm-eval merges the model's `model_args` into the
     metadata, so any model's (and any press's) arguments arrive here."""
-    read = [p for p in inspect.signature(dataset).parameters if p not in ("task", "kwargs")] + list(TOKENIZER_KEYS)
+    read = [*metadata_keys(), *TOKENIZER_KEYS]
     for key in kwargs:
         if key in read or key in all_press_parameters():
             continue

@@ -20,12 +20,15 @@ WORDS = ("apple", "river", "lantern", "violin", "harbor", "meadow", "falcon", "c
          "compass", "thunder", "marble", "pepper", "saddle", "quartz")  # fmt: skip
 
 
+MIN_LENGTH = 128  # context tokens: the shortest this task builds (a sweep checks it before loading)
+
+
 def multi_needle_examples(tokenizer, n: int, length: int, seed: int, kind: str = "multikey") -> list[Example]:
     """`n` examples of about `length` tokens with 4 needles of `kind` (see the module docstring)."""
     if kind not in KINDS:
         raise ValueError(f"unknown multi-needle kind {kind!r}; choose one of {KINDS}")
-    if n < 1 or length < 128:
-        raise ValueError(f"need n >= 1 and length >= 128, got n={n}, length={length}")
+    if n < 1 or length < MIN_LENGTH:
+        raise ValueError(f"need n >= 1 and length >= {MIN_LENGTH}, got n={n}, length={length}")
     rng = random.Random(f"{kind}-{seed}")
     out = []
     for _ in range(n):

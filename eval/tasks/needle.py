@@ -62,12 +62,15 @@ def insert_at_depths(tokenizer, ids: list[int], statements: list[str], rng: rand
     return " ".join(p for p in pieces if p)
 
 
+MIN_LENGTH = 64  # context tokens: the shortest this task builds (a sweep checks it before loading)
+
+
 def needle_examples(tokenizer, n: int, length: int, seed: int, haystack: str = "noise") -> list[Example]:
     """`n` examples whose context is about `length` tokens of `haystack` with one needle."""
     if haystack not in HAYSTACKS:
         raise ValueError(f"unknown haystack {haystack!r}; choose one of {HAYSTACKS}")
-    if n < 1 or length < 64:
-        raise ValueError(f"need n >= 1 and length >= 64, got n={n}, length={length}")
+    if n < 1 or length < MIN_LENGTH:
+        raise ValueError(f"need n >= 1 and length >= {MIN_LENGTH}, got n={n}, length={length}")
     rng = random.Random(f"{haystack}-{seed}")
     needle, question = _NEEDLES[haystack]
     out = []

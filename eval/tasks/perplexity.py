@@ -31,12 +31,15 @@ class Document:
     text: str
 
 
+MIN_LENGTH = 16  # context tokens: the shortest this task builds (a sweep checks it before loading)
+
+
 def perplexity_documents(tokenizer, n: int, length: int, seed: int, source: str = "essay") -> list[Document]:
     """`n` documents of about `length` tokens of `source` ("essay" or "pydoc"), each from a random offset."""
     if source not in SOURCES:
         raise ValueError(f"unknown perplexity source {source!r}; choose one of {SOURCES}")
-    if n < 1 or length < 16:
-        raise ValueError(f"need n >= 1 and length >= 16, got n={n}, length={length}")
+    if n < 1 or length < MIN_LENGTH:
+        raise ValueError(f"need n >= 1 and length >= {MIN_LENGTH}, got n={n}, length={length}")
     rng = random.Random(f"perplexity-{source}-{seed}")
     return [Document(tokenizer.decode(haystack_ids(tokenizer, source, length, rng)).strip()) for _ in range(n)]
 

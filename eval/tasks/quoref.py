@@ -93,11 +93,14 @@ def parse_task(task: dict) -> list[dict]:
     return items
 
 
+MIN_LENGTH = 64  # context tokens: the shortest this task builds (a sweep checks it before loading)
+
+
 def quoref_examples(tokenizer, n: int, length: int, seed: int, items: list[dict] | None = None) -> list[Example]:
     """`n` examples of at most `length` tokens (within a passage of it): a question's passage placed at random
     among distractor passages."""
-    if n < 1 or length < 64:
-        raise ValueError(f"need n >= 1 and length >= 64, got n={n}, length={length}")
+    if n < 1 or length < MIN_LENGTH:
+        raise ValueError(f"need n >= 1 and length >= {MIN_LENGTH}, got n={n}, length={length}")
     items = quoref_items() if items is None else items
     passages = sorted({item["passage"] for item in items})
     rng = random.Random(f"quoref-{seed}")

@@ -45,11 +45,14 @@ def squad_items() -> tuple[dict, ...]:
     return tuple(items)
 
 
+MIN_LENGTH = 64  # context tokens: the shortest this task builds (a sweep checks it before loading)
+
+
 def squad_examples(tokenizer, n: int, length: int, seed: int, items: tuple[dict, ...] | None = None) -> list[Example]:
     """`n` examples of about `length` tokens (within a paragraph of it): a question's paragraph among the other
     paragraphs of its article, then other articles' paragraphs, in a random order."""
-    if n < 1 or length < 64:
-        raise ValueError(f"need n >= 1 and length >= 64, got n={n}, length={length}")
+    if n < 1 or length < MIN_LENGTH:
+        raise ValueError(f"need n >= 1 and length >= {MIN_LENGTH}, got n={n}, length={length}")
     items = squad_items() if items is None else items
     pool = [item for item in items if item["answers"]]
     if n > len(pool):

@@ -13,11 +13,13 @@ import string
 from kvpress.eval.tasks.example import Example
 from kvpress.eval.tasks.needle import haystack_ids, insert_at_depths
 
+MIN_LENGTH = 64  # context tokens: the shortest this task builds (a sweep checks it before loading)
+
 
 def variable_tracking_examples(tokenizer, n: int, length: int, seed: int, hops: int = 4) -> list[Example]:
     """`n` examples of about `length` tokens with one chain of `hops + 1` variables."""
-    if n < 1 or length < 64 or hops < 1:
-        raise ValueError(f"need n >= 1, length >= 64 and hops >= 1, got n={n}, length={length}, hops={hops}")
+    if n < 1 or length < MIN_LENGTH or hops < 1:
+        raise ValueError(f"need n >= 1, length >= {MIN_LENGTH} and hops >= 1, got n={n}, length={length}, hops={hops}")
     rng = random.Random(f"variable-tracking-{seed}")
     out = []
     for _ in range(n):
