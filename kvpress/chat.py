@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpress.engine import maybe_installed, observe
-from kvpress.pipeline import check_press, pad_token_id
+from kvpress.pipeline import check_press, greedy
 from kvpress.presses.base import BasePress
 from kvpress.round_store import RoundStore
 from kvpress.rounds import RoundPolicy
@@ -215,9 +215,8 @@ class ChatSession:
             attention_mask=torch.ones_like(ids),
             cache=self.cache,
             max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=pad_token_id(self.tokenizer),
             streamer=streamer,
+            **greedy(self.tokenizer),
         )
         return out[0, ids.shape[1] :].tolist()
 

@@ -119,7 +119,7 @@ def _generate_inside(model, tokenizer, context: str, press, max_new_tokens: int)
     start = time.perf_counter()
     with maybe_installed(press, model, tokenizer):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=kvpress.pipeline.pad_token_id(tokenizer))  # fmt: skip
+                             **kvpress.pipeline.greedy(tokenizer))  # fmt: skip
     text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
     return text, kvpress.cache_bytes(cache), time.perf_counter() - start
 

@@ -180,11 +180,15 @@ def answer_ids_from_cache(
     installation = maybe_installed(press, model, tokenizer)
     with installation as installed, installed.frozen() if installed else contextlib.nullcontext():
         out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            cache=cache,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=pad_token_id(tokenizer),
+            ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=max_new_tokens, **greedy(tokenizer)
         )
     return out[0, ids.shape[1] :]
+
+
+def greedy(tokenizer) -> dict:
+    """The settings of kvpress's own `model.generate` calls over a prefilled cache (answers, chat turns, the demo):
+    one greedy sequence through that cache, whatever the model's `generation_config` says (with its `use_cache`
+    False the whole prompt was fed again at every step on top of the cache; beams or several sequences do not fit
+    the cache's one row)."""
+    return {"do_sample": False, "use_cache": True, "num_beams": 1, "num_return_sequences": 1,
+            "pad_token_id": pad_token_id(tokenizer)}  # fmt: skip

@@ -287,7 +287,8 @@ class Intercept:
         cache = kwargs.get(self.cache_key, kwargs.get("past_key_values"))
         if cache is None:
             if kwargs.get("use_cache") is False:
-                raise ValueError("a press compresses the KV cache: call the model with use_cache=True")
+                raise ValueError("a press compresses the KV cache: call the model with use_cache=True (in "
+                                 "model.generate: use_cache=True, or the model's generation_config.use_cache=True)")
             cache = model_access.new_cache(self.model)
             kwargs[self.cache_key] = cache
         if not isinstance(cache, DynamicCache):

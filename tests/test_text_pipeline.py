@@ -131,3 +131,30 @@ def test_a_query_aware_budget_is_set_against_the_context_and_question_it_compres
         kvpress.generate(model, tokenizer, CONTEXT, QUESTION, press=press, max_new_tokens=2)
     assert isinstance(kvpress.generate(model, tokenizer, CONTEXT, QUESTION, press=press, max_new_tokens=2,
                                        query_aware=True), str)  # fmt: skip
+
+
+def test_kvpress_own_generate_calls_hold_whatever_the_generation_config_says(tokenized):
+    """kvpress.generate, the pipeline and a chat run one greedy sequence over the cache they prefilled: a model whose
+    generation_config says use_cache=False fed the whole prompt again at every step over that cache (another
+    answer, the cache past its budget; a chat's second turn raised), and num_beams=3 raised."""
+    model, tokenizer = tokenized
+    press = SnapKVPress(0.5, window_size=4)
+    cache = DynamicCache(config=model.config)
+    expected = kvpress.generate(model, tokenizer, CONTEXT, QUESTION, press=press, max_new_tokens=6, cache=cache)
+    held = [layer.n for layer in cache.layers]
+    chat = kvpress.ChatSession(model, tokenizer, max_new_tokens=4)
+    turns = [chat.send("My name is Ada."), chat.send("What is my name?")]
+    saved = model.generation_config
+    try:
+        for settings in ({"use_cache": False}, {"num_beams": 3, "num_return_sequences": 2}):
+            model.generation_config = saved.__class__(**{**saved.to_dict(), **settings})
+            cache = DynamicCache(config=model.config)
+            assert kvpress.generate(model, tokenizer, CONTEXT, QUESTION, press=press, max_new_tokens=6,
+                                    cache=cache) == expected, settings  # fmt: skip
+            assert [layer.n for layer in cache.layers] == held, settings
+            pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
+            assert pipe(CONTEXT, question=QUESTION, press=press, max_new_tokens=6) == {"answer": expected}
+            chat = kvpress.ChatSession(model, tokenizer, max_new_tokens=4)
+            assert [chat.send("My name is Ada."), chat.send("What is my name?")] == turns, settings
+    finally:
+        model.generation_config = saved
