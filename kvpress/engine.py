@@ -198,6 +198,9 @@ class Installable:
     # the next chunk of a chunked prefill, a new turn), given the ids fed since it scored last
     scores_later_chunks: ClassVar[bool] = False
     needs_tokenizer: ClassVar[bool] = False  # writes a prompt of its own in `prepare` (KVzip's repeat request)
+    # reads the prompt's token ids in `prepare` (feeds them to the model again, drafts after them, finds its shots):
+    # a prompt given as embeddings is refused
+    needs_token_ids: ClassVar[bool] = False
     needs_hidden: ClassVar[bool] = False  # scores from `Observation.hidden` (the layer's input hidden states)
     # scores or allocates from `Observation.query`; False: a live prefill it compresses whole keeps no queries for it
     # (a recorded 8K prompt's are ~700 MB on Qwen2.5-0.5B; KVzip scores from its own pass)
@@ -350,7 +353,7 @@ class PressInstallation:
         fresh = all(getattr(layer, "seen", 0) == 0 for layer in cache.layers)
         frozen = not self.intercept.compressing()
         if self.press is not None and self.press.recalls and frozen and q >= 2 and not fresh:
-            return _in_two(forward, args, kwargs, q)
+            return _in_two(forward, args, kwargs, q, "a recalling press reads a question")
         if self.press is None or not self.press.needs_whole_context:
             return forward(*args, **kwargs)
         if q < 2 or frozen:
@@ -380,19 +383,25 @@ class PressInstallation:
         if not fresh and ids.is_floating_point():
             raise ValueError(f"{type(self.press).__name__} rebuilds a later chunk from its token ids: feed input_ids, "
                              "not inputs_embeds")  # fmt: skip
-        (head_args, head_kwargs), tail = split_inputs(args, kwargs, q - 1)
+        if ids.is_floating_point() and self.press.needs_token_ids:
+            raise ValueError(f"{type(self.press).__name__} scores a prompt from its token ids (it feeds them to the "
+                             "model again, or drafts after them): feed input_ids, not inputs_embeds")  # fmt: skip
         recorder = QueryRecorder(keep_hidden=self.press.needs_hidden, keep_queries=self.press.reads_queries)
         seen = [getattr(layer, "seen", 0) for layer in cache.layers]
-        try:
-            with self.observing(recorder):
-                forward(*head_args, **{**head_kwargs, "logits_to_keep": 1})
-            with SCORING:  # the press holds this prompt's scores from its prepare to the end of its eviction
-                self._score(cache, recorder, ids, None if fresh else unscored)
-        except BaseException:
-            if not fresh and seen != [getattr(layer, "seen", 0) for layer in cache.layers]:
-                tear(cache)  # it holds the chunk's first part, which nothing scored: it cannot go on
-            raise
-        return forward(*tail[0], **tail[1])
+
+        def scored_head(*head_args, **head_kwargs):  # all but the last token, then the press scores and evicts
+            try:
+                with self.observing(recorder):
+                    out = forward(*head_args, **head_kwargs)
+                with SCORING:  # the press holds this prompt's scores from its prepare to the end of its eviction
+                    self._score(cache, recorder, ids, None if fresh else unscored)
+            except BaseException:
+                if not fresh and seen != [getattr(layer, "seen", 0) for layer in cache.layers]:
+                    tear(cache)  # it holds the chunk's first part, which nothing scored: it cannot go on
+                raise
+            return out
+
+        return _in_two(forward, args, kwargs, q, f"{type(self.press).__name__} scores a prompt", scored_head)
 
     def _score(self, cache: DynamicCache, recorder: QueryRecorder, ids: torch.Tensor, unscored: _Unscored | None):
         """The press scores the prompt (`unscored` None) or the chunk just fed to `cache` (all of `ids` but the
@@ -563,9 +572,11 @@ def maybe_installed(press: Installable | None, model: nn.Module, tokenizer=None)
     return contextlib.nullcontext() if press is None else press(model, tokenizer=tokenizer)
 
 
-def _in_two(forward: Callable, args: tuple, kwargs: dict, q: int):
-    """One forward of `q` new tokens run as two: all but the last, then the last; the output's logits are those the
-    caller asked for (`logits_to_keep`: 1 (what `generate` asks) from the second alone, else both joined)."""
+def _in_two(forward: Callable, args: tuple, kwargs: dict, q: int, who: str, head: Callable | None = None):
+    """One forward of `q` new tokens run as two: all but the last (by `head`, `forward` by default: a press scores
+    between the two), then the last; the output's logits are those the caller asked for (`logits_to_keep`: 1 (what
+    `generate` asks) from the second alone, else both joined). `who` (what splits it) names the refusals."""
+    head = forward if head is None else head
     as_tuple = kwargs.get("return_dict") is False  # (the parts are joined as outputs, then given as asked)
     if as_tuple:
         kwargs = {**kwargs, "return_dict": True}
@@ -573,18 +584,19 @@ def _in_two(forward: Callable, args: tuple, kwargs: dict, q: int):
     unmerged = [name for name in ("labels", "output_attentions", "output_hidden_states")
                 if kwargs.get(name) is not None and kwargs.get(name) is not False]  # fmt: skip
     if unmerged:
-        raise ValueError(f"a recalling press reads a question in two forwards, whose {', '.join(unmerged)} it cannot "
-                         "join: compute them without the press, or outside frozen()")  # fmt: skip
+        raise ValueError(f"{who} in two forwards (all but its last token, then the last), whose "
+                         f"{', '.join(unmerged)} it cannot join: compute them without the press, or outside "
+                         "frozen()")  # fmt: skip
     keep = kwargs.get("logits_to_keep", 0)
     if not isinstance(keep, int) or keep < 0:
-        raise ValueError(f"a recalling press splits this forward in two: logits_to_keep must be an int, got {keep!r}")
+        raise ValueError(f"{who} in two forwards: logits_to_keep must be an int, got {keep!r}")
     if keep == 1:
-        forward(*head_args, **{**head_kwargs, "logits_to_keep": 1})
+        head(*head_args, **{**head_kwargs, "logits_to_keep": 1})
         out = forward(*tail_args, **tail_kwargs)
     else:
-        head = forward(*head_args, **{**head_kwargs, "logits_to_keep": max(keep - 1, 0)})  # 0: every token's
+        first = head(*head_args, **{**head_kwargs, "logits_to_keep": max(keep - 1, 0)})  # 0: every token's
         out = forward(*tail_args, **{**tail_kwargs, "logits_to_keep": 1})
-        out.logits = torch.cat([head.logits, out.logits], dim=1)
+        out.logits = torch.cat([first.logits, out.logits], dim=1)
     return out.to_tuple() if as_tuple else out
 
 

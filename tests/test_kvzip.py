@@ -260,3 +260,35 @@ def test_a_pass_is_one_forward_where_a_tokens_keys_and_values_outweigh_its_activ
         finally:
             hook.remove()
         assert len(calls) == forwards
+
+
+def test_a_plain_forward_under_a_whole_context_press_returns_what_it_was_asked():
+    """A prompt's forward runs as all but its last token, then the press scores and evicts, then the last: a plain
+    `model(ids)` gave the last token's logits alone (`[1, 1, V]`); now every token's, the first n - 1 those of no press
+    (computed before the eviction), `logits_to_keep` and return_dict=False as asked. What two forwards cannot join is
+    refused by name, and a prompt given as embeddings to a press that reads its token ids is refused (raw torch
+    errors before)."""
+    model = tiny_model("llama")
+    ids = prompt(length=40)
+    full = model(ids).logits
+    press = KVzipPress(compression_ratio=0.5)
+    with press(model, tokenizer=_Tokenizer()):
+        out = model(ids)
+        assert out.logits.shape == full.shape
+        torch.testing.assert_close(out.logits[:, :-1], full[:, :-1])
+        last = model(ids, logits_to_keep=1).logits
+        assert last.shape == (1, 1, full.shape[-1]) and torch.equal(last[:, -1], out.logits[:, -1])
+        assert not torch.allclose(last[:, -1], full[:, -1])  # the last token read the compressed cache
+        three = model(ids, logits_to_keep=3, return_dict=False)[0]
+        torch.testing.assert_close(three, out.logits[:, -3:])
+        for name in ("labels", "output_hidden_states", "output_attentions"):
+            value = ids if name == "labels" else True
+            with pytest.raises(ValueError, match=f"KVzipPress scores a prompt in two forwards .*whose {name} it "
+                                                 "cannot join"):  # fmt: skip
+                model(ids, **{name: value})
+        embeds = model.get_input_embeddings()(ids)
+        with pytest.raises(ValueError, match="KVzipPress scores a prompt from its token ids .* feed input_ids, not "
+                                             "inputs_embeds"):  # fmt: skip
+            model(inputs_embeds=embeds)
+    with kvpress.SnapKVPress(compression_ratio=0.5, window_size=4)(model):  # a press scoring as tokens are cached: fine
+        assert model(inputs_embeds=embeds).logits.shape == full.shape

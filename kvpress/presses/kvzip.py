@@ -82,6 +82,7 @@ class KVzipPress(BasePress):
     needs_whole_context: ClassVar[bool] = True
     scores_later_chunks: ClassVar[bool] = True
     needs_tokenizer: ClassVar[bool] = True
+    needs_token_ids: ClassVar[bool] = True
     reads_queries: ClassVar[bool] = False  # its scores come from its pass
 
     prompt: str = REPEAT_PROMPT

@@ -60,6 +60,7 @@ class LookaheadPress(SnapKVPress):
 
     needs_whole_context: ClassVar[bool] = True
     needs_tokenizer: ClassVar[bool] = True
+    needs_token_ids: ClassVar[bool] = True
     needs_question: ClassVar[bool] = True
 
     lookahead: int = 8

@@ -41,6 +41,7 @@ class ShotKVPress(WrapsPress, BasePress):
 
     needs_whole_context: ClassVar[bool] = True
     needs_tokenizer: ClassVar[bool] = True
+    needs_token_ids: ClassVar[bool] = True
 
     press: BasePress | None = None
     shot_marker: str = "Question:"

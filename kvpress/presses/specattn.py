@@ -59,6 +59,7 @@ class SpecAttnPress(BasePress):
 
     needs_whole_context: ClassVar[bool] = True
     needs_tokenizer: ClassVar[bool] = True
+    needs_token_ids: ClassVar[bool] = True
     needs_question: ClassVar[bool] = True
 
     skip_every: int = 0

@@ -52,6 +52,7 @@ class WrapsPress:
 
     needs_whole_context = inner_flag("needs_whole_context")
     needs_tokenizer = inner_flag("needs_tokenizer")
+    needs_token_ids = inner_flag("needs_token_ids")
     needs_question = inner_flag("needs_question")
     needs_hidden = inner_flag("needs_hidden")
     observes_frozen = inner_flag("observes_frozen")
