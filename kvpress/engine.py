@@ -227,6 +227,9 @@ class Installable:
         return label, (f"{type(inner).__name__} alone (it scores each chunk; {name} does not pass it later chunks) "
                        f"or {AS_CACHED}")  # fmt: skip
 
+    def check_budget(self) -> None:
+        """Check the budget as the press is installed (`BasePress`: it may have been set since it was built)."""
+
     def __call__(self, model: nn.Module, tokenizer=None) -> PressInstallation:
         """`with press(model):` installs the press for the caller; the model is restored on exit, even on error.
         A press that scores the whole context with a prompt of its own (KVzip) needs the model's `tokenizer`."""
@@ -671,6 +674,7 @@ def _to_headwise(press, obs: Observation) -> HeadwiseLayer | None:
 
 def _check_press(model: nn.Module, press: Installable) -> None:
     """Raise when `press` cannot run on `model` (called when the press is installed or applied)."""
+    press.check_budget()  # (set since it was built: checked again, a wrapper's shared with the press it wraps)
     if not model_access.compressible_layers(model):
         raise ValueError(
             f"no layer of {type(model).__name__} is a full-attention or sliding-window layer (its kinds: "

@@ -274,3 +274,53 @@ def test_cli_saves_a_cache_and_a_new_process_answers_from_it(tmp_path, monkeypat
                         (("--save-cache", str(saved)), "give one")):  # fmt: skip
         assert said in _refused(monkeypatch, capsys, *ask, "--load-cache", str(saved), *extra)
     assert "does not exist" in _refused(monkeypatch, capsys, *ask, "--load-cache", str(tmp_path / "none.safetensors"))
+
+
+def test_a_budget_set_after_the_press_was_built_is_checked_and_shared_with_what_it_wraps():
+    """A tuning loop sets `press.compression_ratio = r` between runs: the value is checked as the press installs (1.5
+    evicted nearly everything), and a wrapper and the press it wraps keep one budget, whichever of them was set (the
+    wrapper kept the copy it took when built: `inner.compression_ratio = 0.9` was ignored); a window press's budget
+    follows its window."""
+    from transformers import DynamicCache
+
+    from kvpress import ChunkPress, PyramidKVPress
+    from tiny import prompt, tiny_model
+
+    model, ids = tiny_model("llama"), prompt(length=40)
+
+    def held(press) -> int:
+        cache = DynamicCache(config=model.config)
+        with press(model):
+            model(ids, cache=cache, use_cache=True)
+        return cache.layers[0].n
+
+    press = SnapKVPress(compression_ratio=0.5, window_size=4)
+    press.compression_ratio = 1.5
+    with pytest.raises(ValueError, match=r"compression_ratio must be in \[0, 1\) .*got 1.5"):
+        held(press)
+    press.compression_ratio, press.max_tokens = 0.5, 8
+    with pytest.raises(ValueError, match="takes exactly one of compression_ratio .* or max_tokens"):
+        held(press)
+    inner = SnapKVPress(compression_ratio=0.5, window_size=4)
+    chunked = ChunkPress(inner, chunk_size=4)
+    assert held(chunked) == 20
+    inner.compression_ratio = 0.75
+    assert held(chunked) == 10 and chunked.compression_ratio == 0.75
+    chunked.compression_ratio = 0.25
+    assert held(chunked) == 30 and inner.compression_ratio == 0.25
+    chunked.compression_ratio, inner.compression_ratio = 0.5, 0.75
+    with pytest.raises(ValueError, match="ChunkPress's budget and its wrapped SnapKVPress's were both set"):
+        held(chunked)
+    innermost = SnapKVPress(compression_ratio=0.5, window_size=4)
+    nested = ChunkPress(PyramidKVPress(innermost, beta=1), chunk_size=4)
+    innermost.compression_ratio = 0.75
+    assert held(nested) == 10 and nested.compression_ratio == nested.press.compression_ratio == 0.75
+    nested.compression_ratio = 0.25
+    assert held(nested) == 30 and innermost.compression_ratio == 0.25
+    window = SinkWindowPress(window=8, n_sink=2)
+    assert held(window) == 10
+    window.window = 16
+    assert held(window) == 18 and window.max_tokens == 18
+    window.max_tokens = 30
+    with pytest.raises(ValueError, match="built with window= takes its budget from it .* set window, not max_tokens"):
+        held(window)

@@ -179,6 +179,13 @@ class BasePress(Installable):
             raise ValueError(f"{type(self).__name__} compresses the whole context once and keeps the tokens "
                              f"generated after it: decode_slack has nothing to cut, got {self.decode_slack!r} (a "
                              "press that scores while decoding, such as kvzap, bounds a long generation)")  # fmt: skip
+        self._check_budget_values()
+        check_field_types(self)  # after the checks above, whose messages name the allowed range
+
+    def _check_budget_values(self) -> None:
+        """Exactly one of compression_ratio (in [0, 1)) and max_tokens (a positive integer, at least the
+        protected tokens)."""
+        _check_ratio(self.compression_ratio)
         if (self.compression_ratio is None) == (self.max_tokens is None):
             raise ValueError(
                 f"{type(self).__name__} takes exactly one of compression_ratio (a fraction in [0, 1)) or "
@@ -195,7 +202,13 @@ class BasePress(Installable):
                     f"({self.sink_count()} sinks + a window of {self.recent_count(self.max_tokens)}); "
                     f"use max_tokens >= {protected} or a smaller window"
                 )
-        check_field_types(self)  # after the checks above, whose messages name the allowed range
+
+    def check_budget(self) -> None:
+        """Check the budget again as the press is installed or applied: it may have been set since the press was
+        built (`press.compression_ratio = 0.75` between runs, as a tuning loop does), and a value out of range is
+        refused as at construction (to switch between compression_ratio and max_tokens, build a new press:
+        `dataclasses.replace(press, compression_ratio=None, max_tokens=256)`)."""
+        self._check_budget_values()
 
     # ----- what a press defines -----------------------------------------------------------------------
     def score(self, obs: Observation) -> torch.Tensor:

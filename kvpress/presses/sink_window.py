@@ -33,15 +33,31 @@ class SinkWindowPress(BasePress):
     window: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise ValueError(f"n_sink must be a non-negative integer, got {self.n_sink!r}")  # before max_tokens uses it
+        self._check_window()
         if self.window is not None:
-            if not isinstance(self.window, int) or self.window < 1:
-                raise ValueError(f"window must be a positive integer, got {self.window!r}")
             if self.max_tokens is not None or self.compression_ratio is not None:
                 raise ValueError("SinkWindowPress takes window= or a budget (compression_ratio / max_tokens), not both")
-            self.max_tokens = self.n_sink + self.window
+            self.max_tokens = self.__dict__["_from_window"] = self.n_sink + self.window
         super().__post_init__()
+
+    def _check_window(self) -> None:
+        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise ValueError(f"n_sink must be a non-negative integer, got {self.n_sink!r}")  # before max_tokens uses it
+        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                        or self.window < 1):  # fmt: skip
+            raise ValueError(f"window must be a positive integer, got {self.window!r}")
+
+    def check_budget(self) -> None:
+        """A press built with `window` keeps n_sink + window tokens, as set now (`window` or `n_sink` set since it
+        was built move its budget); its max_tokens set apart from them is refused."""
+        self._check_window()
+        if self.window is not None and self.max_tokens != self.n_sink + self.window:
+            if self.max_tokens != self.__dict__.get("_from_window"):
+                raise ValueError(f"SinkWindowPress built with window= takes its budget from it (max_tokens = "
+                                 f"n_sink + window = {self.n_sink + self.window}), got max_tokens={self.max_tokens}: "
+                                 "set window, not max_tokens")  # fmt: skip
+            self.max_tokens = self.__dict__["_from_window"] = self.n_sink + self.window
+        super().check_budget()
 
     def score(self, obs: Observation) -> torch.Tensor:
         return obs.layer.pos.float()
