@@ -101,6 +101,9 @@ def generate(
         raise ValueError(f"query_aware must be True or False, got {query_aware!r}")
     if press is not None and press.needs_question and not query_aware:
         raise ValueError(f"{type(press).__name__} scores by the question: it needs query_aware=True")
+    if cache is not None and not isinstance(cache, DynamicCache):
+        raise TypeError(f"cache must be None or an empty transformers DynamicCache (DynamicCache(config="
+                        f"model.config)), got {type(cache).__name__}")  # fmt: skip
     held = max((layer.get_seq_length() for layer in cache.layers), default=0) if cache is not None else 0
     if held:  # the context would land after them, and the answer be read from both
         raise ValueError(

@@ -23,6 +23,9 @@ def stream_ids(tokenizer, text_or_ids) -> torch.Tensor:
     if isinstance(text_or_ids, str):
         if not text_or_ids:
             raise ValueError("the text to stream is empty")
+        if not callable(tokenizer):
+            raise TypeError(f"a text is streamed as the tokenizer's token ids: give the model's tokenizer (or token "
+                            f"ids in place of the text), got tokenizer={tokenizer!r}")  # fmt: skip
         ids = tokenizer(text_or_ids, return_tensors="pt").input_ids[0]
     else:
         ids = torch.as_tensor(text_or_ids)

@@ -128,7 +128,9 @@ class Intercept:
         current = self.model.config._attn_implementation
         if current is not None and current.startswith(_PREFIX):
             raise RuntimeError(
-                f"a press is already active on this {type(self.model).__name__}; leave its `with` block first"
+                f"a press is already active on this {type(self.model).__name__}, or on another model built on the "
+                "same config object (the press marks config._attn_implementation): leave its `with` block first, "
+                "or give each model its own config (copy.deepcopy(config))"
             )
         if current not in ("sdpa", "eager") and not (current or "").startswith("flash_attention"):
             raise ValueError(

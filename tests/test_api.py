@@ -324,3 +324,23 @@ def test_a_budget_set_after_the_press_was_built_is_checked_and_shared_with_what_
     window.max_tokens = 30
     with pytest.raises(ValueError, match="built with window= takes its budget from it .* set window, not max_tokens"):
         held(window)
+
+
+def test_a_wrong_cache_a_missing_tokenizer_and_a_shared_config_are_named(tokenized):
+    """Each raised a bare AttributeError / TypeError, or named the wrong model."""
+    import copy
+
+    from tiny import CONTEXT, QUESTION
+
+    model, tokenizer = tokenized
+    with pytest.raises(TypeError, match="cache must be None or an empty transformers DynamicCache .* got list"):
+        kvpress.generate(model, tokenizer, CONTEXT, QUESTION, cache=[])
+    with pytest.raises(TypeError, match="a text is streamed as the tokenizer's token ids: .* got tokenizer=None"):
+        next(kvpress.stream(model, None, "some text to stream", SnapKVPress(0.5, window_size=4)))
+    twin = type(model)(model.config).eval()  # built on the same config object
+    with SnapKVPress(0.5, window_size=4)(model):
+        with pytest.raises(RuntimeError, match="or on another model built on the same config object .*copy.deepcopy"):
+            SnapKVPress(0.5, window_size=4)(twin).__enter__()
+    twin = type(model)(copy.deepcopy(model.config)).eval()
+    with SnapKVPress(0.5, window_size=4)(model), SnapKVPress(0.5, window_size=4)(twin):
+        assert twin.config._attn_implementation != model.config._attn_implementation  # each its own
