@@ -17,6 +17,9 @@ def pad_token_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
+QUESTION_MARK = "KVPRESS-QUESTION-3f9a"  # stands for the question in a rendering that finds where it goes
+
+
 def split_prompt(
     tokenizer, context: str, question: str, chat_template: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,15 +32,18 @@ def split_prompt(
     if not isinstance(chat_template, bool):
         raise ValueError(f"chat_template must be True or False, got {chat_template!r}")
     if chat_template and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": f"{context}\n\n{question}"}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        found = [text.rfind(q) for q in (question, question.strip()) if q]  # a template may trim the message
-        cut = next((at for at in found if at >= 0), -1)
-        if cut < 0:
+        def rendered(asked: str) -> str:
+            messages = [{"role": "user", "content": f"{context}\n\n{asked}"}]
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+        text, marked = rendered(question), rendered(QUESTION_MARK)  # cut where the template puts the question, not
+        head = marked[: max(marked.find(QUESTION_MARK), 0)]  # where its text recurs ("assistant" in the header)
+        kept = text[len(head) :].startswith((question, question.rstrip()))  # (a template may trim the message's end)
+        if not head or not text.startswith(head) or not kept:
             raise ValueError(f"the tokenizer's chat template rewrites the question {question!r}, so the prompt "
                              "cannot be cut before it: pass chat_template=False (plain text) or a question it "
                              "keeps")  # fmt: skip
-        head, tail = text[:cut], text[cut:]
+        tail = text[len(head) :]
         special = False
     else:
         head, tail, special = context + "\n\n", question, True

@@ -122,6 +122,18 @@ def test_split_prompt_under_a_template_that_trims_the_message(tokenized, monkeyp
         kvpress.pipeline.split_prompt(tokenizer, "Some document.", "What is the code")
 
 
+@pytest.mark.parametrize("question", ["assistant", "s", "\n"])
+def test_split_prompt_cuts_where_the_question_goes_not_where_its_text_recurs(tokenized, question):
+    """A question whose text the template also writes after the message (SmolLM2's "assistant" header) was cut
+    there, inside a token, and the question itself compressed with the context."""
+    _, tokenizer = tokenized
+    head, tail = kvpress.pipeline.split_prompt(tokenizer, "Some document.", question)
+    assert tokenizer.decode(head[0]).endswith("Some document.\n\n")
+    whole = tokenizer.apply_chat_template([{"role": "user", "content": f"Some document.\n\n{question}"}],
+                                          add_generation_prompt=True, tokenize=False)  # fmt: skip
+    assert tokenizer.decode(torch.cat([head, tail], dim=-1)[0]) == whole
+
+
 def test_a_query_aware_budget_is_set_against_the_context_and_question_it_compresses(tokenized):
     """Query-aware, the question is compressed with the context: a budget of the context's length compresses."""
     model, tokenizer = tokenized
