@@ -80,6 +80,11 @@ UNPRESSED = (
     "block with its context: `threading.Thread(target=contextvars.copy_context().run, args=(model.generate,), "
     "kwargs=...)`"
 )
+OUTSIDE = (
+    "an attention of this {model} ran while a press is active for this caller, but outside the model's own forward "
+    "(its decoder or a layer called alone: `model.model(...)`): the press acts through the model's forward, so this "
+    "cache is not compressed. Call the model itself (`model(...)`, `model.generate(...)`)"
+)
 
 
 def headwise_unsupported(kwargs: dict) -> list[str]:
@@ -122,6 +127,7 @@ class Intercept:
         self._flight = threading.Condition()
         self._forwards: dict[int, int] = {}  # thread id -> forwards of the model it is inside
         self._warned: weakref.WeakSet = weakref.WeakSet()  # the other threads told their forwards run without it
+        self._said_outside = False  # an attention ran outside the model's forward for an active caller (`OUTSIDE`)
 
     # ----- install / uninstall ----------------------------------------------------------------------
     def install(self) -> None:
@@ -339,6 +345,9 @@ class Intercept:
         ids = call.ids if call is not None and call.ids is not None and call.ids.shape[-1] == query.shape[2] else None
         layer = call.cache.layers[module.layer_idx] if call is not None and call.cache is not None else None
         if not isinstance(layer, _DRIVEN):  # another caller's forward, or a layer the press leaves alone
+            if call is not None and call.cache is None and not self._said_outside:  # (said once per installation)
+                self._said_outside = True
+                warnings.warn(OUTSIDE.format(model=type(self.model).__name__), stacklevel=2)
             return inner(module, query, key, value, info.standard() if info else attention_mask, **kwargs)
         if info is None and attention_mask is not None:
             raise ValueError("kvpress builds its own masks: pass a 2D attention_mask, not a 4D one")

@@ -156,3 +156,21 @@ def test_a_refused_forward_leaves_the_cache_as_it_was():
     assert not any(getattr(layer, "driven", True) for layer in cache.layers)
     with pytest.raises(RuntimeError, match="continue it inside `with press"):  # (it attended to itself alone)
         model(prompt(1, 1, seed=2), cache=cache)
+
+
+def test_the_decoder_called_alone_under_an_active_press_is_said_uncompressed():
+    """The press acts through the model's forward: `model.model(...)` (for hidden states, say) filled a plain cache
+    without a word. It is said once per installation; the model's own forward is not."""
+    import warnings
+
+    model, ids = tiny_model("llama"), prompt(length=40)
+    with warnings.catch_warnings(record=True) as said, SnapKVPress(compression_ratio=0.5, window_size=4)(model):
+        warnings.simplefilter("always")
+        cache = DynamicCache(config=model.config)
+        model(ids, cache=cache, use_cache=True)
+        assert not said and cache.layers[0].n == 20
+        alone = model.model(ids, use_cache=True).past_key_values
+        model.model(ids, use_cache=True)
+    assert alone.get_seq_length() == 40  # not compressed, as said
+    outside = [w for w in said if "outside the model's own forward" in str(w.message)]
+    assert len(outside) == 1 and "Call the model itself" in str(outside[0].message)
