@@ -324,6 +324,13 @@ def test_a_budget_set_after_the_press_was_built_is_checked_and_shared_with_what_
     window.max_tokens = 30
     with pytest.raises(ValueError, match="built with window= takes its budget from it .* set window, not max_tokens"):
         held(window)
+    duo = kvpress.DuoAttentionPress(retrieval_fraction=0.5, press=SnapKVPress(compression_ratio=0.5, window_size=4))
+    duo.press.compression_ratio = 1.5  # (its own budget: the retrieval heads keep what it keeps)
+    with pytest.raises(ValueError, match=r"compression_ratio must be in \[0, 1\) .*got 1.5"):
+        held(duo)
+    duo.press.compression_ratio, duo.retrieval_fraction = 0.5, 2.0
+    with pytest.raises(ValueError, match="retrieval_fraction must be a fraction in \\[0, 1\\], got 2.0"):
+        held(duo)
 
 
 def test_a_wrong_cache_a_missing_tokenizer_and_a_shared_config_are_named(tokenized):

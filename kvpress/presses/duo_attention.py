@@ -80,8 +80,6 @@ class DuoAttentionPress(HeadwisePress):
                     raise ValueError(f"DuoAttentionPress has kv_bits={self.kv_bits}, its press "
                                      f"kv_bits={self.press.kv_bits}: give it once")  # fmt: skip
                 self.kv_bits = self.press.kv_bits
-        if self.max_tokens is not None:
-            raise ValueError("DuoAttentionPress takes compression_ratio or retrieval_fraction, not max_tokens")
         if self.layer_scales is not None or self.rerotate or self.decode_slack != BasePress.decode_slack:
             raise ValueError("DuoAttentionPress budgets heads, not layers or decoding steps (a streaming head keeps "
                              "n_sink + window, a retrieval head everything or what its press= keeps): it takes no "
@@ -90,15 +88,7 @@ class DuoAttentionPress(HeadwisePress):
                              f"decode_slack={self.decode_slack!r}")  # fmt: skip
         if self.kv_bits is not None:
             quant.check_bits(self.kv_bits)
-        if (self.compression_ratio is None) == (self.retrieval_fraction is None):
-            raise ValueError(
-                "DuoAttentionPress takes exactly one of compression_ratio (a fraction in [0, 1)) or "
-                f"retrieval_fraction (in [0, 1]), got {self.compression_ratio!r} and {self.retrieval_fraction!r}"
-            )
-        _check_ratio(self.compression_ratio)
-        f = self.retrieval_fraction
-        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1):
-            raise ValueError(f"retrieval_fraction must be a fraction in [0, 1], got {f!r}")
+        self._check_budget_values()
         for name in ("n_sink", "window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "n_sink" else 1):
@@ -109,6 +99,22 @@ class DuoAttentionPress(HeadwisePress):
         # per model (by its attention modules): each head's rank and the (layer, KV head) pairs ranked
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+    def _check_budget_values(self) -> None:
+        """Exactly one of compression_ratio (in [0, 1)) and retrieval_fraction (in [0, 1]), no max_tokens (when built,
+        and again as the press installs: `BasePress.check_budget`); its press's own budget is checked too."""
+        if self.max_tokens is not None:
+            raise ValueError("DuoAttentionPress takes compression_ratio or retrieval_fraction, not max_tokens")
+        if (self.compression_ratio is None) == (self.retrieval_fraction is None):
+            raise ValueError(
+                "DuoAttentionPress takes exactly one of compression_ratio (a fraction in [0, 1)) or "
+                f"retrieval_fraction (in [0, 1]), got {self.compression_ratio!r} and {self.retrieval_fraction!r}"
+            )
+        _check_ratio(self.compression_ratio)
+        f = self.retrieval_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1):
+            raise ValueError(f"retrieval_fraction must be a fraction in [0, 1], got {f!r}")
+        if self.press is not None:
+            self.press.check_budget()
     def check_model(self, model: nn.Module) -> None:
         if self.press is not None:
             self.press.check_model(model)
