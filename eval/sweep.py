@@ -9,9 +9,9 @@ refused; KVzip's reconstruction pass runs once per example and serves every rati
 
 Writes, under `--out`: `results.jsonl` (one line per example and configuration, appended as it goes:
 an interrupted sweep resumes where it stopped), `summary.json` / `summary.csv` (mean score, its
-retention against the full cache, kept KV bytes and empty answers per task, press, ratio), `table.md`, `plot.png`
-(score vs kept KV memory per press) and, with several tasks, `heatmap.png` (retention per press and task,
-one panel per ratio); `--replot` redraws both from a finished sweep's rows (`plots.py`).
+retention against the full cache on the same examples, kept KV bytes and empty answers per task, press, ratio),
+`table.md`, `plot.png` (score vs kept KV memory per press) and, with several tasks, `heatmap.png` (retention per
+press and task, one panel per ratio); `--replot` redraws both from a finished sweep's rows (`plots.py`).
 A score is the task's: mostly the fraction of expected strings in the answer (see `eval/tasks/`). An answer row
 records its budget (`answer_tokens`, the task's `ANSWER_TOKENS`), whether that budget cut it (`cut`), and the
 answer's fidelity: the full cache's answer is fed after the prompt tokens the cache does not hold (the question)
@@ -74,6 +74,7 @@ from kvpress.eval.tasks import (
     Document,
     built_now,
     check_data,
+    row_version,
     task_examples,
     task_version,
 )
@@ -604,7 +605,8 @@ def write_summary(out: Path) -> list[dict]:
     bands, score_bands = intervals(rows), score_intervals(rows)
     summary = []
     for (task, press, ratio), members in sorted(groups.items()):
-        full = groups.get((task, "none", 0.0), [])
+        held = {(m["example"], row_version(m)) for m in members}  # (a sweep widened for some presses: their own)
+        full = [f for f in groups.get((task, "none", 0.0), []) if (f["example"], row_version(f)) in held]
         full_score = _score(full) if full else None
         score = _score(members)
         low, high = score_bands.get((task, press, ratio), (None, None))

@@ -758,6 +758,23 @@ def test_the_summary_counts_empty_answers_per_cell(tmp_path):
     assert "n=2 empty=2 (" in table and "n=2 empty=1 (" in table and "] n=2 (" in table  # none for the full cache
 
 
+def test_the_summary_retention_divides_by_the_full_cache_on_the_same_examples(tmp_path):
+    """A press measured on fewer examples than the full cache (a sweep widened for some presses) was divided by the
+    full cache's mean over all of them: 1 of 1 against 1 of 2 read as a retention of 2."""
+    from kvpress.eval.sweep import write_summary
+
+    def row(example, press, ratio, score, version=2):
+        return {"task": "needle_noise", "example": example, "press": press, "ratio": ratio, "score": score,
+                "kept_bytes": 1, "full_bytes": 2, "answer": "x", "task_version": version}  # fmt: skip
+
+    rows = [row(0, "none", 0.0, 1.0), row(1, "none", 0.0, 0.0), row(0, "snapkv", 0.5, 1.0),
+            row(0, "knorm", 0.5, 0.5), row(1, "knorm", 0.5, 0.0), row(0, "h2o", 0.5, 1.0, version=1)]  # fmt: skip
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    by = {s["press"]: s for s in write_summary(tmp_path)}
+    assert (by["snapkv"]["retention"], by["knorm"]["retention"], by["none"]["retention"]) == (1.0, 0.5, 1.0)
+    assert by["h2o"]["retention"] is None  # measured on another version of the task's examples: nothing to pair
+
+
 def test_rows_reach_a_results_file_replaced_while_the_sweep_runs(default_model, tmp_path, monkeypatch, short_answers):
     import kvpress.eval.sweep as sweep
 
