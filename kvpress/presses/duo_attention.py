@@ -115,6 +115,7 @@ class DuoAttentionPress(HeadwisePress):
             raise ValueError(f"retrieval_fraction must be a fraction in [0, 1], got {f!r}")
         if self.press is not None:
             self.press.check_budget()
+
     def check_model(self, model: nn.Module) -> None:
         if self.press is not None:
             self.press.check_model(model)
