@@ -182,10 +182,12 @@ class KVPressLM(HFLM):
         press_kwargs = {key: kwargs.pop(key) for key in list(kwargs) if key in params}
         shared = [key for key in press_kwargs if key in metadata_keys()]  # (RandomPress's seed)
         if shared:  # lm-eval merges model_args into the tasks' metadata: there they would draw other examples
+            named = f"press={press}:{shared[0]}={press_kwargs[shared[0]]}" if isinstance(press, str) else (
+                f"{shared[0]}= in the press object")  # fmt: skip
             raise ValueError(f"{', '.join(f'{key}={press_kwargs[key]!r}' for key in shared)} in model_args would also "
                              f"reach kvpress's tasks (lm-eval hands them model_args), whose {', '.join(shared)} "
-                             f"draws their examples: give it in the press's name (press={press}:{shared[0]}="
-                             f"{press_kwargs[shared[0]]}), and the tasks' in --metadata")  # fmt: skip
+                             f"draws their examples: give it in the press ({named}), and the tasks' in "
+                             "--metadata")  # fmt: skip
         _check_leftovers(kwargs, params, loaded=isinstance(pretrained, nn.Module))
         beside = {"compression_ratio": compression_ratio, "max_tokens": max_tokens, **press_kwargs}
         if isinstance(press, BasePress):

@@ -227,7 +227,7 @@ def check_spellings(out: Path, presses: list[str]) -> None:
     def built(name: str) -> str | None:
         try:
             return repr(kvpress.press_from_name(name, compression_ratio=0.5))
-        except (ValueError, TypeError):  # (a press of an older version, no longer built: not this run's)
+        except (ValueError, TypeError, OSError):  # (a press no longer built, a head pattern file gone: not this run's)
             return None
 
     mine = {built(name): name for name in presses}
@@ -605,10 +605,9 @@ def write_summary(out: Path) -> list[dict]:
     bands, score_bands = intervals(rows), score_intervals(rows)
     summary = []
     for (task, press, ratio), members in sorted(groups.items()):
-        held = {(m["example"], row_version(m)) for m in members}  # (a sweep widened for some presses: their own)
-        full = [f for f in groups.get((task, "none", 0.0), []) if (f["example"], row_version(f)) in held]
-        full_score = _score(full) if full else None
         score = _score(members)
+        paired = _same_examples(members, groups.get((task, "none", 0.0), []))  # (a sweep widened for some presses)
+        retention = _score(paired[0]) / _score(paired[1]) if paired[1] and _score(paired[1]) else None
         low, high = score_bands.get((task, press, ratio), (None, None))
         ppl = "nll_sum" in members[0]
         ppl_band = bands.get((task, press, ratio), (None, None)) if ppl else (None, None)
@@ -619,7 +618,7 @@ def write_summary(out: Path) -> list[dict]:
             "ppl_low": None if ppl_band[0] is None else round(ppl_band[0], 4),
             "ppl_high": None if ppl_band[1] is None else round(ppl_band[1], 4),
             **{field: _mean_of(members, field) for field in ("kl", "answer_top1", "answer_kl")},
-            "retention": round(score / full_score, 4) if full_score else None,
+            "retention": None if retention is None else round(retention, 4),
             "empty": sum(not m["answer"].strip() for m in members) if "answer" in members[0] else None,
             "kept_bytes_ratio": round(sum(m["kept_bytes"] / m["full_bytes"] for m in members) / len(members), 4),
             "peak_rss_bytes": max((m.get("peak_rss_bytes", 0) for m in members), default=0),
@@ -632,6 +631,13 @@ def write_summary(out: Path) -> list[dict]:
     (out / "table.md").write_text(_table(summary))
     plot_sweep(summary, rows, out)
     return summary
+
+
+def _same_examples(members: list[dict], full: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The rows of a cell and of the full cache on the examples (and task versions) both hold."""
+    key = lambda row: (row["example"], row_version(row))  # noqa: E731
+    both = {key(m) for m in members} & {key(f) for f in full}
+    return [m for m in members if key(m) in both], [f for f in full if key(f) in both]
 
 
 def _no_rows(out: str | Path) -> str:

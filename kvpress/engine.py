@@ -356,7 +356,7 @@ class PressInstallation:
         fresh = all(getattr(layer, "seen", 0) == 0 for layer in cache.layers)
         frozen = not self.intercept.compressing()
         if self.press is not None and self.press.recalls and frozen and q >= 2 and not fresh:
-            return _in_two(forward, args, kwargs, q, "a recalling press reads a question")
+            return _in_two(forward, args, kwargs, q, "a recalling press reads a question", "outside frozen()")
         if self.press is None or not self.press.needs_whole_context:
             return forward(*args, **kwargs)
         if q < 2 or frozen:
@@ -404,7 +404,8 @@ class PressInstallation:
                 raise
             return out
 
-        return _in_two(forward, args, kwargs, q, f"{type(self.press).__name__} scores a prompt", scored_head)
+        return _in_two(forward, args, kwargs, q, f"{type(self.press).__name__} scores a prompt",
+                       "inside frozen(), where the prompt is not compressed", scored_head)
 
     def _score(self, cache: DynamicCache, recorder: QueryRecorder, ids: torch.Tensor, unscored: _Unscored | None):
         """The press scores the prompt (`unscored` None) or the chunk just fed to `cache` (all of `ids` but the
@@ -575,10 +576,12 @@ def maybe_installed(press: Installable | None, model: nn.Module, tokenizer=None)
     return contextlib.nullcontext() if press is None else press(model, tokenizer=tokenizer)
 
 
-def _in_two(forward: Callable, args: tuple, kwargs: dict, q: int, who: str, head: Callable | None = None):
+def _in_two(forward: Callable, args: tuple, kwargs: dict, q: int, who: str, instead: str,
+            head: Callable | None = None) -> object:  # fmt: skip
     """One forward of `q` new tokens run as two: all but the last (by `head`, `forward` by default: a press scores
     between the two), then the last; the output's logits are those the caller asked for (`logits_to_keep`: 1 (what
-    `generate` asks) from the second alone, else both joined). `who` (what splits it) names the refusals."""
+    `generate` asks) from the second alone, else both joined). `who` (what splits it) and `instead` (where the
+    forward runs whole) word the refusals."""
     head = forward if head is None else head
     as_tuple = kwargs.get("return_dict") is False  # (the parts are joined as outputs, then given as asked)
     if as_tuple:
@@ -588,8 +591,7 @@ def _in_two(forward: Callable, args: tuple, kwargs: dict, q: int, who: str, head
                 if kwargs.get(name) is not None and kwargs.get(name) is not False]  # fmt: skip
     if unmerged:
         raise ValueError(f"{who} in two forwards (all but its last token, then the last), whose "
-                         f"{', '.join(unmerged)} it cannot join: compute them without the press, or outside "
-                         "frozen()")  # fmt: skip
+                         f"{', '.join(unmerged)} it cannot join: compute them without the press, or {instead}")
     keep = kwargs.get("logits_to_keep", 0)
     if not isinstance(keep, int) or keep < 0:
         raise ValueError(f"{who} in two forwards: logits_to_keep must be an int, got {keep!r}")

@@ -152,6 +152,7 @@ class RoundPolicy:
                 f"with layers after it (its full-attention layers: {full}, the last one excluded)"
             )
         if self.inner is not None:
+            self.inner.check_budget()  # (set since it was built: checked each turn, as an installed press is)
             self.inner.check_model(model)
 
     def begin_turn(self, cache, rounds: list[tuple[int, int]], store: RoundStore | None,

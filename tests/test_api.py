@@ -308,9 +308,17 @@ def test_a_budget_set_after_the_press_was_built_is_checked_and_shared_with_what_
     assert held(chunked) == 10 and chunked.compression_ratio == 0.75
     chunked.compression_ratio = 0.25
     assert held(chunked) == 30 and inner.compression_ratio == 0.25
-    chunked.compression_ratio, inner.compression_ratio = 0.5, 0.75
+    chunked.compression_ratio = inner.compression_ratio = 0.5  # both to one value: consistent, then one moves
+    assert held(chunked) == 20
+    inner.compression_ratio = 0.75
+    assert held(chunked) == 10
+    chunked.compression_ratio, inner.compression_ratio = 0.5, 0.25
     with pytest.raises(ValueError, match="ChunkPress's budget and its wrapped SnapKVPress's were both set"):
         held(chunked)
+    fixed = ChunkPress(SnapKVPress(max_tokens=64, window_size=4), chunk_size=4)
+    fixed.press.max_tokens = 8  # checked as it stands before the model runs: 8 compresses a 40-token context
+    kvpress.pipeline.check_compresses(fixed, 40)
+    assert fixed.max_tokens == 8
     innermost = SnapKVPress(compression_ratio=0.5, window_size=4)
     nested = ChunkPress(PyramidKVPress(innermost, beta=1), chunk_size=4)
     innermost.compression_ratio = 0.75
@@ -321,9 +329,19 @@ def test_a_budget_set_after_the_press_was_built_is_checked_and_shared_with_what_
     assert held(window) == 10
     window.window = 16
     assert held(window) == 18 and window.max_tokens == 18
+    window.window, window.max_tokens = 20, 22  # consistent: the record follows
+    assert held(window) == 22
+    window.window = 24
+    assert held(window) == 26
     window.max_tokens = 30
     with pytest.raises(ValueError, match="built with window= takes its budget from it .* set window, not max_tokens"):
         held(window)
+    from kvpress.rounds import RoundPolicy
+
+    policy = RoundPolicy(inner=ChunkPress(SnapKVPress(compression_ratio=0.5, window_size=4), chunk_size=4))
+    policy.inner.press.compression_ratio = 1.5  # a chat's round policy applies its inner press itself, each turn
+    with pytest.raises(ValueError, match=r"compression_ratio must be in \[0, 1\) .*got 1.5"):
+        policy.check_model(model)
     duo = kvpress.DuoAttentionPress(retrieval_fraction=0.5, press=SnapKVPress(compression_ratio=0.5, window_size=4))
     duo.press.compression_ratio = 1.5  # (its own budget: the retrieval heads keep what it keeps)
     with pytest.raises(ValueError, match=r"compression_ratio must be in \[0, 1\) .*got 1.5"):

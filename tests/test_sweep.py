@@ -768,10 +768,12 @@ def test_the_summary_retention_divides_by_the_full_cache_on_the_same_examples(tm
                 "kept_bytes": 1, "full_bytes": 2, "answer": "x", "task_version": version}  # fmt: skip
 
     rows = [row(0, "none", 0.0, 1.0), row(1, "none", 0.0, 0.0), row(0, "snapkv", 0.5, 1.0),
-            row(0, "knorm", 0.5, 0.5), row(1, "knorm", 0.5, 0.0), row(0, "h2o", 0.5, 1.0, version=1)]  # fmt: skip
+            row(0, "knorm", 0.5, 0.5), row(1, "knorm", 0.5, 0.0), row(0, "h2o", 0.5, 1.0, version=1),
+            row(2, "snapkv", 0.5, 0.0)]  # (an example the full cache lacks: not in the retention)  # fmt: skip
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     by = {s["press"]: s for s in write_summary(tmp_path)}
     assert (by["snapkv"]["retention"], by["knorm"]["retention"], by["none"]["retention"]) == (1.0, 0.5, 1.0)
+    assert by["snapkv"]["score"] == 0.5  # (its score over all its examples)
     assert by["h2o"]["retention"] is None  # measured on another version of the task's examples: nothing to pair
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 import types
 import typing
 import warnings
@@ -49,6 +50,11 @@ def shares_within(shares: tuple[float, ...], compression_ratio: float | None = N
         if not over:
             return tuple(cap if i in capped else s * m for i, s in enumerate(norm))
         capped |= over
+
+
+# `check_budget` syncs a wrapper's budget with the press it wraps (and a window press's with its window): one thread
+# at a time, so a press installed on two models at once reads one budget (re-entrant: a wrapper checks its press)
+BUDGET_LOCK = threading.RLock()
 
 
 def _check_ratio(value: float | None) -> None:
@@ -208,7 +214,8 @@ class BasePress(Installable):
         built (`press.compression_ratio = 0.75` between runs, as a tuning loop does), and a value out of range is
         refused as at construction (to switch between compression_ratio and max_tokens, build a new press:
         `dataclasses.replace(press, compression_ratio=None, max_tokens=256)`)."""
-        self._check_budget_values()
+        with BUDGET_LOCK:
+            self._check_budget_values()
 
     # ----- what a press defines -----------------------------------------------------------------------
     def score(self, obs: Observation) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from kvpress.presses.base import BasePress, Observation
+from kvpress.presses.base import BUDGET_LOCK, BasePress, Observation
 
 
 @dataclass
@@ -50,14 +50,15 @@ class SinkWindowPress(BasePress):
     def check_budget(self) -> None:
         """A press built with `window` keeps n_sink + window tokens, as set now (`window` or `n_sink` set since it
         was built move its budget); its max_tokens set apart from them is refused."""
-        self._check_window()
-        if self.window is not None and self.max_tokens != self.n_sink + self.window:
-            if self.max_tokens != self.__dict__.get("_from_window"):
-                raise ValueError(f"SinkWindowPress built with window= takes its budget from it (max_tokens = "
-                                 f"n_sink + window = {self.n_sink + self.window}), got max_tokens={self.max_tokens}: "
-                                 "set window, not max_tokens")  # fmt: skip
-            self.max_tokens = self.__dict__["_from_window"] = self.n_sink + self.window
-        super().check_budget()
+        with BUDGET_LOCK:
+            self._check_window()
+            if self.window is not None:
+                if self.max_tokens not in (self.n_sink + self.window, self.__dict__.get("_from_window")):
+                    raise ValueError(f"SinkWindowPress built with window= takes its budget from it (max_tokens = "
+                                     f"n_sink + window = {self.n_sink + self.window}), got max_tokens="
+                                     f"{self.max_tokens}: set window, not max_tokens")  # fmt: skip
+                self.max_tokens = self.__dict__["_from_window"] = self.n_sink + self.window
+            super().check_budget()
 
     def score(self, obs: Observation) -> torch.Tensor:
         return obs.layer.pos.float()
