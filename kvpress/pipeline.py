@@ -64,7 +64,7 @@ def check_press(press) -> None:
 def holds_whole(press: BasePress | None, context_tokens: int) -> bool:
     """Whether `press` has a fixed budget (`max_tokens`) that holds a context of `context_tokens` whole (the budget
     as it stands: checked, and shared with a wrapped press, first)."""
-    if press is not None:
+    if isinstance(press, BasePress):
         press.check_budget()
     max_tokens = getattr(press, "max_tokens", None)
     return max_tokens is not None and max_tokens >= context_tokens
