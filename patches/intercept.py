@@ -345,7 +345,7 @@ class Intercept:
         ids = call.ids if call is not None and call.ids is not None and call.ids.shape[-1] == query.shape[2] else None
         layer = call.cache.layers[module.layer_idx] if call is not None and call.cache is not None else None
         if not isinstance(layer, _DRIVEN):  # another caller's forward, or a layer the press leaves alone
-            if call is not None and call.cache is None and not self._said_outside:  # (said once per installation)
+            if not self._said_outside and call is not None and call.cache is None:  # (said once per installation)
                 self._said_outside = True
                 warnings.warn(OUTSIDE.format(model=type(self.model).__name__), stacklevel=2)
             return inner(module, query, key, value, info.standard() if info else attention_mask, **kwargs)

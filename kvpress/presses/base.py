@@ -215,7 +215,12 @@ class BasePress(Installable):
         refused as at construction (to switch between compression_ratio and max_tokens, build a new press:
         `dataclasses.replace(press, compression_ratio=None, max_tokens=256)`)."""
         with BUDGET_LOCK:
+            self._share_budget()
             self._check_budget_values()
+
+    def _share_budget(self) -> None:
+        """Before `check_budget` checks the values (under its lock): bring the budget in line with what it derives
+        from (a wrapped press's, a window's). Nothing for most presses."""
 
     # ----- what a press defines -----------------------------------------------------------------------
     def score(self, obs: Observation) -> torch.Tensor:

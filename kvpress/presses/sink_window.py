@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from kvpress.presses.base import BUDGET_LOCK, BasePress, Observation
+from kvpress.presses.base import BasePress, Observation
 
 
 @dataclass
@@ -47,18 +47,16 @@ class SinkWindowPress(BasePress):
                                         or self.window < 1):  # fmt: skip
             raise ValueError(f"window must be a positive integer, got {self.window!r}")
 
-    def check_budget(self) -> None:
+    def _share_budget(self) -> None:
         """A press built with `window` keeps n_sink + window tokens, as set now (`window` or `n_sink` set since it
-        was built move its budget); its max_tokens set apart from them is refused."""
-        with BUDGET_LOCK:
-            self._check_window()
-            if self.window is not None:
-                if self.max_tokens not in (self.n_sink + self.window, self.__dict__.get("_from_window")):
-                    raise ValueError(f"SinkWindowPress built with window= takes its budget from it (max_tokens = "
-                                     f"n_sink + window = {self.n_sink + self.window}), got max_tokens="
-                                     f"{self.max_tokens}: set window, not max_tokens")  # fmt: skip
-                self.max_tokens = self.__dict__["_from_window"] = self.n_sink + self.window
-            super().check_budget()
+        was built move its budget); its max_tokens set apart from them is refused (`BasePress.check_budget`)."""
+        self._check_window()
+        if self.window is not None:
+            if self.max_tokens not in (self.n_sink + self.window, self.__dict__.get("_from_window")):
+                raise ValueError(f"SinkWindowPress built with window= takes its budget from it (max_tokens = "
+                                 f"n_sink + window = {self.n_sink + self.window}), got max_tokens={self.max_tokens}: "
+                                 "set window, not max_tokens")  # fmt: skip
+            self.max_tokens = self.__dict__["_from_window"] = self.n_sink + self.window
 
     def score(self, obs: Observation) -> torch.Tensor:
         return obs.layer.pos.float()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvpress.presses.base import BUDGET_LOCK, BasePress
+from kvpress.presses.base import BasePress
 
 
 def inner_flag(name: str) -> property:
@@ -51,28 +51,25 @@ class WrapsPress:
         self.decode_slack, self.kv_bits = self.press.decode_slack, self.press.kv_bits
         self.__dict__["_shared_budget"] = (self.compression_ratio, self.max_tokens)  # (`check_budget`)
 
-    def check_budget(self) -> None:
-        """The wrapper and the press it wraps hold one budget: the one set since the wrapper was built wins (on the
-        wrapped press, as a ratio loop over `inner.compression_ratio` does, or on the wrapper), then it is checked
-        (`BasePress.check_budget`); set on both to different values, it is refused."""
-        with BUDGET_LOCK:
-            self.press.check_budget()  # (a press it wraps that wraps another: shared below first)
-            mine = (self.compression_ratio, self.max_tokens)
-            inner = (self.press.compression_ratio, self.press.max_tokens)
-            built = self.__dict__.get("_shared_budget", inner)  # (as last checked)
-            if mine != inner:
-                if mine != built and inner != built:
-                    raise ValueError(f"{type(self).__name__}'s budget and its wrapped {type(self.press).__name__}'s "
-                                     f"were both set since they were last checked, to compression_ratio={mine[0]}, "
-                                     f"max_tokens={mine[1]} and compression_ratio={inner[0]}, max_tokens={inner[1]}: "
-                                     "set one")  # fmt: skip
-                if mine == built:  # set on the wrapped press
-                    self.compression_ratio, self.max_tokens = inner
-                else:  # set on the wrapper: the wrapped press (and any it wraps) takes it
-                    self.press.compression_ratio, self.press.max_tokens = mine
-                    self.press.check_budget()
-            self.__dict__["_shared_budget"] = (self.compression_ratio, self.max_tokens)
-            super().check_budget()
+    def _share_budget(self) -> None:
+        """The wrapper and the press it wraps hold one budget (`BasePress.check_budget`): the one set since they were
+        last checked wins (on the wrapped press, as a ratio loop over `inner.compression_ratio` does, or on the
+        wrapper); set on both to different values, it is refused."""
+        self.press.check_budget()  # (a press it wraps that wraps another: shared below first)
+        mine, inner = (self.compression_ratio, self.max_tokens), (self.press.compression_ratio, self.press.max_tokens)
+        built = self.__dict__.get("_shared_budget", inner)  # (as last checked)
+        if mine != inner:
+            if mine != built and inner != built:
+                raise ValueError(f"{type(self).__name__}'s budget and its wrapped {type(self.press).__name__}'s were "
+                                 f"both set since they were last checked, to compression_ratio={mine[0]}, "
+                                 f"max_tokens={mine[1]} and compression_ratio={inner[0]}, max_tokens={inner[1]}: "
+                                 "set one")  # fmt: skip
+            if mine == built:  # set on the wrapped press
+                self.compression_ratio, self.max_tokens = inner
+            else:  # set on the wrapper: the wrapped press (and any it wraps) takes it
+                self.press.compression_ratio, self.press.max_tokens = mine
+                self.press.check_budget()
+        self.__dict__["_shared_budget"] = (self.compression_ratio, self.max_tokens)
 
     needs_whole_context = inner_flag("needs_whole_context")
     needs_tokenizer = inner_flag("needs_tokenizer")
