@@ -1,7 +1,12 @@
 """`KVPressLM`: lm-eval's `HFLM` with a press, so any lm-eval task measures quality under compression.
 
     lm_eval.simple_evaluate(model=KVPressLM(press="snapkv", compression_ratio=0.5), tasks=[...])
+    lm_eval.simple_evaluate(model=KVPressLM("qwen2.5-0.5b", ...), tasks=[...], metadata={"pretrained": "qwen2.5-0.5b"})
     kvpress lm-eval --model_args pretrained=default,press=snapkv,compression_ratio=0.5 --tasks kvpress_ruler
+
+kvpress's own tasks cut their contexts to length with the tokenizer their metadata names (`pretrained`, or
+`tokenizer`; the default model's when none): from Python, name the model there as above (the command line does it
+from --model_args); a model whose tokenizer counts otherwise is refused.
 
 Two modes, as in `kvpress.generate`. Query-agnostic (the default, `query_aware=False`): only the text
 before the request's question is compressed, so the compressed cache could serve any question; the
@@ -61,7 +66,7 @@ from transformers import DynamicCache
 
 import kvpress
 from kvpress.eval.memory import full_cache_bytes, peak_memory
-from kvpress.eval.tasks.lm_eval_hooks import metadata_keys
+from kvpress.eval.tasks.lm_eval_hooks import TOKENIZED_BY, metadata_keys, tokenizer_fingerprint
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.models import PACKAGED_MODELS, resolve_model_path
 from kvpress.patches.model_access import cache_keyword
@@ -275,7 +280,27 @@ class KVPressLM(HFLM):
         bar.close()
         return results
 
+    def _check_tokenized_by(self, requests) -> None:
+        """Refuse kvpress task rows cut to length with another tokenizer than this model's: lm-eval hands the tasks
+        `model_args` as metadata, so `simple_evaluate(model=KVPressLM(...))` without `metadata={"pretrained": ...}`
+        counts every context's tokens with the default model's tokenizer (a 1,024-token context read as 977)."""
+        own = None
+        for request in requests:
+            made = request.doc.get(TOKENIZED_BY) if isinstance(request.doc, dict) else None
+            if made is None:
+                continue
+            own = own or tokenizer_fingerprint(self.tokenizer)
+            if made != own:
+                raise ValueError(
+                    f"task {request.task_name!r} counted its contexts' tokens with another tokenizer than this "
+                    f"model's ({TOKENIZED_BY} {made} against {own}): its lengths would be wrong for this model. Name "
+                    "the model for the tasks in their metadata, {'pretrained': <model name or directory>} or "
+                    "{'tokenizer': <this tokenizer>}, given to simple_evaluate(metadata=...) or to the TaskManager "
+                    "you pass it (`kvpress lm-eval` does it from --model_args)"
+                )
+
     def loglikelihood(self, requests, disable_tqdm: bool = False):
+        self._check_tokenized_by(requests)
         if self.press is not None and not self.query_aware:
             self._question_starts = {request.args[0]: self._question_start(request) for request in requests}
         return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
@@ -346,6 +371,7 @@ class KVPressLM(HFLM):
 
     # ----- loglikelihood_rolling: the document read in chunks through one compressed cache ----------------
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        self._check_tokenized_by(requests)
         if self.press is None:
             return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
         if self.prefill_chunk_size and requests:
@@ -370,6 +396,7 @@ class KVPressLM(HFLM):
 
     # ----- generation: query-aware, the prompt compressed with decode-time eviction; else the context only ------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        self._check_tokenized_by(requests)
         if self.press is not None and not self.query_aware:
             self._question_tails = {}
             for request in requests:

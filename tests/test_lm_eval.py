@@ -424,6 +424,41 @@ def test_needle_task_end_to_end_as_lm_eval_runs_it(default_model):
     assert len(lm.kv_records) == 2 and all(r["kept_bytes"] < 0.7 * r["full_bytes"] for r in lm.kv_records)
 
 
+def test_task_rows_cut_with_another_tokenizer_are_refused(default_model):
+    """From Python, lm-eval hands the tasks no model_args: a kvpress task cut its contexts to length with the default
+    model's tokenizer whatever the model (a 1,024-token Qwen context read as 977). The rows name their tokenizer, and
+    a model that tokenizes otherwise is refused before any forward; named in the metadata, the rows follow it."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    from kvpress.eval.tasks.lm_eval_hooks import dataset, tokenizer_fingerprint
+    from kvpress.models import resolve_model_path
+
+    model, tokenizer = default_model
+    qwen = AutoTokenizer.from_pretrained(resolve_model_path("qwen2.5-0.5b"), local_files_only=True)
+    assert tokenizer_fingerprint(qwen) != tokenizer_fingerprint(tokenizer)
+    assert dataset("needle_noise", length=128, n=1)["test"][0]["tokenized_by"] == tokenizer_fingerprint(tokenizer)
+    assert dataset("needle_noise", length=128, n=1, tokenizer=qwen)["test"][0]["tokenized_by"] == (
+        tokenizer_fingerprint(qwen))  # fmt: skip
+    forwards = []
+    for press in (None, "knorm"):
+        lm = KVPressLM(pretrained=model, tokenizer=qwen, press=press, compression_ratio=press and 0.5)
+        hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+        with torch.inference_mode(False), pytest.raises(ValueError, match="counted its contexts' tokens with another "
+                                                                          "tokenizer than this model's"):  # fmt: skip
+            manager = TaskManager(include_path=TASKS_DIR, include_defaults=False, metadata={"n": 1, "length": 128})
+            lm_eval.simple_evaluate(model=lm, tasks=["kvpress_needle_noise"], task_manager=manager, bootstrap_iters=0)
+        hook.remove()
+        assert not forwards
+    lm = KVPressLM(pretrained=model, tokenizer=qwen, press="knorm", compression_ratio=0.5)
+    doc = {"context": "Some text.", "question": "Q?", "answers": ["1"]}
+    doc["tokenized_by"] = tokenizer_fingerprint(tokenizer)
+    for kind, args in (("loglikelihood", ("Some text.\n\nQ?", " 1")), ("loglikelihood_rolling", ("Some text.",))):
+        with pytest.raises(ValueError, match="another tokenizer"):
+            getattr(lm, kind)([Instance(kind, doc, args, 0)], disable_tqdm=True)  # (the other request types)
+
+
 def test_every_press_parameter_reaches_the_press(monkeypatch):
     """Each parameter of each press (the registry's, derived from the classes) goes to the press, not to HFLM (but
     those the tasks read too: refused, `test_a_press_parameter_the_tasks_also_read_is_refused_in_model_args`)."""

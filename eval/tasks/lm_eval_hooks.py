@@ -7,6 +7,7 @@ lm-eval loads this file by path, so it imports the generators through the instal
 from __future__ import annotations
 
 import difflib
+import hashlib
 import inspect
 
 from transformers import AutoTokenizer
@@ -20,6 +21,16 @@ from kvpress.models import resolve_model_path
 from kvpress.presses import all_press_parameters
 
 TOKENIZER_KEYS = ("tokenizer", "pretrained")  # where `_tokenizer` looks, in order
+TOKENIZED_BY = "tokenized_by"  # the field of each row naming the tokenizer its length was counted with
+_PROBE = "Needle 4096: the quick brown fox, naïve café — 3.14159?\n\tEnd of 'text' (übung) 日本語."
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short name for how `tokenizer` counts tokens (its vocabulary size and its ids of a probe text): equal for
+    two copies of one tokenizer, different for another model's. A task's rows carry it (`TOKENIZED_BY`), so a run
+    whose model tokenizes otherwise than the tokenizer the rows were cut to length with can be refused."""
+    ids = tokenizer(_PROBE, add_special_tokens=False)["input_ids"]
+    return hashlib.sha1(f"{len(tokenizer)}:{ids}".encode()).hexdigest()[:12]
 
 
 def _tokenizer(kwargs: dict):
@@ -43,16 +54,20 @@ def _whole(name: str, value) -> int:
 
 def dataset(task: str, length: int = 1024, n: int = 32, seed: int = 0, **kwargs) -> dict:
     """lm-eval's `custom_dataset`: `{"test": Dataset}` of kvpress task `task` (metadata: length, n, seed).
-    Rows have `context`, `question`, `answers`, or `text` for the perplexity tasks."""
+    Rows have `context`, `question`, `answers`, or `text` for the perplexity tasks, and `tokenized_by`: the
+    fingerprint of the tokenizer `length` was counted with (the bridge refuses a model that tokenizes otherwise)."""
     import datasets
 
     _check_keys(kwargs)
     n, length, seed = (_whole(name, value) for name, value in (("n", n), ("length", length), ("seed", seed)))
-    items = task_examples(task, _tokenizer(kwargs), n, length, seed)
+    tokenizer = _tokenizer(kwargs)
+    items = task_examples(task, tokenizer, n, length, seed)
     if isinstance(items[0], Document):
         rows = [{"text": d.text} for d in items]
     else:
         rows = [{"context": e.context, "question": e.question, "answers": list(e.answers)} for e in items]
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    rows = [{**row, TOKENIZED_BY: fingerprint} for row in rows]
     return {"test": datasets.Dataset.from_list(rows)}
 
 
