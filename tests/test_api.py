@@ -351,6 +351,45 @@ def test_a_budget_set_after_the_press_was_built_is_checked_and_shared_with_what_
         held(duo)
 
 
+def test_settings_a_wrapper_took_as_it_was_built_are_refused_once_moved_on_its_press():
+    """A wrapper takes rerotate / decode_slack / layer_scales / kv_bits from its press as it is built (and checks them
+    against itself: AdaKV refuses rerotate); `inner.kv_bits = 8` afterwards was ignored (the cache stayed in the
+    model's dtype). It is refused, naming the setting; the wrapper built again around the press applies it."""
+    from transformers import DynamicCache
+
+    from kvpress import AdaKVPress, ChunkPress, PyramidKVPress
+    from tiny import prompt, tiny_model
+
+    model, ids = tiny_model("llama"), prompt(length=40)
+
+    def bits(press) -> int | None:
+        cache = DynamicCache(config=model.config)
+        with press(model):
+            model(ids, cache=cache, use_cache=True)
+        return getattr(cache.layers[0], "kv_bits", None)
+
+    inner = SnapKVPress(compression_ratio=0.5, window_size=4)
+    chunked = ChunkPress(inner, chunk_size=4)
+    assert bits(chunked) is None
+    inner.kv_bits = 8
+    with pytest.raises(ValueError, match=r"the SnapKVPress that ChunkPress wraps was given kv_bits=8 \(built with "
+                                         r"None\) after ChunkPress was built.*build the wrapper again"):  # fmt: skip
+        bits(chunked)
+    assert bits(ChunkPress(inner, chunk_size=4)) == 8
+    innermost = SnapKVPress(compression_ratio=0.5, window_size=4)
+    nested = ChunkPress(PyramidKVPress(innermost, beta=1), chunk_size=4)
+    innermost.rerotate = True  # (AdaKV would have refused it as it was built)
+    with pytest.raises(ValueError, match="SnapKVPress that PyramidKVPress wraps was given rerotate=True"):
+        bits(nested)
+    head = SnapKVPress(compression_ratio=0.5, window_size=4)
+    ada = AdaKVPress(head)
+    head.rerotate = True
+    with pytest.raises(ValueError, match="SnapKVPress that AdaKVPress wraps was given rerotate=True"):
+        bits(ada)
+    with pytest.raises(ValueError, match="AdaKVPress gives heads different budgets"):
+        AdaKVPress(head)
+
+
 def test_a_wrong_cache_a_missing_tokenizer_and_a_shared_config_are_named(tokenized):
     """Each raised a bare AttributeError / TypeError, or named the wrong model."""
     import copy

@@ -22,6 +22,13 @@ def wrapped_chain(press) -> list[BasePress]:
     return chain
 
 
+SETTINGS = ("rerotate", "decode_slack", "layer_scales", "kv_bits")  # what a wrapper takes from its press as it is built
+
+
+def _settings(press: BasePress) -> dict:
+    return {name: getattr(press, name) for name in SETTINGS}
+
+
 class WrapsPress:
     """Mixin of presses built around another press (`press`), which keeps its own budget and protections."""
 
@@ -42,20 +49,27 @@ class WrapsPress:
                             "(use it alone)")  # fmt: skip
         if self.compression_ratio is not None or self.max_tokens is not None:
             raise ValueError(f"{name} takes its budget from the wrapped press; set it there")
-        defaults = {f.name: f.default for f in dataclasses.fields(BasePress)
-                    if f.name in ("rerotate", "decode_slack", "layer_scales", "kv_bits")}  # fmt: skip
+        defaults = {f.name: f.default for f in dataclasses.fields(BasePress) if f.name in SETTINGS}
         changed = sorted(key for key, default in defaults.items() if getattr(self, key) != default)
         if changed:
             raise ValueError(f"{name} takes {', '.join(changed)} from the wrapped press; set it there")
         self.compression_ratio, self.max_tokens = self.press.compression_ratio, self.press.max_tokens
         self.decode_slack, self.kv_bits = self.press.decode_slack, self.press.kv_bits
         self.__dict__["_shared_budget"] = (self.compression_ratio, self.max_tokens)  # (`check_budget`)
+        self.__dict__["_press_settings"] = _settings(self.press)  # (`_share_budget`: fixed once built)
 
     def _share_budget(self) -> None:
         """The wrapper and the press it wraps hold one budget (`BasePress.check_budget`): the one set since they were
         last checked wins (on the wrapped press, as a ratio loop over `inner.compression_ratio` does, or on the
         wrapper); set on both to different values, it is refused."""
         self.press.check_budget()  # (a press it wraps that wraps another: shared below first)
+        taken = self.__dict__.get("_press_settings", {})
+        moved = [f"{name}={value!r} (built with {taken[name]!r})" for name, value in _settings(self.press).items()
+                 if name in taken and value != taken[name]]  # fmt: skip
+        if moved:  # the wrapper copied them and checked them against itself as it was built: not shared later
+            raise ValueError(f"the {type(self.press).__name__} that {type(self).__name__} wraps was given "
+                             f"{', '.join(moved)} after {type(self).__name__} was built, which takes them as it is "
+                             "built (only the budget is shared later): build the wrapper again around it")  # fmt: skip
         mine, inner = (self.compression_ratio, self.max_tokens), (self.press.compression_ratio, self.press.max_tokens)
         built = self.__dict__.get("_shared_budget", inner)  # (as last checked)
         if mine != inner:
