@@ -123,9 +123,10 @@ class BasePress(Installable):
         rerotate: re-rotate kept keys to positions inside the cache (StreamingLLM), so the model never
             sees a position beyond the cache size and can run past `max_position_embeddings` (default False).
         layer_scales: optional relative budgets per layer (normalised to average 1): layers keep
-            different numbers of tokens, the total staying that of the budget (with compression_ratio, a layer
-            whose share is more than its whole context keeps it all and the others share the rest,
-            `shares_within`; with max_tokens such a layer keeps its context, said once, and the total is less).
+            different numbers of tokens, the total staying that of the budget (each share rounded down: up to one
+            token a layer less; with compression_ratio, a layer whose share is more than its whole context keeps
+            it all and the others share the rest, `shares_within`; with max_tokens such a layer keeps its
+            context, said once, and the total is less).
         decode_slack: while decoding, a row over its budget is cut to `budget - decode_slack * budget`
             tokens at once, so scoring and copying run every few steps instead of every step (the cache
             never exceeds its budget; default 0.02). 0 evicts one token per step. A press that scores the whole context

@@ -44,9 +44,10 @@ class KVzipPress(BasePress):
         window_size: last context tokens always kept (default 16; the paper keeps none).
         global_budget: the fraction g in [0, 1] of the budget spread across layers by ranking every
             layer's scores together (the paper ranks all layers at once: g = 1); layers whose pairs score
-            higher keep more, the total stays the budget. Each layer keeps at least (1 - g) of the even
-            share (default 0.5; 0: every layer keeps the same number). Within a layer the budget is per
-            head, or spread across heads with `AdaKVPress(KVzipPress(...))`.
+            higher keep more, the total stays the budget (each layer's share rounded down: up to one token a
+            layer less). Each layer keeps at least (1 - g) of the even share (default 0.5; 0: every layer keeps
+            the same number). Within a layer the budget is per head, or spread across heads with
+            `AdaKVPress(KVzipPress(...))`.
         value_norm: weight each pair's score by the L2 norm of its value (default False), since what a
             pair adds to an attention output is its weight times its value (value-aware pruning, Guo et
             al. 2024, arXiv:2406.12335, weights by the L1 norm: no better on the tuning seeds). Layer

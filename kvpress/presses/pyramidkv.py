@@ -3,9 +3,9 @@
 Cai et al. 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling"
 (arXiv:2406.02069): attention spreads widely in lower layers and concentrates in higher ones, so
 lower layers get more of the budget. With an average budget k, the top layer keeps k / beta, the
-bottom one 2k - k / beta, and the layers in between follow the line; the total equals the uniform one. Where
-the line asks a bottom layer for more than its context (at small compression ratios), it keeps the context and
-the layers above share the rest (`shares_within`).
+bottom one 2k - k / beta, and the layers in between follow the line; the total equals the uniform one (each
+layer's share rounded down: up to one token a layer less). Where the line asks a bottom layer for more than its
+context (at small compression ratios), it keeps the context and the layers above share the rest (`shares_within`).
 The paper scores with SnapKV (the default here); any token-level press can score instead
 (`PyramidKVPress(KnormPress(compression_ratio=0.5))`, `pyramidkv:inner=knorm`). Models with sliding-window
 layers (Gemma 3) are refused: their windowed layers cannot take the larger shares the pyramid gives them.
