@@ -346,6 +346,12 @@ class PressInstallation:
     def before_forward(self, cache: DynamicCache, args: tuple, kwargs: dict) -> None:
         if any(isinstance(layer, HeadwiseLayer) for layer in cache.layers):
             self._check_headwise(cache, args, kwargs)
+        if (self.press is None or not self.press.rerotate) and any(getattr(layer, "rotated", False)
+                                                                   for layer in cache.layers):  # fmt: skip
+            name = type(self.press).__name__ if self.press is not None else "an observer (a chat's round policy)"
+            raise ValueError(f"this cache's keys were re-rotated to positions inside the cache by a press with "
+                             f"rerotate=True; {name} does not re-rotate, so its new tokens would run at their true "
+                             "positions: continue it with a press that re-rotates (rerotate=True)")  # fmt: skip
         if self.press is not None and self.press.rerotate:
             kwargs["position_ids"] = cache_positions(cache, args, kwargs)
 

@@ -162,6 +162,11 @@ class RoundPolicy:
         if any(getattr(layer, "kv_bits", None) is not None for layer in cache.layers):
             raise ValueError("this chat's cache holds quantized layers (a press with kv_bits): a round policy moves "
                              "and recompresses dense slots, so it cannot continue it")  # fmt: skip
+        kinds = sorted({name for layer in cache.layers if isinstance(layer, PressedLayer) for name in layer.slots})
+        if self.inner is not None and set(kinds) - {"pos"}:  # (what `end_turn` cannot compress: said before the turn)
+            raise ValueError(f"this chat's cache holds per-slot {[k for k in kinds if k != 'pos']} (a press's padding, "
+                             f"scores or rotations): inner={type(self.inner).__name__} cannot compress a round of "
+                             "it; continue it without inner=, or with the press that made it")  # fmt: skip
         self._turn = _Turn(cache, list(rounds), store if self.offload == "cpu" else None, queries)
         self._queries = {}
 

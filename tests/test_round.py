@@ -202,3 +202,38 @@ def test_round_policy_is_the_sessions_not_a_press(default_model):
         kvpress.ChatSession(model, tokenizer, press=kvpress.SnapKVPress(compression_ratio=0.5),
                             round_policy=kvpress.RoundPolicy())  # fmt: skip
     assert kvpress.RoundPress is kvpress.RoundPolicy
+
+
+def test_a_cache_a_press_left_that_a_later_turn_cannot_continue_is_refused_before_the_turn(tokenized):
+    """A press changed between turns: a cache whose keys a rerotate=True press re-rotated ran later turns at their
+    true positions under a press that does not re-rotate, or a round policy (the cache holds 40 keys at positions
+    0..39; the next token ran at 51); a round policy's inner press met per-slot scores it cannot compress only after
+    the turn ran, and the session was lost. Both are refused before the turn, and the session goes on."""
+    model, tokenizer = tokenized
+    first = "Hello there, my name is Ada and I live in a small blue house near the river."
+    later = [(kvpress.SinkWindowPress(max_tokens=40), None, "SinkWindowPress does not re-rotate"),
+             (None, kvpress.RoundPolicy(watershed_layer=1), "an observer .* does not re-rotate"),
+             (None, kvpress.RoundPolicy(watershed_layer=1, inner=kvpress.SnapKVPress(compression_ratio=0.5)),
+              r"per-slot \['rot'\] .* inner=SnapKVPress cannot compress a round of it")]  # fmt: skip
+    for press, policy, refusal in later:
+        session = kvpress.ChatSession(model, tokenizer, press=kvpress.SinkWindowPress(max_tokens=40, rerotate=True),
+                                      max_new_tokens=3)  # fmt: skip
+        session.send(first)
+        held, seen = session.cache.layers[0].n, session.cache.get_seq_length()
+        session.press, session.round_policy = press, policy
+        for _ in range(2):  # refused, the session unchanged, and refused alike again (not "cannot go on")
+            with pytest.raises(ValueError, match=refusal):
+                session.send("What is my name?")
+            assert (session.cache.layers[0].n, session.cache.get_seq_length(), len(session.rounds)) == (held, seen, 1)
+        session.press, session.round_policy = kvpress.SinkWindowPress(max_tokens=40, rerotate=True), None
+        session.send("What is my name?")
+        assert len(session.rounds) == 2
+    session = kvpress.ChatSession(model, tokenizer, press=kvpress.HeavyHitterPress(compression_ratio=0.3),
+                                  max_new_tokens=3)  # fmt: skip
+    session.send(first)
+    session.press = None
+    session.round_policy = kvpress.RoundPolicy(watershed_layer=1, inner=kvpress.SnapKVPress(compression_ratio=0.5))
+    with pytest.raises(ValueError, match=r"per-slot \['h2o_attention'\]"):
+        session.send("What is my name?")
+    session.round_policy, session.press = None, kvpress.HeavyHitterPress(compression_ratio=0.3)
+    session.send("What is my name?")
