@@ -1,9 +1,9 @@
 """Save a compressed cache and load it later, in another process: `save_cache(cache, path)`, `load_cache(path, model)`.
 
 One safetensors file: every layer's keys, values, slot positions, per-head storage and press state
-(`kvpress.patches.cache_io`), and in its metadata the model's architecture hash (a cache loads only into a
-model of the same architecture), the press spec it was made with (if given), and the versions of kvpress,
-torch and transformers that wrote it. Nothing is pickled.
+(`kvpress.patches.cache_io`), and in its metadata the model's architecture hash, its layers' attention kinds and
+window (a cache loads only into a model of the same architecture), the press spec it was made with (if given), and
+the versions of kvpress, torch and transformers that wrote it. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -40,6 +40,14 @@ def save_cache(cache: DynamicCache, path: str | Path, model: nn.Module, press: s
     if any(getattr(layer, "offloaded", None) is not None for layer in cache.layers):
         raise ValueError("this cache keeps a RecallPress store of evicted spans, which save_cache does not write: "
                          "the loaded cache could not recall them (compress with its inner press to save)")  # fmt: skip
+    kinds = model_access.layer_types(model)
+    if len(cache.layers) != len(kinds):
+        raise ValueError(f"this cache has {len(cache.layers)} layers and this {type(model).__name__} {len(kinds)}: "
+                         "save a cache with the model that made it")  # fmt: skip
+    lengths = sorted({layer.get_seq_length() for layer in cache.layers})
+    if len(lengths) > 1:  # (a plain cache keeps no record of a forward that raised after some layers ran)
+        raise ValueError(f"this cache's layers have seen different numbers of tokens ({lengths[0]} to {lengths[-1]}): "
+                         "a forward that raised left it half-updated; it cannot be saved")  # fmt: skip
     tensors, layers, seen = {}, [], set()
     for i, layer in enumerate(cache.layers):
         named, fields = layer_state(layer, f"layer{i}")
@@ -49,7 +57,8 @@ def save_cache(cache: DynamicCache, path: str | Path, model: nn.Module, press: s
             tensors[key] = t.clone() if shared else t
         layers.append(fields)
     meta = {"format": FORMAT, "config_hash": config_hash(model), "model": type(model).__name__, "press": press,
-            "dtype": str(_dtype(model)), "layers": layers,
+            "dtype": str(_dtype(model)), "layer_types": kinds, "sliding_window": model_access.sliding_window(model),
+            "layers": layers,
             "versions": {p: version(p) for p in ("kvpress", "torch", "transformers")}}  # fmt: skip
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
@@ -81,6 +90,12 @@ def load_cache(path: str | Path, model: nn.Module) -> DynamicCache:
             f"{path} holds a cache of a {meta['model']} with architecture hash {meta['config_hash']}; this "
             f"{type(model).__name__} has {config_hash(model)}: a cache only continues the model that made it"
         )
+    made = {"layer_types": meta.get("layer_types"), "sliding_window": meta.get("sliding_window")}
+    here = {"layer_types": model_access.layer_types(model), "sliding_window": model_access.sliding_window(model)}
+    if "layer_types" in meta and made != here:  # (outside the architecture hash; files written before: no check)
+        raise ValueError(f"{path} holds a cache of a model whose layers attend as {_layers(made)}; this "
+                         f"{type(model).__name__}'s attend as {_layers(here)}: a cache only continues the model "
+                         "that made it")  # fmt: skip
     dtype = str(_dtype(model))
     if meta.get("dtype", dtype) != dtype:  # (files written before it was recorded: no check)
         raise ValueError(f"{path} holds a cache of a model in {meta['dtype']}; this one computes in {dtype}: "
@@ -105,3 +120,15 @@ def _dtype(model: nn.Module) -> torch.dtype:
     """The dtype the model's attention computes in (its first attention module's weights')."""
     module = next(iter(model_access.attention_modules(model).values()))
     return next(module.parameters()).dtype
+
+
+def _layers(kinds: dict) -> str:
+    """`layer_types` and `sliding_window` in a line: "full_attention x 2, sliding_attention x 4 (window 16)"."""
+    runs: list[list] = []
+    for kind in kinds["layer_types"]:
+        if runs and runs[-1][0] == kind:
+            runs[-1][1] += 1
+        else:
+            runs.append([kind, 1])
+    window = f" (window {kinds['sliding_window']})" if kinds["sliding_window"] is not None else ""
+    return ", ".join(f"{kind} x {count}" for kind, count in runs) + window
