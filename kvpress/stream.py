@@ -8,6 +8,7 @@ can be followed over millions of tokens with the memory of a few thousand.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -55,7 +56,9 @@ def stream(
         press: what bounds the cache, typically `SinkWindowPress(n_sink=4, window=W, rerotate=True)`;
             any press that scores tokens as they are cached works (it evicts after every chunk); one that
             scores a whole prompt in a pass of its own (KVzip, ...) is refused. None keeps the full cache,
-            which is only possible while the stream fits the model's `max_position_embeddings`.
+            which is only possible while the stream fits the model's `max_position_embeddings`; a press without
+            `rerotate=True` streams past them with a warning (the positions it never saw: StreamingLLM's
+            measure of why re-rotation matters).
         chunk: tokens fed per forward; within a chunk each token also sees the chunk's earlier tokens.
         limit: read at most this many tokens of the stream.
         cache: a `DynamicCache` to use, so the caller can inspect it between chunks.
@@ -79,12 +82,23 @@ def stream(
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 2:
             raise ValueError(f"limit must be an integer of at least 2 tokens, got {limit!r}")
         ids = ids[:limit]
+    vocab = model.get_input_embeddings().num_embeddings
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise ValueError(f"the stream's token ids must be integers, got {ids.dtype}")
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"the stream's token ids must lie in [0, {vocab}) (the model's vocabulary), got "
+                         f"{int(ids.min())} to {int(ids.max())}")  # fmt: skip
     max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if press is None and max_positions is not None and ids.numel() > max_positions:
         raise ValueError(
             f"a full cache cannot stream {ids.numel()} tokens: the model has {max_positions} positions; "
             "pass a press (for example SinkWindowPress(window=..., rerotate=True)) or limit="
         )
+    if press is not None and not press.rerotate and max_positions is not None and ids.numel() > max_positions:
+        warnings.warn(f"{type(press).__name__} without rerotate=True streams {ids.numel()} tokens at their own "
+                      f"positions, past the model's {max_positions}: the tokens after them run at positions it never "
+                      "saw (StreamingLLM's point: perplexity climbs); rerotate=True keeps every position within "
+                      "the cache", stacklevel=2)  # fmt: skip
     installation = press(model) if press is not None else None  # (refuses a model kvpress cannot intercept)
     cache = DynamicCache(config=model.config) if cache is None else cache
     return _nlls(model, ids.to(model.device), installation, chunk, cache, progress)

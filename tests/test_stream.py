@@ -46,9 +46,20 @@ def test_streams_10x_past_max_positions_with_a_fixed_cache(press):
 
 
 def test_full_cache_refuses_a_stream_longer_than_the_positions():
+    """A press that does not re-rotate streams past them with a warning (its keys ran at positions up to 39 of 32
+    without a word: an audit found it; `make bench-stream` measures that run on purpose)."""
+    import warnings
+
     model = tiny_model("llama", max_position_embeddings=32)
     with pytest.raises(ValueError, match="a full cache cannot stream 40 tokens: the model has 32 positions"):
         kvpress.stream(model, None, prompt(1, 40)[0], progress=False)
+    with pytest.warns(UserWarning, match="SinkWindowPress without rerotate=True streams 40 tokens at their own "
+                                         "positions, past the model's 32"):  # fmt: skip
+        kvpress.stream(model, None, prompt(1, 40)[0], press=kvpress.SinkWindowPress(max_tokens=16), progress=False)
+    press = kvpress.SinkWindowPress(max_tokens=16, rerotate=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(torch.cat(list(kvpress.stream(model, None, prompt(1, 40)[0], press=press, progress=False)))) == 39
 
 
 def test_bad_arguments():
@@ -58,6 +69,12 @@ def test_bad_arguments():
         kvpress.stream(model, None, prompt(1, 10)[0], chunk=0)
     with pytest.raises(ValueError, match="at least 2 tokens"):
         kvpress.stream(model, None, torch.tensor([5]))
+    vocab = model.config.vocab_size  # (raw torch errors at the first chunk before)
+    with pytest.raises(ValueError, match="the stream's token ids must be integers, got torch.float32"):
+        kvpress.stream(model, None, torch.tensor([5.0, 7.0, 9.0]))
+    for ids in ([5, -1, 7], [5, 7, vocab]):
+        with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {vocab}\) .* got {min(ids)} to {max(ids)}"):
+            kvpress.stream(model, None, ids)
     for limit in (100.0, True, 1):
         with pytest.raises(ValueError, match=f"limit must be an integer of at least 2 tokens, got {limit!r}"):
             kvpress.stream(model, None, prompt(1, 10)[0], limit=limit)
