@@ -6,7 +6,9 @@ must not change behaviour (a refactor) keeps every answer and every kept byte.
 The sample takes rows of every press of the sweep in turn (a seeded shuffle within each press), answer
 tasks only (perplexity rows are not replayed). Each row is measured as the sweep measured it: the same
 example drawn with the sweep's settings, one recorded prefill, the press applied, the same answer budget.
-Results are written as they come, and a second run resumes where the first stopped.
+Results are written as they come, and a second run resumes where the first stopped (a row of the file replays the
+same sweep row, as the sweep wrote it, under the same settings, or it is measured again: one file can take several
+sweeps' replays, and the summary counts this run's sample only).
 """
 
 from __future__ import annotations
@@ -67,15 +69,20 @@ def replayable(sweep: Path, presses: list[str] | None = None) -> list[dict]:
 def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, progress: bool = True,
            presses: list[str] | None = None) -> list[dict]:  # fmt: skip
     """Re-measure `n` sampled rows of `sweep` (of `presses` only, when given) into `out` (JSON lines, resumed);
-    returns every replayed row."""
+    returns the sample's replayed rows, in its order. A row of `out` is this sample's when it replays the same row
+    (task, example, press, ratio and what the sweep wrote for it) of a sweep of the same settings: one of another
+    sweep, or of this one before it was measured again, is measured anew."""
     settings = json.loads((sweep / "settings.json").read_text())
     rows = replayable(sweep, presses)
     done = read_rows(out, "kvpress replay")
-    seen = {(r["task"], r["example"], r["press"], r["ratio"]) for r in done}
     out.parent.mkdir(parents=True, exist_ok=True)
+    replayed = []
     for row in sample_rows(rows, n, seed):
         key = (row["task"], row["example"], row["press"], row["ratio"])
-        if key in seen:
+        same_row = [r for r in done if (r["task"], r["example"], r["press"], r["ratio"]) == key
+                    and all(r[f"was_{f}"] == row[f] for f in FIELDS) and r.get("settings", settings) == settings]
+        if same_row:
+            replayed.append(same_row[-1])
             continue
         count = max(row.get("examples", 0), settings["examples"], row["example"] + 1)
         example = task_examples(row["task"], tokenizer, count, settings["length"], settings["seed"])[row["example"]]
@@ -86,13 +93,13 @@ def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, prog
                                 settings["query_aware"], False, settings.get("prefill_chunk_size")))  # fmt: skip
         result = {"task": row["task"], "example": row["example"], "press": row["press"], "ratio": row["ratio"],
                   **{f"was_{f}": row[f] for f in FIELDS}, **{f"now_{f}": new[f] for f in FIELDS},
-                  "same": all(row[f] == new[f] for f in FIELDS)}  # fmt: skip
+                  "same": all(row[f] == new[f] for f in FIELDS), "settings": settings}  # fmt: skip
         append_row(out, result)
-        done.append(result)
+        replayed.append(result)
         if progress:
             mark = "same" if result["same"] else "DIFFERENT"
             print(f"{mark:9s} {row['press']}@{row['ratio']} {row['task']} #{row['example']}: {new['answer']!r}")
-    return done
+    return replayed
 
 
 def main(argv: list[str] | None = None) -> int:

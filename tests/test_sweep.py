@@ -815,6 +815,19 @@ def test_replay_measures_sampled_rows_again_and_appends_each(default_model, tmp_
     if chunk:
         return
     assert replay(model, tokenizer, tmp_path / "sweep", 2, out) == done  # nothing measured twice
+    assert replay(model, tokenizer, tmp_path / "sweep", 1, out) == done[:1]  # this sample's rows, not the file's
+    import shutil
+
+    shutil.copytree(tmp_path / "sweep", tmp_path / "other")  # another sweep into the same file: its own rows, not
+    results = tmp_path / "other" / "results.jsonl"  # the first sweep's verdicts (they passed in its place)
+    results.write_text("".join(json.dumps({**json.loads(line), "answer": "other"}) + "\n"
+                               for line in results.read_text().splitlines()))  # fmt: skip
+    other = replay(model, tokenizer, tmp_path / "other", 2, out, progress=False)
+    assert [r["was_answer"] for r in other] == ["other", "other"] and not any(r["same"] for r in other)
+    assert len(out.read_text().splitlines()) == 4
+    settings = json.loads((tmp_path / "other" / "settings.json").read_text())
+    (tmp_path / "other" / "settings.json").write_text(json.dumps({**settings, "length": 192}))  # other settings too
+    assert replay(model, tokenizer, tmp_path / "other", 1, out, progress=False)[0]["settings"]["length"] == 192
     from kvpress.eval.replay import main as replay_main
 
     with pytest.raises(SystemExit):  # a misspelt press would replay nothing and pass: refused before the model loads
