@@ -6,7 +6,8 @@ Three prompts of different lengths (the demo document at 150, 300 and 450 words,
 greedily, each alone and the three together, left-padded, for every press of the registry and the model's default
 (`default`); a row is equal when its tokens match the row alone's up to that one's end-of-sequence. A press that
 refuses a padded batch (it scores a prompt whole, or one at a time) is recorded with its message. Writes
-`eval/results/padding-<model>.json` after each press and resumes from it (a press already there is skipped).
+`eval/results/padding-<model>.json` after each press and resumes from it (a press already there is skipped; a file
+measured with another ratio, token count or model is refused).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 import kvpress
 from kvpress.cli import DEMO_QUESTION, demo_document
+from kvpress.eval.sweep import replace_text
 from kvpress.models import DEFAULT_MODEL
 from kvpress.presses import press_from_name, press_names, resolve_default
 
@@ -58,22 +60,35 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--new", type=int, default=24, help="tokens generated per row")
     args = parser.parse_args(argv)
+    if not 0 <= args.ratio < 1:
+        parser.error(f"--ratio must be in [0, 1), got {args.ratio}")
+    if args.new < 1:
+        parser.error(f"--new must be a positive number of tokens, got {args.new}")
+    specs = args.presses.split(",") if args.presses else ["default", *press_names()]
+    for spec in specs:  # before the model loads (`default` names the model's press, known once it loads)
+        if spec.split(":")[0] != "default":
+            try:
+                press_from_name(spec, compression_ratio=args.ratio)
+            except (ValueError, TypeError) as error:
+                parser.error(str(error))
+    out = RESULTS / f"padding-{Path(args.model).name or args.model}.json"  # (a local directory: its name)
+    settings = {"model": args.model, "ratio": args.ratio, "words": list(WORDS), "new_tokens": args.new}
+    result = json.loads(out.read_text()) if out.exists() else {**settings, "presses": {}}
+    other = {key: result.get(key) for key in settings if result.get(key) != settings[key]}
+    if other:  # its presses were measured so: resuming would label them with this run's settings
+        parser.error(f"{out} holds presses measured with {other}, not {({k: settings[k] for k in other})}: give the "
+                     "same settings to resume it, or move it away")  # fmt: skip
     model, tokenizer = kvpress.load_model(args.model)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     texts = [demo_document(n_words=n) + "\n\nQuestion: " + DEMO_QUESTION + "\nAnswer:" for n in WORDS]
-    specs = args.presses.split(",") if args.presses else ["default", *press_names()]
-    out = RESULTS / f"padding-{args.model}.json"
-    result = json.loads(out.read_text()) if out.exists() else {}
-    result.update({"model": args.model, "ratio": args.ratio, "words": list(WORDS), "new_tokens": args.new})
-    result.setdefault("presses", {})
     for spec in specs:
         if spec in result["presses"]:
             continue
         press = press_from_name(resolve_default(spec, model), compression_ratio=args.ratio)
         result["presses"][spec] = row = check(press, model, tokenizer, texts, args.new)
-        out.write_text(json.dumps(result, indent=1) + "\n")
+        replace_text(out, json.dumps(result, indent=1) + "\n")
         print(spec, row.get("rows_equal", row.get("refused")), flush=True)
     return result
 

@@ -4,7 +4,8 @@ holds its budget of what a sliding layer would hold (`window - 1`), and the demo
     python -m kvpress.eval.check_sliding [--model gemma-3-270m] [--ratios 0.5,0.75]
 
 Writes `eval/results/sliding-<model>.json`: the prompt's length, the window, and per ratio the cache bytes
-as a share of no press's, the most tokens a sliding and a full-attention layer hold, and the answer.
+as a share of no press's, the most tokens a sliding and a full-attention layer hold (None: every layer slides),
+and the answer.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from transformers import DynamicCache
 import kvpress
 from kvpress import SnapKVPress
 from kvpress.cli import DEMO_ANSWER, DEMO_QUESTION, demo_document
+from kvpress.eval.sweep import replace_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -36,6 +38,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ratios", default="0.5,0.75")
     parser.add_argument("--words", type=int, default=900, help="words of the demo document (past the window)")
     args = parser.parse_args(argv)
+    try:
+        ratios = [float(r) for r in args.ratios.split(",")]
+    except ValueError:
+        parser.error(f"--ratios must be comma-separated numbers, got {args.ratios!r}")
+    bad = [r for r in ratios if not 0 <= r < 1]
+    if bad:
+        parser.error(f"--ratios must lie in [0, 1), got {bad}")
+    if args.words < 1:
+        parser.error(f"--words must be positive, got {args.words}")
     model, tokenizer = kvpress.load_model(args.model)
     window = kvpress.patches.model_access.sliding_window(model)
     if window is None:
@@ -47,18 +58,19 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"model": args.model, "prompt_tokens": ids.shape[1], "window": window,
               "ratio_0_identical": torch.equal(plain, zero), "full_cache_bytes": kvpress.cache_bytes(full),
               "answer_no_press": tokenizer.decode(plain, skip_special_tokens=True), "ratios": {}}  # fmt: skip
-    for ratio in (float(r) for r in args.ratios.split(",")):
+    for ratio in ratios:
         answer, cache = _run(model, ids, SnapKVPress(ratio))
         text = tokenizer.decode(answer, skip_special_tokens=True)
         result["ratios"][ratio] = {
             "bytes_share": kvpress.cache_bytes(cache) / result["full_cache_bytes"],
             "sliding_layer_max_held": max(layer.n for layer in cache.layers if layer.window is not None),
-            "full_layer_max_held": max(layer.n for layer in cache.layers if layer.window is None),
+            "full_layer_max_held": max((layer.n for layer in cache.layers if layer.window is None),
+                                       default=None),  # (None: every layer slides, as Mistral-7B-v0.1's)
             "answer": text,
             "fact_kept": DEMO_ANSWER in text,
         }
-    out = RESULTS / f"sliding-{args.model}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out = RESULTS / f"sliding-{Path(args.model).name or args.model}.json"  # (a local directory: its name)
+    replace_text(out, json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
     return result
 

@@ -374,6 +374,13 @@ def _repair(out: Path) -> None:
         repair_last_row(path, "kvpress sweep")
 
 
+def replace_text(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file, so a run killed mid-write leaves the old file whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def repair_last_row(path: Path, who: str) -> None:
     """Drop the last row of the JSON-lines file `path` where an interrupted write left it torn (no end of line,
     or not JSON), so it is measured again and the next row does not land on it; `who` says so."""
@@ -382,9 +389,7 @@ def repair_last_row(path: Path, who: str) -> None:
         return
     lines = text.splitlines()
     print(f"{who}: {path}: the last row was torn by an interrupted write; it is measured again", file=sys.stderr)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in lines[:-1]))
-    tmp.replace(path)
+    replace_text(path, "".join(line + "\n" for line in lines[:-1]))
 
 
 def read_rows(path: Path, who: str) -> list[dict]:
@@ -419,9 +424,7 @@ def _compact(out: Path) -> None:
         lines = path.read_text().splitlines()
         kept = [line for n, line in enumerate(lines) if (path, n) in keep]
         if len(kept) < len(lines):
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            tmp.replace(path)
+            replace_text(path, "".join(line + "\n" for line in kept))
 
 
 def _measure(model, tokenizer, out: Path, counts: dict, todo, drawn: tuple, mode: tuple, progress, rank, world):
