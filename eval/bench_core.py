@@ -47,6 +47,8 @@ def long_ids(tokenizer, n_tokens: int) -> torch.Tensor:
     """`[1, n_tokens]` ids of English text from CPython's own documentation (on every machine)."""
     from pydoc_data.topics import topics
 
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
+        raise ValueError(f"a long text's length must be a positive number of tokens, got {n_tokens!r}")
     text = "\n\n".join(topics[k] for k in sorted(topics))
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :n_tokens]
     if ids.shape[1] < n_tokens:

@@ -51,6 +51,7 @@ from kvpress.engine import maybe_installed
 from kvpress.eval.bench_core import long_ids
 from kvpress.eval.memory import page_in, steady_malloc, unread_weight_bytes
 from kvpress.eval.sweep import append_row, read_rows
+from kvpress.models import PACKAGED_MODELS
 from kvpress.presses.defaults import default_for
 
 PLAN = {"qwen2.5-0.5b": (4096, 8192, 16384), "smollm2-135m": (4096, 8192)}  # model -> context lengths
@@ -212,6 +213,41 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+def parse_models(text: str) -> dict[str, tuple[int, ...]]:
+    """`--models` (model:length,length;model:...) as the plan: each model once, each length once and positive, each
+    model a packaged name or a local directory (checked here, not in a child after other models' runs)."""
+    plan: dict[str, tuple[int, ...]] = {}
+    for part in text.split(";"):
+        name, colon, lengths = part.partition(":")
+        if not colon or not name or not lengths:
+            raise ValueError(f"{part!r} is not model:length,length")
+        if name in plan:
+            raise ValueError(f"{name} is named twice: give its lengths once ({name}:4096,8192)")
+        try:
+            values = tuple(int(n) for n in lengths.split(","))
+        except ValueError:
+            raise ValueError(f"{name}'s lengths {lengths!r} are not whole numbers") from None
+        if min(values) < 1 or len(set(values)) < len(values):
+            raise ValueError(f"{name}'s lengths must be positive and each given once, got {lengths}")
+        if name not in PACKAGED_MODELS and not (Path(name).expanduser() / "config.json").exists():
+            raise ValueError(f"{name} is neither a packaged model ({', '.join(PACKAGED_MODELS)}) nor a local "
+                             "directory with a config.json")  # fmt: skip
+        plan[name] = values
+    return plan
+
+
+def mixed_settings(rows: list[dict], runs: list[dict]) -> list[str]:
+    """The planned runs `rows` (of `--out`) already hold with other decode steps or decode malloc setting: their
+    summaries would stand side by side in long.md with nothing to tell them apart (a chunk size is its column)."""
+    def same(r: dict) -> tuple:
+        return r["model"], r["length"], r["press"], r["ratio"], r.get("chunk")
+
+    planned = {same(run): (run["steps"], run.get("decode_malloc")) for run in runs}
+    return sorted({f"{r['model']} {r['length']} {r['press']}@{r['ratio']} (decode steps {r['steps']}, malloc "
+                   f"{r.get('decode_malloc')})" for r in rows if same(r) in planned
+                   and planned[same(r)] != (r["steps"], r.get("decode_malloc"))})  # fmt: skip
+
+
 def _partner(run: dict) -> dict:
     """The no-press run a press run pairs with (same model, length, chunk, steps and settings)."""
     return {**run, "press": "none", "spec": "none", "ratio": 0.0, "pairs_with": f"{run['press']}@{run['ratio']}"}
@@ -305,9 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(json.loads(args.child))))
         return 0
     try:
-        plan = PLAN if not args.models else {
-            name: tuple(int(n) for n in lengths.split(","))
-            for name, lengths in (part.split(":") for part in args.models.split(";"))}  # fmt: skip
+        plan = PLAN if not args.models else parse_models(args.models)
         ratios = [float(r) for r in args.ratios.split(",")]
         if args.decode_steps < 2 or args.chunk < 0:
             raise ValueError("--decode-steps must be >= 2 and --chunk >= 0")
@@ -320,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "long.jsonl"
     rows = read_rows(jsonl, "kvpress bench-long")
+    mixed = mixed_settings(rows, runs)
+    if mixed:
+        print(f"kvpress bench-long: {jsonl} holds {'; '.join(mixed[:3])}{' ...' if len(mixed) > 3 else ''}, not "
+              f"--decode-steps {args.decode_steps}: give the same settings, or another --out", file=sys.stderr)
+        return 2
     done = {_key(r) for r in rows}
     for config in pending(runs, lambda run: _key(run) in done):
         proc = subprocess.run([sys.executable, "-m", "kvpress.eval.bench_long", "--child", json.dumps(config)],

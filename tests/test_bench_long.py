@@ -148,10 +148,30 @@ def test_a_press_still_to_run_runs_again_beside_its_own_no_press_run():
 
 
 @pytest.mark.parametrize("argv", [["--models", "qwen2.5-0.5b:4k"], ["--presses", "nosuch"], ["--decode-steps", "1"],
-                                  ["--ratios", "1.5"], ["--ratios", "0.5,0.5"], ["--presses", "snapkv,snapkv"]])
+                                  ["--ratios", "1.5"], ["--ratios", "0.5,0.5"], ["--presses", "snapkv,snapkv"],
+                                  ["--models", "smollm2-135m:4096;smollm2-135m:8192"],  # (4096 was dropped)
+                                  ["--models", "smollm2-135m:4096,4096"], ["--models", "smollm2-135m:-5"],
+                                  ["--models", "nosuch:4096"], ["--models", "smollm2-135m"]])  # fmt: skip
 def test_bad_arguments_are_refused_before_anything_runs(argv, tmp_path, capsys):
     assert main([*argv, "--out", str(tmp_path)]) == 2
     assert "kvpress bench-long:" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_a_rerun_with_other_decode_settings_into_the_same_out_is_refused(tmp_path, capsys):
+    """Its rows would stand beside the earlier run's in long.md with nothing to tell them apart (decode steps 2 and 4:
+    two lines of one configuration, one plot line through both); another chunk size is a column of its own."""
+    import json
+
+    from kvpress.eval.bench_core import long_ids
+
+    earlier = configurations({"smollm2-135m": (4096,)}, ["snapkv"], [0.5], 1024, 2, DECODE_MALLOC)
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier))
+    argv = ["--models", "smollm2-135m:4096", "--presses", "snapkv", "--ratios", "0.5", "--out", str(tmp_path)]
+    assert main([*argv, "--decode-steps", "4"]) == 2
+    said = capsys.readouterr().err
+    assert "smollm2-135m 4096 snapkv@0.5 (decode steps 2, malloc steady)" in said and "not --decode-steps 4" in said
+    with pytest.raises(ValueError, match="a long text's length must be a positive number of tokens, got -5"):
+        long_ids(None, -5)
 
 
 @pytest.mark.parametrize("bench, argv, said", [
