@@ -201,8 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--watershed", action="store_true", help="measure the watershed rule instead")
     parser.add_argument("--out", default=None, help="JSON output (default eval/results/chat[-MODEL].json)")
     args = parser.parse_args(argv)
+    if args.out is not None and Path(args.out).suffix == ".jsonl":  # (its rows are kept beside it, in OUT.jsonl)
+        parser.error(f"--out is the JSON result, kept apart from the rows a run writes as it goes (<out>.jsonl): "
+                     f"name it otherwise than {args.out}")  # fmt: skip
+    try:  # before the model loads: the chats are drawn without it, and the policy is checked as it is built
+        examples = chat_recall_examples(args.examples, args.rounds, args.seed)
+        kvpress.RoundPolicy(top_k_rounds=args.top_k)
+    except ValueError as error:
+        parser.error(str(error))
     model, tokenizer = kvpress.load_model(args.model)
-    examples = chat_recall_examples(args.examples, args.rounds, args.seed)
     suffix = f"-{args.model}" if args.model else ""
     if args.watershed:
         rates = watershed(model, tokenizer, examples)

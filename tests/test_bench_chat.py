@@ -38,3 +38,19 @@ def test_a_run_resumes_from_its_rows_and_reports_wilson_intervals(tmp_path):
         bench([0], play, log, {"model": "m", "seed": 1})
     with pytest.raises(ValueError, match=r"holds chats 2..3 of a run of more examples than 2: run with --examples 4"):
         bench([0, 1], play, log, settings)  # (chats 2 and 3 would be left out, and their log removed)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--out", "chat.jsonl"], "name it otherwise than chat.jsonl"),  # its rows' log: written, then removed
+    (["--top-k", "-1"], "top_k_rounds must be a non-negative integer, got -1"),  # refused after a full-cache chat
+    (["--rounds", "3"], "need n >= 1, rounds >= 2 and 2 <= plant_within < rounds"),  # refused once the model loaded
+    (["--examples", "0"], "need n >= 1"),
+])  # fmt: skip
+def test_bad_arguments_are_refused_before_the_model_loads(argv, said, capsys, monkeypatch):
+    import kvpress
+    from kvpress.eval.bench_chat import main
+
+    monkeypatch.setattr(kvpress, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert said in capsys.readouterr().err
