@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
 from kvpress.patches import blocked_attention as blocked
@@ -72,6 +72,7 @@ from kvpress.patches.headwise_attention import headwise_attention
 
 _PREFIX = "kvpress_"
 _counter = itertools.count()
+_INSTALLING = threading.Lock()  # one install at a time: from the check that no press is active to the switch
 _DRIVEN = (PressedLayer, HeadwiseLayer)  # the cache layers an installed press drives
 UNPRESSED = (
     "a forward of this {model} ran without the press installed on it (thread {thread!r}): a press acts only for the "
@@ -122,6 +123,7 @@ class Intercept:
         self._own_forward: Callable | None = None  # the instance's own `forward` attribute it replaced, if any
         self._original: str | None = None
         self._inner: dict[int, object] = {}
+        self._modules: dict[int, nn.Module] = {}  # the model's attention modules by layer, while installed
         self._hooks: list = []  # the forward pre-hooks that hand the attention its module's hidden states
         self._compressible: set[int] = set()  # the layers whose cache a press takes over
         self._flight = threading.Condition()
@@ -129,8 +131,19 @@ class Intercept:
         self._warned: weakref.WeakSet = weakref.WeakSet()  # the other threads told their forwards run without it
         self._said_outside = False  # an attention ran outside the model's forward for an active caller (`OUTSIDE`)
 
+    def __deepcopy__(self, memo):
+        raise TypeError(f"a {type(self.model).__name__} with a press installed cannot be copied or saved whole (its "
+                        "forward and hooks lead to the press): leave the press's `with` block first")  # fmt: skip
+
+    def __reduce_ex__(self, protocol):
+        self.__deepcopy__({})
+
     # ----- install / uninstall ----------------------------------------------------------------------
     def install(self) -> None:
+        with _INSTALLING:  # (two threads entering presses on one model: the second refused, not both in)
+            self._install()
+
+    def _install(self) -> None:
         current = self.model.config._attn_implementation
         if current is not None and current.startswith(_PREFIX):
             raise RuntimeError(
@@ -144,6 +157,7 @@ class Intercept:
             )
         self._original = current
         modules = model_access.attention_modules(self.model)
+        self._modules = modules
         self._inner = {i: model_access.inner_attention(self.model, current, m) for i, m in modules.items()}
         self._compressible = set(model_access.compressible_layers(self.model))
         self.cache_key = model_access.cache_keyword(self.model)
@@ -173,7 +187,10 @@ class Intercept:
         with self._flight:
             try:
                 self._forwards.pop(threading.get_ident(), None)  # this thread's own forwards are over
-                self._flight.wait_for(lambda: not any(self._forwards.values()), timeout=wait_s)
+                if not self._flight.wait_for(lambda: not any(self._forwards.values()), timeout=wait_s):
+                    warnings.warn(f"another thread's forward of this {type(self.model).__name__} was still running "
+                                  f"{wait_s:g} s after the press's block ended: the press is removed under it (its "
+                                  "next layers run without it)", stacklevel=3)  # fmt: skip
             except BaseException as caught:  # (KeyboardInterrupt in the wait: restore all the same)
                 error = caught
             for step in steps:
@@ -218,14 +235,12 @@ class Intercept:
         if self in current:  # already active for this caller
             yield
             return
-        token = _ACTIVE.set({**current, self: _Call()})
+        _ACTIVE.set({**current, self: _Call()})
         try:
             yield
-        finally:
-            try:
-                _ACTIVE.reset(token)
-            except ValueError:  # left from another context (a generator closed elsewhere): drop this one only
-                _ACTIVE.set({k: v for k, v in (_ACTIVE.get() or {}).items() if k is not self})
+        finally:  # this one's entry only: blocks left out of order (two sessions' generators closed in the order
+            # they began) leave the other active (a reset to the value before would drop it, and keep this one's)
+            _ACTIVE.set({k: v for k, v in (_ACTIVE.get() or {}).items() if k is not self} or None)
 
     def _call(self) -> _Call | None:
         """This caller's state, or None when the press is not active for it. A thread started with a copy of the
@@ -261,7 +276,11 @@ class Intercept:
         def wrapped(*args, **kwargs):
             me = threading.get_ident()
             with self._flight:
-                self._forwards[me] = self._forwards.get(me, 0) + 1
+                live = self._forward is not None  # (a thread that took this wrapper before the restore: runs plainly)
+                if live:
+                    self._forwards[me] = self._forwards.get(me, 0) + 1
+            if not live:
+                return forward(*args, **kwargs)
             call = outer = outer_ids = None
             try:
                 call = self._call()
@@ -345,7 +364,8 @@ class Intercept:
         ids = call.ids if call is not None and call.ids is not None and call.ids.shape[-1] == query.shape[2] else None
         layer = call.cache.layers[module.layer_idx] if call is not None and call.cache is not None else None
         if not isinstance(layer, _DRIVEN):  # another caller's forward, or a layer the press leaves alone
-            if not self._said_outside and call is not None and call.cache is None:  # (said once per installation)
+            ours = self._modules.get(module.layer_idx) is module  # (not another model built on the same config)
+            if not self._said_outside and ours and call is not None and call.cache is None:  # (once per install)
                 self._said_outside = True
                 warnings.warn(OUTSIDE.format(model=type(self.model).__name__), stacklevel=2)
             return inner(module, query, key, value, info.standard() if info else attention_mask, **kwargs)
@@ -536,7 +556,8 @@ def unregister(name: str) -> None:
 
 
 def original_mask_function(implementation: str) -> Callable:
-    return AttentionMaskInterface._global_mapping[implementation]
+    """The mask function transformers resolves `implementation` to (a user's own registration of it included)."""
+    return ALL_MASK_ATTENTION_FUNCTIONS[implementation]
 
 
 def new_padding(mask: torch.Tensor | None, q: int) -> torch.Tensor | None:

@@ -16,7 +16,6 @@ from transformers.cache_utils import (
     DynamicSlidingWindowLayer,
     get_layer_types_and_kwargs,
 )
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvpress.patches import rope
@@ -118,9 +117,7 @@ def inner_attention(model: nn.Module, implementation: str, module: nn.Module):
     """The attention function `implementation` resolves to for `module` (eager is per model family)."""
     if implementation == "eager":
         return sys.modules[type(module).__module__].eager_attention_forward
-    if implementation == "sdpa":
-        return sdpa_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[implementation]
+    return ALL_ATTENTION_FUNCTIONS[implementation]  # (sdpa too: a user's own registration of it is what runs)
 
 
 def rotary_embedding(model: nn.Module) -> nn.Module:

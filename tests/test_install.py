@@ -7,7 +7,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
 from kvpress import AdaKVPress, HeavyHitterPress, SnapKVPress
-from tiny import prompt, tiny_model
+from tiny import CONFIGS, prompt, tiny_model
 
 
 def _snapshot(model):
@@ -174,3 +174,151 @@ def test_the_decoder_called_alone_under_an_active_press_is_said_uncompressed():
     assert alone.get_seq_length() == 40  # not compressed, as said
     outside = [w for w in said if "outside the model's own forward" in str(w.message)]
     assert len(outside) == 1 and "Call the model itself" in str(outside[0].message)
+
+
+def _fresh(family: str = "llama"):
+    """A tiny model of its own (not `tiny_model`'s shared one: these tests leave presses half-way on purpose)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(CONFIGS[family](), attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+def test_press_blocks_left_out_of_order_leave_the_other_active():
+    """Two sessions' generators, each inside `with press(model):` on its own model, closed in the order they began:
+    leaving the first reset the caller's state to what it was before the first began, which switched the second off
+    (its forwards ran uncompressed, without a word) and kept the first's state (and model) alive."""
+    import gc
+    import weakref
+
+    from kvpress import KnormPress
+    from kvpress.patches.intercept import _ACTIVE
+
+    def session(model):
+        cache = DynamicCache(config=model.config)
+        with KnormPress(compression_ratio=0.5)(model):
+            while True:
+                model((yield cache), cache=cache)
+
+    a, b = _fresh(), _fresh()
+    first, second = session(a), session(b)
+    next(first)
+    cache = next(second)
+    first.close()
+    second.send(prompt(1, 40))
+    assert [layer.n for layer in cache.layers] == [20, 20]
+    second.close()
+    assert _ACTIVE.get() is None
+    gone = weakref.ref(a)
+    del a, first
+    gc.collect()
+    assert gone() is None
+
+
+def test_two_threads_entering_presses_on_one_model_let_one_in():
+    """The check that no press is active and the switch that marks one were apart: two threads could both get in
+    (each wrapping the model's forward, one left on the model afterwards). The second now waits and is refused."""
+    import threading
+
+    from kvpress.patches import intercept
+
+    model = _fresh()
+    inside, go, tried, refused = threading.Event(), threading.Event(), threading.Event(), []
+    register = intercept.register
+
+    def held(*args):  # the first install stops between the check and the switch until the second has tried
+        if not inside.is_set():
+            inside.set()
+            go.wait(10)
+        return register(*args)
+
+    def enter(first: bool):
+        try:
+            with SnapKVPress(compression_ratio=0.5)(model):
+                if first:
+                    tried.wait(10)  # (in until the second has tried)
+        except RuntimeError as error:
+            refused.append(str(error))
+        finally:
+            if not first:
+                tried.set()
+
+    intercept.register = held
+    try:
+        threads = [threading.Thread(target=enter, args=(first,)) for first in (True, False)]
+        threads[0].start()
+        inside.wait(10)
+        threads[1].start()
+        threads[1].join(0.5)
+        second_waited = threads[1].is_alive()
+        go.set()
+        for thread in threads:
+            thread.join(10)
+    finally:
+        intercept.register = register
+    assert second_waited and len(refused) == 1 and "a press is already active" in refused[0]
+    assert "forward" not in vars(model) and model.config._attn_implementation == "sdpa"
+
+
+def test_after_the_press_is_left_its_old_forward_runs_plainly_and_a_registered_sdpa_runs_inside():
+    """A thread holding the model's wrapped forward (or a copy of the press's context) past the block's end drove
+    the cache as if the press were on (its next step: 'left half-updated'); it runs plainly now. And a user's own
+    registration of "sdpa" ran for no layer while a press was installed (transformers' sdpa ran instead)."""
+    import contextvars
+
+    from kvpress import KnormPress
+
+    model, ids = _fresh(), prompt(1, 12)
+    plain = model(ids).logits
+    with KnormPress(compression_ratio=0.5)(model):
+        wrapped, context = model.forward, contextvars.copy_context()
+    cache = DynamicCache(config=model.config)
+    out = context.run(wrapped, ids, cache=cache)
+    assert torch.equal(out.logits, plain) and cache.get_seq_length() == 12
+    context.run(wrapped, prompt(1, 1), cache=cache)  # (raised: 'left half-updated by a forward that raised')
+    assert cache.get_seq_length() == 13 and type(cache.layers[0]).__name__ == "DynamicLayer"
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    calls = []
+
+    def counted(module, *args, **kwargs):
+        calls.append(module.layer_idx)
+        return sdpa_attention_forward(module, *args, **kwargs)
+
+    AttentionInterface.register("sdpa", counted)
+    try:
+        with KnormPress(compression_ratio=0.5)(model):
+            model(ids[:, :4])  # (no eviction yet: the layers run the model's own attention)
+    finally:
+        AttentionInterface.register("sdpa", sdpa_attention_forward)
+    assert calls == [0, 1]
+
+
+def test_a_model_with_a_press_installed_is_not_copied_and_a_shared_config_model_is_not_warned_about():
+    import copy
+    import warnings
+
+    from kvpress import KnormPress
+
+    model = _fresh()
+    with KnormPress(compression_ratio=0.5)(model), pytest.raises(TypeError, match="cannot be copied or saved whole"):
+        copy.deepcopy(model)  # (TypeError: cannot pickle 'generator' object)
+    copy.deepcopy(model)
+    twin = type(model)(model.config).eval()  # built on the same config object: runs plainly beside it, unsaid
+    with warnings.catch_warnings(record=True) as said, KnormPress(compression_ratio=0.5)(model):
+        warnings.simplefilter("always")
+        twin(prompt(1, 8))
+    assert not [w for w in said if "outside the model's own forward" in str(w.message)]
+
+
+def test_a_forward_still_running_when_the_wait_runs_out_is_said():
+    """The exit waits for other threads' forwards up to a limit (60 s), then restores the model under them: it
+    said nothing."""
+    model = _fresh()
+    with SnapKVPress(compression_ratio=0.5)(model) as installed:
+        intercept = installed.intercept
+        intercept._forwards[-1] = 1  # (a forward of another thread, in flight)
+        with pytest.warns(UserWarning, match=r"still running 0.05 s after the press's block ended"):
+            intercept.uninstall(wait_s=0.05)
+        intercept._forwards.clear()  # (it ended: the block's own exit restores nothing more)
+    assert "forward" not in vars(model) and model.config._attn_implementation == "sdpa"
