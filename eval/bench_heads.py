@@ -5,8 +5,8 @@ haystack, ~1K tokens, seeds 1000+, not the calibration's), the question asked as
 Every press compresses the context without the question (query-agnostic: `name@ratio`); SnapKV and
 AdaKV(SnapKV) also with the question prefilled with the context (`name@ratio+question`, observation
 window 16 tokens, about the question: with the default 64 the window is mostly haystack, and both
-answered 0 of the first 5 noise examples at r = 0.5). For each: accuracy, and the KV bytes held at the end (context +
-question + answer) relative to the full cache.
+answered 0 of the first 5 noise examples at r = 0.5). For each: accuracy with its Wilson 95% interval and n,
+and the KV bytes held at the end (context + question + answer) relative to the full cache.
 Writes `eval/results/heads.json`. Run: `make bench-heads` (or `python -m kvpress.eval.bench_heads`).
 """
 
@@ -22,6 +22,7 @@ from transformers import DynamicCache
 
 import kvpress
 from kvpress.cli import check_counts
+from kvpress.eval.confidence import wilson
 from kvpress.eval.sweep import configurations
 from kvpress.eval.tasks.needle import HAYSTACKS, needle_examples
 
@@ -48,6 +49,12 @@ def answer(model, tokenizer, example, press, query_aware: bool = False) -> tuple
     return example.score(text) == 1.0, kvpress.cache_bytes(cache), text
 
 
+def cell(correct: int, n: int, kept_bytes: float) -> dict:
+    """One configuration's result: its accuracy over `n` examples with Wilson's 95% interval, and its kept bytes."""
+    return {"accuracy": round(correct / n, 3), "accuracy_interval": [round(b, 3) for b in wilson(correct, n)],
+            "n": n, "kept_bytes": round(kept_bytes, 3)}  # fmt: skip
+
+
 @torch.inference_mode()
 def run(args: argparse.Namespace) -> dict:
     model, tokenizer = kvpress.load_model(args.model)
@@ -70,10 +77,7 @@ def run(args: argparse.Namespace) -> dict:
                     row["bytes"] += kept / full_bytes / args.examples
             done = ", ".join(f"{k} {v['correct']}" for k, v in rows.items())
             print(f"{haystack} {i + 1}/{args.examples} ({time.perf_counter() - start:.0f} s): {done}", flush=True)
-        result["tasks"][haystack] = {
-            k: {"accuracy": round(v["correct"] / args.examples, 3), "kept_bytes": round(v["bytes"], 3)}
-            for k, v in rows.items()
-        }
+        result["tasks"][haystack] = {k: cell(v["correct"], args.examples, v["bytes"]) for k, v in rows.items()}
     result["seconds"] = round(time.perf_counter() - start)
     return result
 

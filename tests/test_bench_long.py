@@ -235,3 +235,17 @@ def test_bench_stream_says_which_recompute_positions_each_run_reached(tokenized,
     same = result["recompute_window_ppl_on_the_same_positions"]
     assert same["sink_window_rerotate"] == result["ppl_at_recompute_positions"]["recompute_window"]
     assert same["full_cache"] != same["sink_window_rerotate"]
+
+
+def test_bench_heads_reports_each_accuracy_with_its_interval_and_n():
+    """bench-heads wrote accuracies alone (16 examples a cell, the README's table without intervals)."""
+    import json
+    from pathlib import Path
+
+    from kvpress.eval.bench_heads import cell
+
+    assert cell(4, 16, 0.5) == {"accuracy": 0.25, "accuracy_interval": [0.102, 0.495], "n": 16, "kept_bytes": 0.5}
+    committed = json.loads((Path(__file__).parents[1] / "eval" / "results" / "heads.json").read_text())
+    for cells in committed["tasks"].values():
+        for value in cells.values():
+            assert value == cell(round(value["accuracy"] * value["n"]), value["n"], value["kept_bytes"])
