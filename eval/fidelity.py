@@ -1,13 +1,16 @@
 """`python -m kvpress.eval.fidelity`: the fidelity check of the sweeps in eval/results, as one table.
 
-For each model and task (needle, variable tracking, arithmetic): the full cache's score, then, at
+For each model and task (needle, variable tracking, arithmetic): the full cache's score (its 95% interval and n),
+then, at
 r = 0.5 and 0.75, the retention (score / full score) of the default press when these sweeps ran (`MARKED`;
 today's defaults, chosen on 4K sweeps and per model, are not in them),
 of the best query-agnostic press and of the best query-aware one, each against its target: the best
 query-agnostic press keeps >= 98% at r = 0.5 and >= 90% at r = 0.75, the best query-aware one >= 98%
 at r = 0.75. Reads the sweeps' `summary.json`; writes `eval/results/fidelity.md` and `fidelity.json`.
 A task whose full cache scores 0 has no retention (shown as "-"); one whose full cache scores below
-`NEAR_CHANCE` is marked so and not checked against the targets (one lucky answer in 8 moves it by 100%).
+`NEAR_CHANCE` is marked so and not checked against the targets (one lucky answer in 8 moves it by 100%). A best
+press's retention is the highest of dozens measured on the same 8-16 examples: a point value that flatters it (the
+sweeps' paired files give each press's interval).
 
 A second table ranks the query-agnostic presses measured on every checked cell (both models, every task
 not near chance, r = 0.5 and 0.75) by their worst cell, then their mean: the default press should lead it.
@@ -62,10 +65,11 @@ def fidelity(results: Path = RESULTS) -> list[dict]:
     for model, (agnostic_dirs, aware_dirs) in SWEEPS.items():
         agnostic, aware = _rows(agnostic_dirs, results), _rows(aware_dirs, results)
         for task in TASKS:
-            full = next((r["score"] for r in agnostic if r["task"] == task and r["press"] == "none"), None)
+            full = next((r for r in agnostic if r["task"] == task and r["press"] == "none"), None)
             if full is None:
                 continue
-            row = {"model": model, "task": task, "full": full}
+            row = {"model": model, "task": task, "full": full["score"], "full_low": full.get("low"),
+                   "full_high": full.get("high"), "full_n": full.get("examples")}  # fmt: skip
             for ratio in (0.5, 0.75):
                 default = next((r["retention"] for r in agnostic if r["task"] == task and r["press"] == MARKED
                                 and r["ratio"] == ratio), None)  # fmt: skip
@@ -108,7 +112,9 @@ def markdown(table: list[dict]) -> str:
     for r in table:
         checked = r["full"] >= NEAR_CHANCE
         low, high = (0.98, 0.90) if checked else (None, None)
-        full = f"{r['full']:.3f}" + ("" if checked else " (near chance)")
+        band = f" [{r['full_low']:.3f}, {r['full_high']:.3f}]" if r.get("full_low") is not None else ""
+        n = f", n = {r['full_n']}" if r.get("full_n") else ""
+        full = f"{r['full']:.3f}{band}{n}" + ("" if checked else " (near chance)")
         lines.append(
             f"| {r['model']} | {r['task']} | {full} | {_cell(r['default@0.5'])} | {_cell(r['default@0.75'])} "
             f"| {_cell(r['agnostic@0.5'], low)} | {_cell(r['agnostic@0.75'], high)} | {_cell(r['aware@0.75'], low)} |"

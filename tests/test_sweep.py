@@ -148,7 +148,8 @@ def test_fidelity_table_picks_the_best_press_per_task_and_marks_the_targets(tmp_
         retention = round(score / full, 4) if full else None
         return {"task": task, "press": press, "ratio": ratio, "score": score, "retention": retention}
 
-    agnostic = [row("needle_noise", "none", 0.0, 0.8, 0.8), row("needle_noise", "knorm", 0.5, 0.8, 0.8),
+    agnostic = [{**row("needle_noise", "none", 0.0, 0.8, 0.8), "low": 0.49, "high": 0.943, "examples": 10},
+                row("needle_noise", "knorm", 0.5, 0.8, 0.8),
                 row("needle_noise", MARKED, 0.5, 0.4, 0.8), row("needle_noise", "knorm", 0.75, 0.6, 0.8),
                 row("variable_tracking", "none", 0.0, 0.0, 0.0), row("variable_tracking", "knorm", 0.5, 0.0, 0.0)]
     aware = [row("needle_noise", "snapkv", 0.75, 0.8, 0.8)]
@@ -165,6 +166,7 @@ def test_fidelity_table_picks_the_best_press_per_task_and_marks_the_targets(tmp_
     table = markdown([noise, tracking])
     assert "100% ✓ (knorm)" in table and "75% ✗ (knorm)" in table and "100% ✓ (snapkv)" in table
     assert "| variable_tracking | 0.000 (near chance) | - |" in table
+    assert "| needle_noise | 0.800 [0.490, 0.943], n = 10 |" in table  # (the full score with its interval and n)
 
 
 def test_fidelity_ranking_orders_presses_measured_everywhere_by_worst_cell(tmp_path):
