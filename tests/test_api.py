@@ -373,7 +373,7 @@ def test_settings_a_wrapper_took_as_it_was_built_are_refused_once_moved_on_its_p
     assert bits(chunked) is None
     inner.kv_bits = 8
     with pytest.raises(ValueError, match=r"the SnapKVPress that ChunkPress wraps was given kv_bits=8 \(built with "
-                                         r"None\) after ChunkPress was built.*build the wrapper again"):  # fmt: skip
+                                         r"None\) after ChunkPress was built.*build the ChunkPress again"):  # fmt: skip
         bits(chunked)
     assert bits(ChunkPress(inner, chunk_size=4)) == 8
     innermost = SnapKVPress(compression_ratio=0.5, window_size=4)
@@ -388,6 +388,11 @@ def test_settings_a_wrapper_took_as_it_was_built_are_refused_once_moved_on_its_p
         bits(ada)
     with pytest.raises(ValueError, match="AdaKVPress gives heads different budgets"):
         AdaKVPress(head)
+    scorer = SnapKVPress(compression_ratio=0.5, window_size=4)
+    duo = kvpress.DuoAttentionPress(retrieval_fraction=0.5, press=scorer)  # (it takes its press's kv_bits too)
+    scorer.kv_bits = 8
+    with pytest.raises(ValueError, match=r"the SnapKVPress that DuoAttentionPress wraps was given kv_bits=8"):
+        bits(duo)
 
 
 def test_a_wrong_cache_a_missing_tokenizer_and_a_shared_config_are_named(tokenized):

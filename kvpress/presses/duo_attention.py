@@ -27,7 +27,7 @@ from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.patterns import check_pattern, find_pattern, load_pattern
 from kvpress.presses.base import BasePress, Observation, _check_ratio, check_field_types
 from kvpress.presses.head_budget import HeadwisePress, descending_rank, head_observation, observe_every_head
-from kvpress.presses.wrapping import inner_flag
+from kvpress.presses.wrapping import check_settings, inner_flag, take_settings
 
 
 @dataclass
@@ -95,6 +95,8 @@ class DuoAttentionPress(HeadwisePress):
                 kind = "non-negative" if name == "n_sink" else "positive"
                 raise ValueError(f"{name} must be a {kind} integer, got {value!r}")
         check_field_types(self)
+        if self.press is not None:
+            take_settings(self)  # (checked again as it installs: `_check_budget_values`)
         self.pattern = None if self.head_pattern == "auto" else load_pattern(self.head_pattern)
         # per model (by its attention modules): each head's rank and the (layer, KV head) pairs ranked
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -115,6 +117,7 @@ class DuoAttentionPress(HeadwisePress):
             raise ValueError(f"retrieval_fraction must be a fraction in [0, 1], got {f!r}")
         if self.press is not None:
             self.press.check_budget()
+            check_settings(self)
 
     def check_model(self, model: nn.Module) -> None:
         if self.press is not None:

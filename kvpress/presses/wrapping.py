@@ -25,8 +25,22 @@ def wrapped_chain(press) -> list[BasePress]:
 SETTINGS = ("rerotate", "decode_slack", "layer_scales", "kv_bits")  # what a wrapper takes from its press as it is built
 
 
-def _settings(press: BasePress) -> dict:
-    return {name: getattr(press, name) for name in SETTINGS}
+def take_settings(holder: BasePress) -> None:
+    """Record the settings `holder` took from its press (`holder.press`) as it was built (`check_settings`)."""
+    holder.__dict__["_press_settings"] = {name: getattr(holder.press, name) for name in SETTINGS}
+
+
+def check_settings(holder: BasePress) -> None:
+    """Refuse a setting moved on `holder.press` since `holder` took it as it was built: the holder copied it and
+    checked it against itself then (AdaKV refuses rerotate), so it would be ignored or pass unchecked."""
+    taken = holder.__dict__.get("_press_settings", {})
+    moved = [f"{name}={getattr(holder.press, name)!r} (built with {value!r})" for name, value in taken.items()
+             if getattr(holder.press, name) != value]  # fmt: skip
+    if moved:
+        name = type(holder).__name__
+        raise ValueError(f"the {type(holder.press).__name__} that {name} wraps was given {', '.join(moved)} after "
+                         f"{name} was built, which takes them as it is built (only the budget is shared later): build "
+                         f"the {name} again around it")  # fmt: skip
 
 
 class WrapsPress:
@@ -56,20 +70,14 @@ class WrapsPress:
         self.compression_ratio, self.max_tokens = self.press.compression_ratio, self.press.max_tokens
         self.decode_slack, self.kv_bits = self.press.decode_slack, self.press.kv_bits
         self.__dict__["_shared_budget"] = (self.compression_ratio, self.max_tokens)  # (`check_budget`)
-        self.__dict__["_press_settings"] = _settings(self.press)  # (`_share_budget`: fixed once built)
+        take_settings(self)  # (`_share_budget`: fixed once built)
 
     def _share_budget(self) -> None:
         """The wrapper and the press it wraps hold one budget (`BasePress.check_budget`): the one set since they were
         last checked wins (on the wrapped press, as a ratio loop over `inner.compression_ratio` does, or on the
         wrapper); set on both to different values, it is refused."""
         self.press.check_budget()  # (a press it wraps that wraps another: shared below first)
-        taken = self.__dict__.get("_press_settings", {})
-        moved = [f"{name}={value!r} (built with {taken[name]!r})" for name, value in _settings(self.press).items()
-                 if name in taken and value != taken[name]]  # fmt: skip
-        if moved:  # the wrapper copied them and checked them against itself as it was built: not shared later
-            raise ValueError(f"the {type(self.press).__name__} that {type(self).__name__} wraps was given "
-                             f"{', '.join(moved)} after {type(self).__name__} was built, which takes them as it is "
-                             "built (only the budget is shared later): build the wrapper again around it")  # fmt: skip
+        check_settings(self)
         mine, inner = (self.compression_ratio, self.max_tokens), (self.press.compression_ratio, self.press.max_tokens)
         built = self.__dict__.get("_shared_budget", inner)  # (as last checked)
         if mine != inner:
