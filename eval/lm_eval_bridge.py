@@ -1,7 +1,8 @@
 """`KVPressLM`: lm-eval's `HFLM` with a press, so any lm-eval task measures quality under compression.
 
     lm_eval.simple_evaluate(model=KVPressLM(press="snapkv", compression_ratio=0.5), tasks=[...])
-    lm_eval.simple_evaluate(model=KVPressLM("qwen2.5-0.5b", ...), tasks=[...], metadata={"pretrained": "qwen2.5-0.5b"})
+    manager = TaskManager(include_path=TASKS_DIR, include_defaults=False, metadata={"pretrained": "qwen2.5-0.5b"})
+    lm_eval.simple_evaluate(model=KVPressLM("qwen2.5-0.5b", ...), tasks=["kvpress_ruler"], task_manager=manager)
     kvpress lm-eval --model_args pretrained=default,press=snapkv,compression_ratio=0.5 --tasks kvpress_ruler
 
 kvpress's own tasks cut their contexts to length with the tokenizer their metadata names (`pretrained`, or
@@ -295,8 +296,9 @@ class KVPressLM(HFLM):
                     f"task {request.task_name!r} counted its contexts' tokens with another tokenizer than this "
                     f"model's ({TOKENIZED_BY} {made} against {own}): its lengths would be wrong for this model. Name "
                     "the model for the tasks in their metadata, {'pretrained': <model name or directory>} or "
-                    "{'tokenizer': <this tokenizer>}, given to simple_evaluate(metadata=...) or to the TaskManager "
-                    "you pass it (`kvpress lm-eval` does it from --model_args)"
+                    "{'tokenizer': <this tokenizer>}: TaskManager(..., metadata=...) when you pass simple_evaluate a "
+                    "task_manager (it then ignores its own metadata=), else simple_evaluate(metadata=...) "
+                    "(`kvpress lm-eval` does it from --model_args)"
                 )
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):

@@ -438,6 +438,11 @@ def test_task_rows_cut_with_another_tokenizer_are_refused(default_model):
     model, tokenizer = default_model
     qwen = AutoTokenizer.from_pretrained(resolve_model_path("qwen2.5-0.5b"), local_files_only=True)
     assert tokenizer_fingerprint(qwen) != tokenizer_fingerprint(tokenizer)
+    import copy
+
+    padded = copy.deepcopy(tokenizer)  # one given a pad token counts as the other does: not refused
+    padded.add_special_tokens({"pad_token": "[PAD]"})
+    assert len(padded) != len(tokenizer) and tokenizer_fingerprint(padded) == tokenizer_fingerprint(tokenizer)
     assert dataset("needle_noise", length=128, n=1)["test"][0]["tokenized_by"] == tokenizer_fingerprint(tokenizer)
     assert dataset("needle_noise", length=128, n=1, tokenizer=qwen)["test"][0]["tokenized_by"] == (
         tokenizer_fingerprint(qwen))  # fmt: skip

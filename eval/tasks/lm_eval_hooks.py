@@ -26,11 +26,12 @@ _PROBE = "Needle 4096: the quick brown fox, naïve café — 3.14159?\n\tEnd of 
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """A short name for how `tokenizer` counts tokens (its vocabulary size and its ids of a probe text): equal for
-    two copies of one tokenizer, different for another model's. A task's rows carry it (`TOKENIZED_BY`), so a run
-    whose model tokenizes otherwise than the tokenizer the rows were cut to length with can be refused."""
+    """A short name for how `tokenizer` counts tokens (its base vocabulary's size and its ids of a probe text): equal
+    for two copies of one tokenizer (one given a pad token too), different for another model's. A task's rows carry
+    it (`TOKENIZED_BY`), so a run whose model tokenizes otherwise than the tokenizer the rows were cut to length with
+    can be refused."""
     ids = tokenizer(_PROBE, add_special_tokens=False)["input_ids"]
-    return hashlib.sha1(f"{len(tokenizer)}:{ids}".encode()).hexdigest()[:12]
+    return hashlib.sha1(f"{tokenizer.vocab_size}:{ids}".encode()).hexdigest()[:12]
 
 
 def _tokenizer(kwargs: dict):
