@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import kvpress
-from kvpress.eval.sweep import answer_rows, append_row, current_rows, read_rows
+from kvpress.eval.sweep import PLAN_KEYS, answer_rows, append_row, current_rows, read_rows
 from kvpress.eval.tasks import ANSWER_TOKENS, Document, built_now, task_examples
 
 FIELDS = ("answer", "kept_bytes", "score")
@@ -73,6 +73,7 @@ def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, prog
     (task, example, press, ratio and what the sweep wrote for it) of a sweep of the same settings: one of another
     sweep, or of this one before it was measured again, is measured anew."""
     settings = json.loads((sweep / "settings.json").read_text())
+    settings = {key: value for key, value in settings.items() if key not in PLAN_KEYS}  # (what shapes a row)
     rows = replayable(sweep, presses)
     done = read_rows(out, "kvpress replay")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -198,8 +198,8 @@ def run_sweep(
     check_older_rows(out, configs, tasks, examples)
     if rank == 0:
         _repair(out)
-        (out / "settings.json").write_text(json.dumps({**settings, "presses": presses, "ratios": ratios,
-                                                       "tasks": tasks, "processes": world}))  # fmt: skip
+        plan = dict(zip(PLAN_KEYS, (presses, ratios, tasks, world), strict=True))
+        (out / "settings.json").write_text(json.dumps({**settings, **plan}))
     done = {key for key, row in current_rows(out).items() if is_final(row)}
 
     def todo(task: str, i: int) -> list[tuple[str, float]]:
@@ -372,6 +372,9 @@ def _standing(out: Path) -> dict[tuple, tuple[tuple[Path, int], dict]]:
 def _repair(out: Path) -> None:
     for path in sorted(out.glob("results*.jsonl")):
         repair_last_row(path, "kvpress sweep")
+
+
+PLAN_KEYS = ("presses", "ratios", "tasks", "processes")  # settings.json's keys of the last run's plan, not of its rows
 
 
 def replace_text(path: Path, text: str) -> None:

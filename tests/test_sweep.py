@@ -828,6 +828,8 @@ def test_replay_measures_sampled_rows_again_and_appends_each(default_model, tmp_
     assert [r["was_answer"] for r in other] == ["other", "other"] and not any(r["same"] for r in other)
     assert len(out.read_text().splitlines()) == 4
     settings = json.loads((tmp_path / "other" / "settings.json").read_text())
+    (tmp_path / "other" / "settings.json").write_text(json.dumps({**settings, "processes": 2, "presses": ["knorm"]}))
+    assert replay(model, tokenizer, tmp_path / "other", 2, out, progress=False) == other  # (the last run's plan)
     (tmp_path / "other" / "settings.json").write_text(json.dumps({**settings, "length": 192}))  # other settings too
     assert replay(model, tokenizer, tmp_path / "other", 1, out, progress=False)[0]["settings"]["length"] == 192
     from kvpress.eval.replay import main as replay_main
