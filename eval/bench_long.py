@@ -357,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     mixed = mixed_settings(rows, runs)
     if mixed:
         print(f"kvpress bench-long: {jsonl} holds {'; '.join(mixed[:3])}{' ...' if len(mixed) > 3 else ''}, not "
-              f"--decode-steps {args.decode_steps}: give the same settings, or another --out", file=sys.stderr)
+              f"decode steps {args.decode_steps}, malloc {DECODE_MALLOC}: give the same --decode-steps (a malloc "
+              "setting of another version: another --out)", file=sys.stderr)  # fmt: skip
         return 2
     done = {_key(r) for r in rows}
     for config in pending(runs, lambda run: _key(run) in done):

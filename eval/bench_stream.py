@@ -113,6 +113,11 @@ def plot(runs: dict, recompute: tuple[list[int], list[float]], path: Path, smoot
     fig.savefig(path, dpi=120)
 
 
+def _ppl_of(nlls: list[float]) -> float | None:
+    """The perplexity of these negative log-likelihoods (None for none: a run that reached no recompute position)."""
+    return round(math.exp(statistics.fmean(nlls)), 3) if nlls else None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
@@ -183,8 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         "recompute_positions_scored": {name: sum(p - 1 < run["nll"].numel() for p in positions)
                                        for name, run in runs.items()} | {"recompute_window": len(positions)},
         "recompute_window_ppl_on_the_same_positions": {  # (a run that stopped early: full_cache at its positions)
-            name: round(math.exp(statistics.fmean(nll for p, nll in zip(positions, recompute_nll, strict=True)
-                                                  if p - 1 < run["nll"].numel())), 3)
+            name: _ppl_of([nll for p, nll in zip(positions, recompute_nll, strict=True) if p - 1 < run["nll"].numel()])
             for name, run in runs.items()
         },
         "recompute_positions": {"first": positions[0], "last": positions[-1], "every": args.recompute_every},

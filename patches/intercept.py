@@ -132,8 +132,10 @@ class Intercept:
         self._said_outside = False  # an attention ran outside the model's forward for an active caller (`OUTSIDE`)
 
     def __deepcopy__(self, memo):
-        raise TypeError(f"a {type(self.model).__name__} with a press installed cannot be copied or saved whole (its "
-                        "forward and hooks lead to the press): leave the press's `with` block first")  # fmt: skip
+        if self.installed:
+            raise TypeError(f"a {type(self.model).__name__} with a press installed cannot be copied or saved whole "
+                            "(its forward and hooks lead to the press): leave the press's `with` block first")
+        raise TypeError("a press's installation is not copied or saved: copy the press, and install the copy")
 
     def __reduce_ex__(self, protocol):
         self.__deepcopy__({})
@@ -141,9 +143,16 @@ class Intercept:
     # ----- install / uninstall ----------------------------------------------------------------------
     def install(self) -> None:
         with _INSTALLING:  # (two threads entering presses on one model: the second refused, not both in)
-            self._install()
+            failed = self._install()
+        if failed is not None:  # (undone outside the lock: the restore may wait for another thread's forward)
+            try:
+                self.uninstall()
+            except BaseException as undo:
+                raise failed from undo  # (the restore's own error shown with it)
+            raise failed
 
-    def _install(self) -> None:
+    def _install(self) -> BaseException | None:
+        """Check and switch; what raised once the model began to change (for `install` to undo), else None."""
         current = self.model.config._attn_implementation
         if current is not None and current.startswith(_PREFIX):
             raise RuntimeError(
@@ -171,10 +180,10 @@ class Intercept:
             self._hooks = [m.register_forward_pre_hook(self._keep_hidden, with_kwargs=True) for m in modules.values()]
             self._hooks.append(self.model.get_input_embeddings().register_forward_pre_hook(self._keep_ids))
             self.model.set_attn_implementation(self.name)
-        except BaseException:
-            self.uninstall()
-            raise
+        except BaseException as error:
+            return error
         self.installed = True
+        return None
 
     def uninstall(self, wait_s: float = 60.0) -> None:
         """Restore the model. Another thread's forward already running on it finishes with the intercept

@@ -169,7 +169,7 @@ def test_a_rerun_with_other_decode_settings_into_the_same_out_is_refused(tmp_pat
     argv = ["--models", "smollm2-135m:4096", "--presses", "snapkv", "--ratios", "0.5", "--out", str(tmp_path)]
     assert main([*argv, "--decode-steps", "4"]) == 2
     said = capsys.readouterr().err
-    assert "smollm2-135m 4096 snapkv@0.5 (decode steps 2, malloc steady)" in said and "not --decode-steps 4" in said
+    assert "smollm2-135m 4096 snapkv@0.5 (decode steps 2, malloc steady)" in said and "not decode steps 4" in said
     with pytest.raises(ValueError, match="a long text's length must be a positive number of tokens, got -5"):
         long_ids(None, -5)
 
@@ -235,6 +235,7 @@ def test_bench_stream_says_which_recompute_positions_each_run_reached(tokenized,
     same = result["recompute_window_ppl_on_the_same_positions"]
     assert same["sink_window_rerotate"] == result["ppl_at_recompute_positions"]["recompute_window"]
     assert same["full_cache"] != same["sink_window_rerotate"]
+    assert bench_stream._ppl_of([]) is None  # (a run that reached no recompute position: a cache past the positions)
 
 
 def test_bench_heads_reports_each_accuracy_with_its_interval_and_n():

@@ -322,3 +322,20 @@ def test_a_forward_still_running_when_the_wait_runs_out_is_said():
             intercept.uninstall(wait_s=0.05)
         intercept._forwards.clear()  # (it ended: the block's own exit restores nothing more)
     assert "forward" not in vars(model) and model.config._attn_implementation == "sdpa"
+
+
+def test_an_install_that_fails_half_way_is_undone_and_the_next_one_runs():
+    """The undo runs outside the install lock (it may wait for another thread's forward), and restores all."""
+    model = _fresh()
+    before = _snapshot(model)
+
+    def refused(name):
+        raise RuntimeError("switch refused")
+
+    model.set_attn_implementation = refused
+    with pytest.raises(RuntimeError, match="switch refused"), SnapKVPress(compression_ratio=0.5)(model):
+        pass
+    del model.set_attn_implementation
+    assert _snapshot(model) == before and not _registered()
+    with SnapKVPress(compression_ratio=0.5)(model):
+        assert model.config._attn_implementation.startswith("kvpress")
