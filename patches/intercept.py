@@ -143,16 +143,11 @@ class Intercept:
     # ----- install / uninstall ----------------------------------------------------------------------
     def install(self) -> None:
         with _INSTALLING:  # (two threads entering presses on one model: the second refused, not both in)
-            failed = self._install()
-        if failed is not None:  # (undone outside the lock: the restore may wait for another thread's forward)
-            try:
-                self.uninstall()
-            except BaseException as undo:
-                raise failed from undo  # (the restore's own error shown with it)
-            raise failed
+            self._install()
 
-    def _install(self) -> BaseException | None:
-        """Check and switch; what raised once the model began to change (for `install` to undo), else None."""
+    def _install(self) -> None:
+        """Check and switch, undoing what changed when a step raises (inside the lock: a model half-installed is
+        never seen by another install; the undo waits only for a forward that entered the new wrapper meanwhile)."""
         current = self.model.config._attn_implementation
         if current is not None and current.startswith(_PREFIX):
             raise RuntimeError(
@@ -180,10 +175,10 @@ class Intercept:
             self._hooks = [m.register_forward_pre_hook(self._keep_hidden, with_kwargs=True) for m in modules.values()]
             self._hooks.append(self.model.get_input_embeddings().register_forward_pre_hook(self._keep_ids))
             self.model.set_attn_implementation(self.name)
-        except BaseException as error:
-            return error
+        except BaseException:
+            self.uninstall()
+            raise
         self.installed = True
-        return None
 
     def uninstall(self, wait_s: float = 60.0) -> None:
         """Restore the model. Another thread's forward already running on it finishes with the intercept
