@@ -20,7 +20,7 @@ import torch
 
 import kvpress
 from kvpress.cli import DEMO_QUESTION, demo_document
-from kvpress.eval.sweep import replace_text
+from kvpress.files import write_text_whole
 from kvpress.models import DEFAULT_MODEL
 from kvpress.presses import press_from_name, press_names, resolve_default
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         press = press_from_name(resolve_default(spec, model), compression_ratio=args.ratio)
         result["presses"][spec] = row = check(press, model, tokenizer, texts, args.new)
-        replace_text(out, json.dumps(result, indent=1) + "\n")
+        write_text_whole(out, json.dumps(result, indent=1) + "\n")
         print(spec, row.get("rows_equal", row.get("refused")), flush=True)
     return result
 

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 import kvpress
 from kvpress import SnapKVPress
 from kvpress.cli import DEMO_ANSWER, DEMO_QUESTION, demo_document
-from kvpress.eval.sweep import replace_text
+from kvpress.files import write_text_whole
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
             "fact_kept": DEMO_ANSWER in text,
         }
     out = RESULTS / f"sliding-{Path(args.model).name or args.model}.json"  # (a local directory: its name)
-    replace_text(out, json.dumps(result, indent=1) + "\n")
+    write_text_whole(out, json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
     return result
 

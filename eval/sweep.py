@@ -79,6 +79,7 @@ from kvpress.eval.tasks import (
     task_version,
 )
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
+from kvpress.files import write_text_whole
 from kvpress.models import PACKAGED_MODELS, cache_dir
 from kvpress.patches.cache import scratch
 from kvpress.pipeline import answer_ids_from_cache, check_chunk_size, prefill_context, split_prompt
@@ -377,13 +378,6 @@ def _repair(out: Path) -> None:
 PLAN_KEYS = ("presses", "ratios", "tasks", "processes")  # settings.json's keys of the last run's plan, not of its rows
 
 
-def replace_text(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file, so a run killed mid-write leaves the old file whole."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def repair_last_row(path: Path, who: str) -> None:
     """Drop the last row of the JSON-lines file `path` where an interrupted write left it torn (no end of line,
     or not JSON), so it is measured again and the next row does not land on it; `who` says so."""
@@ -392,7 +386,7 @@ def repair_last_row(path: Path, who: str) -> None:
         return
     lines = text.splitlines()
     print(f"{who}: {path}: the last row was torn by an interrupted write; it is measured again", file=sys.stderr)
-    replace_text(path, "".join(line + "\n" for line in lines[:-1]))
+    write_text_whole(path, "".join(line + "\n" for line in lines[:-1]))
 
 
 def read_rows(path: Path, who: str) -> list[dict]:
@@ -427,7 +421,7 @@ def _compact(out: Path) -> None:
         lines = path.read_text().splitlines()
         kept = [line for n, line in enumerate(lines) if (path, n) in keep]
         if len(kept) < len(lines):
-            replace_text(path, "".join(line + "\n" for line in kept))
+            write_text_whole(path, "".join(line + "\n" for line in kept))
 
 
 def _measure(model, tokenizer, out: Path, counts: dict, todo, drawn: tuple, mode: tuple, progress, rank, world):

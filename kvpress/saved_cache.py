@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import DynamicCache
 
+from kvpress.files import write_whole
 from kvpress.patches import model_access
 from kvpress.patches.cache_io import layer_from_state, layer_state
 from kvpress.patterns import config_hash
@@ -60,10 +61,8 @@ def save_cache(cache: DynamicCache, path: str | Path, model: nn.Module, press: s
             "dtype": str(_dtype(model)), "layer_types": kinds, "sliding_window": model_access.sliding_window(model),
             "layers": layers,
             "versions": {p: version(p) for p in ("kvpress", "torch", "transformers")}}  # fmt: skip
-    path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    save_file({k: t.cpu() for k, t in tensors.items()}, str(partial), metadata={"kvpress": json.dumps(meta)})
-    partial.replace(path)  # a killed save never leaves a half-written file under `path`
+    tensors = {k: t.cpu() for k, t in tensors.items()}
+    write_whole(path, lambda tmp: save_file(tensors, str(tmp), metadata={"kvpress": json.dumps(meta)}))
 
 
 def read_metadata(path: str | Path) -> dict:

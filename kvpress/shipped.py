@@ -14,6 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 
+from kvpress.files import write_whole
 from kvpress.patches import model_access
 from kvpress.patterns import config_hash
 
@@ -81,4 +82,4 @@ def write(path: str | Path, tensors: dict[str, torch.Tensor], model: str, traine
     """Write `tensors` (floating ones as fp32, others as they are) with the metadata `read` expects, plus `meta`."""
     meta = {"model": model, "config_hash": trained_hash, "training": json.dumps(training), **meta}
     tensors = {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
-    save_file(tensors, str(path), metadata=meta)
+    write_whole(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))  # (a killed run: the old file)

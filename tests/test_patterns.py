@@ -123,3 +123,40 @@ def test_check_pattern_refuses_another_architecture_or_a_malformed_dict():
         check_pattern(three, model)
     with pytest.raises(ValueError, match=rf"pattern 'tiny' is malformed: it lacks the keys \['scores'\]; make .*{HOW}"):
         check_pattern(_good(scores=...), model)
+
+
+def test_a_write_killed_half_way_leaves_the_file_it_replaces(tmp_path, monkeypatch):
+    """save_pattern truncated the file first: a calibration killed as it wrote (a full disk) left half a pattern in
+    place of the good one. Patterns, scorers, gates and saved caches are now written beside and renamed."""
+    from pathlib import Path
+
+    from kvpress.patterns import save_pattern
+    from kvpress.scorers import save_scorer
+    from tiny import tiny_scorer
+
+    model = tiny_model("llama")
+    path, weights = tmp_path / "pattern.json", tmp_path / "scorer.safetensors"
+    save_pattern(load_pattern("smollm2-135m"), path)
+    save_scorer(tiny_scorer(model), weights)
+    before = (path.read_bytes(), weights.read_bytes())
+
+    def half(self, data, *args, **kwargs):
+        with open(self, "w") as f:
+            f.write(data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half)
+    with pytest.raises(OSError, match="No space left"):
+        save_pattern(load_pattern("qwen2.5-0.5b"), path)
+    monkeypatch.undo()
+    from kvpress import shipped
+
+    def torn(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"torn")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shipped, "save_file", torn)
+    with pytest.raises(OSError, match="No space left"):
+        save_scorer(tiny_scorer(model), weights)
+    assert (path.read_bytes(), weights.read_bytes()) == before and load_pattern(path)["model"] == "smollm2-135m"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pattern.json", "scorer.safetensors"]  # (no leftovers)

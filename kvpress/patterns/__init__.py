@@ -15,6 +15,8 @@ from pathlib import Path
 
 from torch import nn
 
+from kvpress.files import write_text_whole
+
 _HERE = Path(__file__).parent
 _HASHED = (
     "model_type",
@@ -140,4 +142,5 @@ def check_pattern(pattern: dict, model: nn.Module) -> None:
 
 
 def save_pattern(pattern: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(pattern, indent=1) + "\n")
+    """Write `pattern` to `path` whole (a calibration killed as it writes leaves the old pattern)."""
+    write_text_whole(path, json.dumps(pattern, indent=1) + "\n")
