@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kvpress.counts import check_whole
 from kvpress.engine import Observation, observe
 from kvpress.patterns import config_hash
 
@@ -65,8 +66,7 @@ def calibrate_heads(
     model: nn.Module, tokenizer, name: str, examples: int = 16, length: int = 1024, seed: int = 0, progress=True
 ) -> dict:
     """A head pattern for `model` (see `kvpress.patterns`), from `examples` passkey prompts of `length` tokens."""
-    if examples < 1 or length < 100:
-        raise ValueError(f"need examples >= 1 and length >= 100, got {examples} and {length}")
+    check_whole(examples=(examples, 1), length=(length, 100))
     from tqdm.auto import tqdm
 
     rng = random.Random(seed)

@@ -296,6 +296,9 @@ def _check_update(args: argparse.Namespace) -> None:
                  if value != inspect.signature(train_scorer).parameters[name].default]  # fmt: skip
         if given:
             raise ValueError(f"{flag} trains nothing, so {', '.join(given)} would be ignored: drop them")
+        from kvpress.scorers import load_scorer
+
+        load_scorer(args.out)  # the scorer it changes: read (and checked) before the model loads
 
 
 def _check_generate(args: argparse.Namespace) -> None:
@@ -434,8 +437,18 @@ def main(argv: list[str] | None = None) -> int:
                                      "runs it)")  # fmt: skip
         elif args.command == "generate":
             _check_generate(args)
-        elif args.command == "train-scorer":
-            _check_update(args)  # before the model loads
+        elif args.command in ("train-scorer", "train-gates"):  # before the model loads
+            from kvpress.train_gates import check_arguments as check_gates
+            from kvpress.train_gates import train_gates
+            from kvpress.train_scorer import check_arguments as check_scorer
+            from kvpress.train_scorer import train_scorer
+
+            check, trainer = (check_scorer, train_scorer) if args.command == "train-scorer" else (check_gates,
+                                                                                                  train_gates)
+            if args.command == "train-scorer" and (args.update_profile or args.update_words):
+                _check_update(args)
+            else:  # (the trainer's own checks: lr, sparsity, tokens past the training text)
+                check(**_trainer_args(trainer, args))
         for flag in ("out", "save_cache"):  # files written after the run
             path = getattr(args, flag, None)
             if path is None:

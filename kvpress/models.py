@@ -48,8 +48,14 @@ PACKAGED_MODELS = (*_GGUF_PACKAGES, *_SPLIT_GGUF)
 
 
 def cache_dir() -> Path:
-    """Where converted models live: `$KVPRESS_CACHE`, default `~/.cache/kvpress`."""
-    return Path(os.environ.get("KVPRESS_CACHE", Path.home() / ".cache" / "kvpress"))
+    """Where converted models live: `$KVPRESS_CACHE` (`~` expanded), default `~/.cache/kvpress`."""
+    given = os.environ.get("KVPRESS_CACHE")
+    if given is None:
+        return Path.home() / ".cache" / "kvpress"
+    if not given.strip():  # (it converted models into the current directory)
+        raise ValueError("KVPRESS_CACHE is set but empty: give the directory for converted models, or unset it "
+                         "(~/.cache/kvpress)")  # fmt: skip
+    return Path(given).expanduser()
 
 
 def _pip_download(wheel: str, dest: str | Path) -> list[str]:

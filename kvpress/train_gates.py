@@ -24,12 +24,13 @@ import torch
 from torch import nn
 
 from kvpress import shipped
+from kvpress.counts import check_whole
 from kvpress.gates import ROLES, Gates
 from kvpress.patches import model_access
 from kvpress.patterns import config_hash
 from kvpress.pipeline import split_prompt
 from kvpress.recording import record_prefill
-from kvpress.train_scorer import corpus_sha256, training_texts
+from kvpress.train_scorer import check_tokens, corpus_sha256, training_texts
 
 
 @torch.no_grad()
@@ -176,6 +177,17 @@ def evaluate_layer(layer: RecordedLayer, texts: range, weight: torch.Tensor, bia
     return {"error": error / len(texts), "shuffled_error": shuffled / len(texts), "held": held / len(texts)}
 
 
+def check_arguments(texts: int, held_out: int, tokens: int, window: int, epochs: int, sparsity: float, lr: float,
+                    **_) -> None:  # fmt: skip
+    """`train_gates`'s settings, refused by name (the command checks them before the model loads)."""
+    check_whole(texts=(texts, 1), held_out=(held_out, 1), tokens=(tokens, 64), window=(window, 1), epochs=(epochs, 1))
+    check_tokens(tokens)
+    for name, value, allowed in (("sparsity", sparsity, "a finite number >= 0"), ("lr", lr, "a finite number > 0")):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+                or (name == "lr" and value == 0):  # fmt: skip
+            raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
 def train_gates(
     model: nn.Module,
     tokenizer,
@@ -192,11 +204,8 @@ def train_gates(
 ) -> Gates:
     """Train `Gates` for `model` on `texts` windows of `tokens` tokens and report them on `held_out` others
     (`training` holds the settings and the test fit, per layer and overall)."""
-    if texts < 1 or held_out < 1 or tokens < 64 or window < 1 or epochs < 1 or not (0 <= sparsity < math.inf) \
-            or not (0 < lr < math.inf):  # fmt: skip
-        raise ValueError(f"need texts >= 1, held_out >= 1, tokens >= 64, window >= 1, epochs >= 1, sparsity >= 0 "
-                         f"and lr > 0 (finite), got {texts}, {held_out}, {tokens}, {window}, {epochs}, {sparsity}, "
-                         f"{lr}")  # fmt: skip
+    check_arguments(texts=texts, held_out=held_out, tokens=tokens, window=window, epochs=epochs, sparsity=sparsity,
+                    lr=lr)  # fmt: skip
     if model_access.has_sliding_layers(model):
         raise ValueError("train-gates trains on models whose layers all attend to the whole context; this one has "
                          "sliding-window layers")  # fmt: skip

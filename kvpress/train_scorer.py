@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from kvpress import shipped
+from kvpress.counts import check_whole
 from kvpress.patterns import config_hash
 from kvpress.pipeline import split_prompt
 from kvpress.presses.base import Observation
@@ -62,6 +63,20 @@ def corpus_sha256() -> str:
     it)."""
     prose, code = corpus()
     return hashlib.sha256((prose + "\0" + code).encode()).hexdigest()
+
+
+def check_arguments(texts: int, held_out: int, tokens: int, **_) -> None:
+    """`train_scorer`'s counts, refused by name (the command checks them before the model loads)."""
+    check_whole(texts=(texts, 1), held_out=(held_out, 1), tokens=(tokens, 64))
+    check_tokens(tokens)
+
+
+def check_tokens(tokens: int) -> None:
+    """Refuse windows longer than the corpus can give: each is drawn from 8 x `tokens` characters of its source."""
+    most = min(len(source) for source in corpus()) // 8 - 1
+    if tokens > most:
+        raise ValueError(f"tokens must be at most {most} for this corpus (each window is drawn from 8 x tokens "
+                         f"characters of its source), got {tokens}")  # fmt: skip
 
 
 def training_texts(tokenizer, count: int, tokens: int, seed: int,
@@ -220,8 +235,7 @@ def train_scorer(
     validation windows and report on `held_out` test windows (`training` holds the settings and the fit). With
     `attention_mass` each KV head's model also reads the attention its token received in the prefill and how many
     queries saw it (`Scorer.mass_weight`)."""
-    if texts < 1 or held_out < 1 or tokens < 64:
-        raise ValueError(f"need texts >= 1, held_out >= 1 and tokens >= 64, got {texts}, {held_out}, {tokens}")
+    check_arguments(texts=texts, held_out=held_out, tokens=tokens)
     windows = training_texts(tokenizer, texts + 2 * held_out, tokens, seed, apart_from=texts)
     train, val, test = windows[:texts], windows[texts : texts + held_out], windows[texts + held_out :]
     gram: dict[int, list] = {}

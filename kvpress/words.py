@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from kvpress.counts import check_whole
+
 
 def word_edges(tokenizer, vocab: int) -> torch.Tensor:
     """`[vocab, 2]` uint8 per token id: (its text starts with an ASCII letter or digit, it ends with one); ids the
     tokenizer does not have (a model's embedding may have spare rows) are 0."""
-    if vocab < 1:
-        raise ValueError(f"vocab must be at least 1, got {vocab}")
+    check_whole(vocab=(vocab, 1))
     edges = torch.zeros(vocab, 2, dtype=torch.uint8)
     # each token decoded after an anchor, the anchor's text cut off: decoded alone, a SentencePiece token's leading
     # space ("▁the") is stripped by decoders that strip the text's first space (Llama 2's, Metaspace), and every

@@ -413,3 +413,33 @@ def test_a_wrong_cache_a_missing_tokenizer_and_a_shared_config_are_named(tokeniz
     twin = type(model)(copy.deepcopy(model.config)).eval()
     with SnapKVPress(0.5, window_size=4)(model), SnapKVPress(0.5, window_size=4)(twin):
         assert twin.config._attn_implementation != model.config._attn_implementation  # each its own
+
+
+def test_trainers_and_calibration_refuse_bad_settings_before_the_model_loads_or_any_work(tmp_path, capsys, monkeypatch,
+                                                                                       tokenized):  # fmt: skip
+    """train-gates' --lr / --sparsity and train-scorer's --update-* file were refused once the model had loaded,
+    tokens past the training text with a bare randrange error; from Python, window=2.5 once every layer had trained,
+    and a float length / vocab with raw TypeErrors."""
+    import kvpress
+    from kvpress.calibrate_heads import calibrate_heads
+    from kvpress.cli import main
+    from kvpress.train_gates import train_gates
+    from kvpress.words import word_edges
+
+    monkeypatch.setattr(kvpress, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    out = str(tmp_path / "g.safetensors")
+    cases = [(["train-gates", "--out", out, "--lr", "-1"], "lr must be a finite number > 0, got -1.0"),
+             (["train-gates", "--out", out, "--sparsity", "nan"], "sparsity must be a finite number >= 0, got nan"),
+             (["train-scorer", "--out", out, "--tokens", "1000000"], "tokens must be at most"),
+             (["train-scorer", "--out", str(tmp_path / "none.safetensors"), "--update-words"], "none.safetensors")]
+    for argv, said in cases:
+        assert main(argv) == 2
+        assert said in capsys.readouterr().err
+    model, tokenizer = tokenized
+    with pytest.raises(ValueError, match="window must be an integer >= 1, got 2.5"):
+        train_gates(model, tokenizer, "t", texts=1, held_out=1, tokens=64, epochs=1, window=2.5)
+    for call, said in ((lambda: calibrate_heads(model, tokenizer, "t", length=200.5), "length must be an integer"),
+                       (lambda: calibrate_heads(model, tokenizer, "t", examples=True), "examples must be an integer"),
+                       (lambda: word_edges(tokenizer, 10.0), "vocab must be an integer >= 1, got 10.0")):
+        with pytest.raises(ValueError, match=said):
+            call()

@@ -169,3 +169,19 @@ def test_an_empty_or_non_text_model_name_is_refused(name):
         models.resolve_model_path(name)
     with pytest.raises(ValueError, match="model must be a packaged model name"):
         models.load_model(name)
+
+
+def test_the_cache_directory_variable_is_expanded_and_an_empty_one_refused(monkeypatch, tmp_path):
+    """KVPRESS_CACHE='' converted models into the current directory, and '~/x' into a directory named '~'."""
+    import pytest
+
+    from kvpress.models import cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("KVPRESS_CACHE", "~/kvcache")
+    assert cache_dir() == tmp_path / "kvcache"
+    monkeypatch.setenv("KVPRESS_CACHE", " ")
+    with pytest.raises(ValueError, match="KVPRESS_CACHE is set but empty"):
+        cache_dir()
+    monkeypatch.delenv("KVPRESS_CACHE")
+    assert cache_dir() == tmp_path / ".cache" / "kvpress"

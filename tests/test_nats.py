@@ -184,9 +184,9 @@ def test_train_gates_writes_gates_for_the_model(tokenized):
     t = gates.training
     assert set(t["test"]) == {"error", "shuffled_error", "held"} and len(t["test_layers"]) == 3
     assert t["command"].startswith("kvpress train-gates --model tiny --texts 2 --held-out 1 --tokens 64")
-    with pytest.raises(ValueError, match="need texts >= 1"):
+    with pytest.raises(ValueError, match="texts must be an integer >= 1, got 0"):
         train_gates(model, tokenizer, "tiny", texts=0)
-    with pytest.raises(ValueError, match=r"lr > 0 \(finite\), got .*, inf"):
+    with pytest.raises(ValueError, match="lr must be a finite number > 0, got inf"):
         train_gates(model, tokenizer, "tiny", lr=float("inf"))
 
 

@@ -52,7 +52,7 @@ def test_word_edges_say_which_token_ids_start_and_end_with_a_letter_or_digit():
     edges = word_edges(_Pieces(), 10)
     assert edges.dtype == torch.uint8 and edges.shape == (10, 2)
     assert edges.tolist() == [[0, 1], [1, 1], [1, 1], [0, 0], [1, 1], [0, 0], [0, 0], [1, 1], [0, 0], [0, 0]]
-    with pytest.raises(ValueError, match="vocab must be at least 1, got 0"):
+    with pytest.raises(ValueError, match="vocab must be an integer >= 1, got 0"):
         word_edges(_Pieces(), 0)
 
 
