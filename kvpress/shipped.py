@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 
-from kvpress.files import write_whole
+from kvpress.files import packaged_or_path, write_whole
 from kvpress.patches import model_access
 from kvpress.patterns import config_hash
 
@@ -29,7 +29,7 @@ def read(source: str | Path, folder: Path, what: str, how: str,
     """`(tensors, metadata, training)` of the packaged file named `source` (a model name) or of the file at that
     path; a clear error when it is missing, unreadable, or lacks one of `tensors` or the metadata."""
     names = packaged(folder)
-    path = folder / f"{source}.safetensors" if str(source) in names else Path(source)
+    path = packaged_or_path(source, folder / f"{source}.safetensors" if str(source) in names else None, what)
     if not path.is_file():
         raise FileNotFoundError(f"{what} {str(source)!r} is neither a safetensors file nor a packaged {what} "
                                 f"({', '.join(names)}); {how}")  # fmt: skip

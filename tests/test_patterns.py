@@ -160,3 +160,24 @@ def test_a_write_killed_half_way_leaves_the_file_it_replaces(tmp_path, monkeypat
         save_scorer(tiny_scorer(model), weights)
     assert (path.read_bytes(), weights.read_bytes()) == before and load_pattern(path)["model"] == "smollm2-135m"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pattern.json", "scorer.safetensors"]  # (no leftovers)
+
+
+def test_a_file_here_named_as_a_packaged_one_is_refused_not_shadowed(tmp_path, monkeypatch):
+    """`kvpress train-scorer --out smollm2-135m` wrote ./smollm2-135m, and every later load of that name read the
+    packaged scorer in its place (a pattern likewise): refused now, naming ./smollm2-135m."""
+    from kvpress.patterns import save_pattern
+    from kvpress.scorers import load_scorer, save_scorer
+    from tiny import tiny_pattern, tiny_scorer
+
+    model = tiny_model("llama")
+    monkeypatch.chdir(tmp_path)
+    save_scorer(tiny_scorer(model), "smollm2-135m")
+    save_pattern(tiny_pattern(model), "qwen2.5-0.5b")
+    with pytest.raises(ValueError, match=r"scorer 'smollm2-135m' names both a packaged scorer and the file .* as "
+                                         r"\./smollm2-135m"):  # fmt: skip
+        load_scorer("smollm2-135m")
+    with pytest.raises(ValueError, match="head pattern 'qwen2.5-0.5b' names both a packaged head pattern"):
+        load_pattern("qwen2.5-0.5b")
+    assert load_scorer("./smollm2-135m").model == "tiny" and load_pattern("./qwen2.5-0.5b")["model"] == "tiny"
+    (tmp_path / "qwen2.5-0.5b").unlink()
+    assert load_pattern("qwen2.5-0.5b")["model"] == "qwen2.5-0.5b"  # (no such file here: the packaged one)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch import nn
 
-from kvpress.files import write_text_whole
+from kvpress.files import packaged_or_path, write_text_whole
 
 _HERE = Path(__file__).parent
 _HASHED = (
@@ -96,7 +96,7 @@ def load_pattern(pattern: str | Path | dict) -> dict:
         data = pattern
     else:
         is_packaged = str(pattern) in packaged()
-        path = _HERE / f"{pattern}.json" if is_packaged else Path(pattern)
+        path = packaged_or_path(pattern, _HERE / f"{pattern}.json" if is_packaged else None, "head pattern")
         name = f"{str(pattern)!r} ({path})" if is_packaged else str(path)
         if not path.is_file():
             raise FileNotFoundError(
