@@ -4,19 +4,39 @@ half of one that a later run would read or that replaced a good one), and named 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
 
 def write_whole(path: str | Path, write: Callable[[Path], None]) -> None:
-    """`write(tmp)` to a temporary file beside `path`, then that file in place of `path` (one rename)."""
-    path = Path(path)
+    """`write(tmp)` to a temporary file beside `path`, then that file in place of `path` (one rename). A symlink's
+    target is the file replaced, an existing file keeps its mode, and what a killed writer left is removed."""
+    path = Path(os.path.realpath(path))
+    for stale in path.parent.glob(f".{path.name}.partial-*"):  # (a writer killed before it could remove its own)
+        if not _alive(stale.name.rsplit("-", 1)[-1]):
+            stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
         write(tmp)
+        if path.exists():
+            os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: str) -> bool:
+    """Whether process `pid` (digits of a temporary file's name) still runs (it may still be writing)."""
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's)
+        return True
+    return True
 
 
 def packaged_or_path(source: str | Path, packaged: Path | None, what: str) -> Path:
@@ -27,7 +47,8 @@ def packaged_or_path(source: str | Path, packaged: Path | None, what: str) -> Pa
         return Path(source)
     if Path(source).is_file():
         raise ValueError(f"{what} {str(source)!r} names both a packaged {what} and the file {Path(source).resolve()}: "
-                         f"give the file as ./{source} (or rename it), or remove it to use the packaged one")
+                         f"give that file by its path ({Path(source).resolve()}) or rename it, or remove it to use the "
+                         "packaged one")  # fmt: skip
     return packaged
 
 

@@ -52,7 +52,7 @@ def find(model: nn.Module, folder: Path, load, what: str, how: str):
     is read by its name)."""
     wanted = config_hash(model)
     for name in sorted(packaged(folder), key=lambda n: (len(n), n)):
-        found = load(name)
+        found = load(folder / f"{name}.safetensors")  # (by its path: a file here of that name is none of its business)
         if found.config_hash == wanted:
             return found
     names = ", ".join(packaged(folder)) or "none"

@@ -73,7 +73,7 @@ def check_arguments(texts: int, held_out: int, tokens: int, **_) -> None:
 
 def check_tokens(tokens: int) -> None:
     """Refuse windows longer than the corpus can give: each is drawn from 8 x `tokens` characters of its source."""
-    most = min(len(source) for source in corpus()) // 8 - 1
+    most = (min(len(source) for source in corpus()) - 1) // 8  # (a start is drawn below len - 8 x tokens)
     if tokens > most:
         raise ValueError(f"tokens must be at most {most} for this corpus (each window is drawn from 8 x tokens "
                          f"characters of its source), got {tokens}")  # fmt: skip

@@ -173,11 +173,38 @@ def test_a_file_here_named_as_a_packaged_one_is_refused_not_shadowed(tmp_path, m
     monkeypatch.chdir(tmp_path)
     save_scorer(tiny_scorer(model), "smollm2-135m")
     save_pattern(tiny_pattern(model), "qwen2.5-0.5b")
-    with pytest.raises(ValueError, match=r"scorer 'smollm2-135m' names both a packaged scorer and the file .* as "
-                                         r"\./smollm2-135m"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"scorer 'smollm2-135m' names both a packaged scorer and the file .*: give "
+                                         r"that file by its path"):  # fmt: skip
         load_scorer("smollm2-135m")
+    import types
+
+    from transformers import AutoConfig
+
+    from kvpress.gates import find_gates
+    from kvpress.models import resolve_model_path
+    from kvpress.patterns import find_pattern
+    from kvpress.scorers import find_scorer
+
+    smol = types.SimpleNamespace(config=AutoConfig.from_pretrained(resolve_model_path(), local_files_only=True))
+    # ("auto" finds the packaged files by their paths, whatever lies here)
+    assert find_scorer(smol).model == find_gates(smol).model == find_pattern(smol)["model"] == "smollm2-135m"
     with pytest.raises(ValueError, match="head pattern 'qwen2.5-0.5b' names both a packaged head pattern"):
         load_pattern("qwen2.5-0.5b")
     assert load_scorer("./smollm2-135m").model == "tiny" and load_pattern("./qwen2.5-0.5b")["model"] == "tiny"
     (tmp_path / "qwen2.5-0.5b").unlink()
     assert load_pattern("qwen2.5-0.5b")["model"] == "qwen2.5-0.5b"  # (no such file here: the packaged one)
+
+
+def test_a_whole_write_replaces_a_symlinks_target_keeps_the_mode_and_clears_a_killed_writers_leftover(tmp_path):
+    import os
+
+    from kvpress.files import write_text_whole
+
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    real.write_text("old")
+    real.chmod(0o664)
+    link.symlink_to(real)
+    (tmp_path / ".real.json.partial-999999999").write_text("half")  # (a writer killed: no such process)
+    write_text_whole(link, "new")
+    assert link.is_symlink() and real.read_text() == "new" and oct(real.stat().st_mode & 0o777) == "0o664"
+    assert sorted(os.listdir(tmp_path)) == ["link.json", "real.json"]

@@ -116,7 +116,7 @@ def find_pattern(model: nn.Module) -> dict:
     """The packaged pattern made for `model`'s architecture (by config hash), or a clear error."""
     wanted = config_hash(model)
     for name in packaged():
-        pattern = load_pattern(name)
+        pattern = load_pattern(_HERE / f"{name}.json")  # (by path: a file here of that name is not it)
         if pattern["config_hash"] == wanted:
             return pattern
     raise ValueError(
