@@ -19,7 +19,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from kvpress.eval.tasks.example import Example
+from kvpress.eval.tasks.example import Example, check_size
 
 DEFAULT_GENERATOR = "chain_sum"
 DEFAULT_CONFIG = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
@@ -70,8 +70,7 @@ def arithmetic_examples(
 ) -> list[ArithmeticExample]:
     """`n` examples: solved problems of reasoning-gym's `generator` filling about `length` tokens, then the
     target problem (default: `chain_sum` with `DEFAULT_CONFIG`)."""
-    if n < 1 or length < MIN_LENGTH:
-        raise ValueError(f"need n >= 1 and length >= {MIN_LENGTH}, got n={n}, length={length}")
+    check_size(n, length, MIN_LENGTH)
     config = config or (DEFAULT_CONFIG if generator == DEFAULT_GENERATOR else {})
     problems = _problems(generator, seed, POOL, config)
     if first_number(str(problems[0]["answer"])) is None:  # scored by the first number of the reply

@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from kvpress.eval.tasks.example import check_size
 from kvpress.eval.tasks.needle import haystack_ids
 
 FOLLOWING = 256
@@ -36,8 +37,7 @@ def continuation_examples(tokenizer, n: int, length: int, seed: int, source: str
     """`n` contexts of `length` tokens of `source`, each with the `FOLLOWING` tokens after it."""
     if source not in SOURCES:
         raise ValueError(f"unknown continuation source {source!r}; choose one of {SOURCES}")
-    if n < 1 or length < MIN_LENGTH:
-        raise ValueError(f"need n >= 1 and length >= {MIN_LENGTH}, got n={n}, length={length}")
+    check_size(n, length, MIN_LENGTH)
     rng = random.Random(f"continuation-{source}-{seed}")
     examples = []
     for _ in range(n):

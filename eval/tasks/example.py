@@ -7,6 +7,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 
+def check_size(n: int, length: int, least: int) -> None:
+    """Refuse `n` examples of `length` tokens a generator cannot build (its floor: `least`, its `MIN_LENGTH`)."""
+    if n < 1 or length < least:
+        raise ValueError(f"need n >= 1 and length >= {least}, got n={n}, length={length}")
+
+
 @dataclass(frozen=True)
 class Example:
     context: str

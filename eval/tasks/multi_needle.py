@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-from kvpress.eval.tasks.example import Example
+from kvpress.eval.tasks.example import Example, check_size
 from kvpress.eval.tasks.needle import haystack_ids, insert_at_depths
 
 KINDS = ("multikey", "multivalue", "multiquery")
@@ -27,8 +27,7 @@ def multi_needle_examples(tokenizer, n: int, length: int, seed: int, kind: str =
     """`n` examples of about `length` tokens with 4 needles of `kind` (see the module docstring)."""
     if kind not in KINDS:
         raise ValueError(f"unknown multi-needle kind {kind!r}; choose one of {KINDS}")
-    if n < 1 or length < MIN_LENGTH:
-        raise ValueError(f"need n >= 1 and length >= {MIN_LENGTH}, got n={n}, length={length}")
+    check_size(n, length, MIN_LENGTH)
     rng = random.Random(f"{kind}-{seed}")
     out = []
     for _ in range(n):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 
 from kvpress.eval.tasks.essays import essays
-from kvpress.eval.tasks.example import Example
+from kvpress.eval.tasks.example import Example, check_size
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 HAYSTACKS = ("noise", "pydoc", "essay")
@@ -69,8 +69,7 @@ def needle_examples(tokenizer, n: int, length: int, seed: int, haystack: str = "
     """`n` examples whose context is about `length` tokens of `haystack` with one needle."""
     if haystack not in HAYSTACKS:
         raise ValueError(f"unknown haystack {haystack!r}; choose one of {HAYSTACKS}")
-    if n < 1 or length < MIN_LENGTH:
-        raise ValueError(f"need n >= 1 and length >= {MIN_LENGTH}, got n={n}, length={length}")
+    check_size(n, length, MIN_LENGTH)
     rng = random.Random(f"{haystack}-{seed}")
     needle, question = _NEEDLES[haystack]
     out = []

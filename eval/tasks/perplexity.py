@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from kvpress.eval.tasks.example import check_size
 from kvpress.eval.tasks.needle import haystack_ids
 from kvpress.presses.base import BasePress
 from kvpress.stream import stream
@@ -38,8 +39,7 @@ def perplexity_documents(tokenizer, n: int, length: int, seed: int, source: str 
     """`n` documents of about `length` tokens of `source` ("essay" or "pydoc"), each from a random offset."""
     if source not in SOURCES:
         raise ValueError(f"unknown perplexity source {source!r}; choose one of {SOURCES}")
-    if n < 1 or length < MIN_LENGTH:
-        raise ValueError(f"need n >= 1 and length >= {MIN_LENGTH}, got n={n}, length={length}")
+    check_size(n, length, MIN_LENGTH)
     rng = random.Random(f"perplexity-{source}-{seed}")
     return [Document(tokenizer.decode(haystack_ids(tokenizer, source, length, rng)).strip()) for _ in range(n)]
 

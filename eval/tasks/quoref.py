@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvpress.eval.tasks.example import Example, drawn_one_at_a_time, placed_among
+from kvpress.eval.tasks.example import Example, check_size, drawn_one_at_a_time, placed_among
 from kvpress.models import cache_dir
 
 SDIST = ("https://files.pythonhosted.org/packages/95/f8/c019b3579df548a04cac12342cfcb878e50ddf6cfcd7fddba8cfc721c157/"
@@ -99,8 +99,7 @@ MIN_LENGTH = 64  # context tokens: the shortest this task builds (a sweep checks
 def quoref_examples(tokenizer, n: int, length: int, seed: int, items: list[dict] | None = None) -> list[Example]:
     """`n` examples of at most `length` tokens (within a passage of it): a question's passage placed at random
     among distractor passages."""
-    if n < 1 or length < MIN_LENGTH:
-        raise ValueError(f"need n >= 1 and length >= {MIN_LENGTH}, got n={n}, length={length}")
+    check_size(n, length, MIN_LENGTH)
     items = quoref_items() if items is None else items
     passages = sorted({item["passage"] for item in items})
     rng = random.Random(f"quoref-{seed}")

@@ -22,7 +22,7 @@ import json
 import random
 from functools import cache
 
-from kvpress.eval.tasks.example import Example, drawn_one_at_a_time, placed_among
+from kvpress.eval.tasks.example import Example, check_size, drawn_one_at_a_time, placed_among
 from kvpress.eval.tasks.ruler_qa import DOCUMENT_EXTRA, context_budget, package_json, qa_example
 
 SHA256 = "80a5225e94905956a6446d296ca1093975c4d3b3260f1d6c8f68bc2ab77182d8"  # 26.3's squad.json: examples stay put
@@ -51,8 +51,7 @@ MIN_LENGTH = 64  # context tokens: the shortest this task builds (a sweep checks
 def squad_examples(tokenizer, n: int, length: int, seed: int, items: tuple[dict, ...] | None = None) -> list[Example]:
     """`n` examples of about `length` tokens (within a paragraph of it): a question's paragraph among the other
     paragraphs of its article, then other articles' paragraphs, in a random order."""
-    if n < 1 or length < MIN_LENGTH:
-        raise ValueError(f"need n >= 1 and length >= {MIN_LENGTH}, got n={n}, length={length}")
+    check_size(n, length, MIN_LENGTH)
     items = squad_items() if items is None else items
     pool = [item for item in items if item["answers"]]
     if n > len(pool):
