@@ -8,9 +8,10 @@ facts are planted in early rounds and the last turn asks for one of them. Config
 - `RoundPolicy(inner=SnapKV)`: each finished round also compressed once (FlowKV);
 - SinkWindow and "recompress everything every turn" (SnapKV over the whole cache at each turn), both
   with a token budget equal, per example, to what RoundPolicy holds per layer at the last turn.
-Reported per configuration: accuracy (and its ratio to the full cache), working-cache bytes at the
+Reported per configuration (`summarize`): accuracy with its 95% interval (Wilson) and n, its difference from the
+full cache's over the same chats with its interval (Student's t) and its ratio to it, working-cache bytes at the
 last turn and averaged over turns (ratio to the full cache of the same chat; RoundPolicy's host store
-reported separately), tokens fed per turn, with the accuracy's 95% interval (Wilson) and n. Writes
+reported separately), tokens fed per turn, and how often a round policy selected the asked round (Wilson). Writes
 `eval/results/chat[-MODEL].json`; each chat's rows go to `<out>.jsonl` as it finishes, so that a stopped run with
 the same settings resumes from them (other settings are refused: another file, `--out`); once the result is written
 the `.jsonl` is removed (the rows are in the result), so the next run measures anew.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +34,7 @@ import torch
 
 import kvpress
 from kvpress.engine import Observation, observe
-from kvpress.eval.confidence import wilson
+from kvpress.eval.confidence import mean_half_width, wilson
 from kvpress.eval.sweep import append_row, read_rows
 from kvpress.eval.tasks.chat_recall import ChatExample, chat_recall_examples
 from kvpress.patches import model_access
@@ -143,25 +145,41 @@ def bench(examples: list[ChatExample], play: Callable[[ChatExample], dict[str, d
                   + f" ({time.time() - start:.0f} s)", flush=True)  # fmt: skip
         for name, row in played.items():
             rows.setdefault(name, []).append(row)
-    full_acc = sum(r["score"] for r in rows["full"]) / len(examples)
+    return {"summary": summarize(rows), "rows": rows}
+
+
+def summarize(rows: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per configuration, from its rows (one a chat, in the full cache's order): accuracy with its Wilson 95% interval
+    and n, its difference from the full cache's on the same chats (mean of the per-chat differences, Student's t 95%
+    interval clipped to [-1, 1]; [0, 0] when no chat's score moved) and retention (accuracy / the full cache's),
+    bytes and tokens fed, and for a round policy how often it selected the asked round (Wilson interval)."""
+    full = rows["full"]
+    full_acc = sum(r["score"] for r in full) / len(full)
     summary = {}
     for name, members in rows.items():
-        acc = sum(r["score"] for r in members) / len(members)
-        store = [r["store_bytes"] / f["bytes_last"] for r, f in zip(members, rows["full"], strict=True)]
+        scores = [r["score"] for r in members]
+        acc, differences = sum(scores) / len(members), [s - f["score"] for s, f in zip(scores, full, strict=True)]
+        gap, half = sum(differences) / len(differences), mean_half_width(differences)
+        store = [r["store_bytes"] / f["bytes_last"] for r, f in zip(members, full, strict=True)]
+        selected = sum(r["fact_round"] in r["selected"] for r in members) if name.startswith("round") else None
         summary[name] = {
             "accuracy": round(acc, 4),
-            "accuracy_interval": [round(x, 4) for x in wilson(sum(r["score"] for r in members), len(members))],
+            "accuracy_interval": [round(x, 4) for x in wilson(sum(scores), len(members))],
             "n": len(members),
+            "minus_full": round(gap, 4),
+            "minus_full_interval": (None if math.isnan(half) else
+                                    [round(max(-1.0, gap - half), 4), round(min(1.0, gap + half), 4)]),  # fmt: skip
             "retention": round(acc / full_acc, 4) if full_acc else None,
             "working_bytes_last": round(sum(r["bytes_ratio_last"] for r in members) / len(members), 4),
             "working_bytes_mean_over_turns": round(sum(r["bytes_ratio_mean"] for r in members) / len(members), 4),
             "store_bytes_last": round(sum(store) / len(store), 4),
             "tokens_fed_per_turn": round(sum(sum(r["tokens_fed_per_turn"]) / len(r["tokens_fed_per_turn"])
                                              for r in members) / len(members), 1),  # fmt: skip
-            "fact_round_selected": (round(sum(r["fact_round"] in r["selected"] for r in members) / len(members), 4)
-                                    if name.startswith("round") else None),  # fmt: skip
+            "fact_round_selected": None if selected is None else round(selected / len(members), 4),
+            "fact_round_selected_interval": (None if selected is None else
+                                             [round(x, 4) for x in wilson(selected, len(members))]),  # fmt: skip
         }
-    return {"summary": summary, "rows": rows}
+    return summary
 
 
 @torch.inference_mode()

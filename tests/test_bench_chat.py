@@ -33,6 +33,11 @@ def test_a_run_resumes_from_its_rows_and_reports_wilson_intervals(tmp_path):
     assert summary["accuracy"] == 0.5 and summary["n"] == 4
     assert summary["accuracy_interval"] == pytest.approx([0.15, 0.85], abs=0.01)  # Wilson's, 2 of 4
     assert result["summary"]["full"]["accuracy_interval"][1] == 1.0 and len(result["rows"]["round"]) == 4
+    # against the full cache chat by chat (-1, 0, -1, 0): t(3) sd / 2 = 0.919 about -0.5, clipped at -1
+    assert summary["minus_full"] == -0.5 and summary["minus_full_interval"] == pytest.approx([-1.0, 0.419], abs=1e-3)
+    assert summary["fact_round_selected"] == 1.0 and summary["fact_round_selected_interval"] == pytest.approx(
+        [0.51, 1.0], abs=0.01)  # Wilson's, 4 of 4
+    assert result["summary"]["full"]["minus_full_interval"] == [0.0, 0.0]  # no chat moved
     assert [json.loads(line).get("example") for line in log.read_text().splitlines()] == [None, 0, 1, 2, 3]
     with pytest.raises(ValueError, match="other settings"):
         bench([0], play, log, {"model": "m", "seed": 1})
