@@ -27,7 +27,8 @@ and every scorer use. Such a layer is continued only inside `with press(model):`
 attention would meet keys narrower than its queries).
 
 `get_seq_length()` returns the tokens seen, so positions keep counting; `get_mask_sizes()` describes
-the slots held, so transformers' own masks stay right for unpadded continuation.
+the slots held, so transformers' own masks stay right for unpadded continuation (not for a sliding-window layer
+compressed head by head once past its window: its heads' holes are refused outside the press).
 
 A sliding-window layer (`window`, the model's `sliding_window`) is a full-attention layer while the
 context fits its window, and a press compresses it like one. Past the window it keeps, as transformers'
@@ -150,6 +151,12 @@ class PressedLayer(DynamicLayer):
             raise RuntimeError(
                 "this sliding-window layer was compressed; transformers' own window mask would misplace its "
                 "slots in a forward of several tokens: continue it inside `with press(model):`"
+            )
+        if not self.driven and self.window is not None and self.seen + q >= self.window and self._apart():
+            raise RuntimeError(
+                "this sliding-window layer was compressed head by head: past its window each head drops other "
+                "slots, which transformers' own mask cannot hide (it would attend tokens that left the window): "
+                "continue it inside `with press(model):`"
             )
         new_keys, new_values = key_states, value_states
         if self.kv_bits is not None:
@@ -636,6 +643,13 @@ class PressedLayer(DynamicLayer):
             self.slots[name] = new.contiguous()
         else:
             self.slots[name] = torch.cat([t[..., :start], new], dim=-1)
+
+    def _apart(self) -> bool:
+        """Whether the held slots differ between heads or rows: holes, or positions that differ (a window's trimming
+        would then make holes, which only the press's own masks hide)."""
+        if "valid" in self.slots:
+            return True
+        return self.n > 0 and bool((self.pos != self.pos[:1, :1]).any())
 
     def _contiguous(self) -> bool:
         """Whether the held slots are exactly the last `n` tokens seen, in order (nothing but the window cut)."""

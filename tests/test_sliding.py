@@ -147,6 +147,42 @@ def test_a_compressed_sliding_cache_refuses_several_tokens_outside_its_press():
         model(prompt(1, 4, seed=2), cache=cache)
 
 
+@pytest.mark.parametrize("family", ["mistral-window", "gemma3"])
+def test_past_the_window_a_cache_compressed_head_by_head_is_refused_outside_its_press(family):
+    """Past the window each head of a layer compressed head by head drops other slots (holes), which transformers'
+    own mask attends: a plain step there is refused (its logits moved by up to 0.07 before, without a word); a cache
+    whose heads hold the same slots (SinkWindow) goes on plainly past the window, as inside its press."""
+    import copy
+
+    from kvpress import KnormPress, SinkWindowPress
+
+    model, ids = _windowed(family), prompt(1, 40)
+    window = model.config.sliding_window
+    cache = DynamicCache(config=model.config)
+    with KnormPress(compression_ratio=0.5)(model):
+        model(ids[:, :12], cache=cache)
+    for t in range(12, window - 1):  # within the window (Mistral's 16), one token at a time is fine
+        model(ids[:, t : t + 1], cache=cache)
+    with pytest.raises(RuntimeError, match="compressed head by head"):  # the step where trimming starts
+        model(ids[:, max(12, window - 1) : max(12, window - 1) + 1], cache=cache)
+    press = SinkWindowPress(n_sink=2, window=6)
+    same = DynamicCache(config=model.config)
+    with press(model):
+        model(ids[:, :12], cache=same)
+    inside = copy.deepcopy(same)
+    steps = {}
+    for name, c in (("plain", same), ("inside", inside)):
+        logits = []
+        for t in range(12, 30):  # past every window
+            if name == "plain":
+                logits.append(model(ids[:, t : t + 1], cache=c).logits)
+            else:
+                with press(model) as installed, installed.frozen():
+                    logits.append(model(ids[:, t : t + 1], cache=c).logits)
+        steps[name] = torch.cat(logits, 1)
+    torch.testing.assert_close(steps["plain"], steps["inside"], atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_past_the_window_each_head_drops_its_leaving_slots_by_a_view_and_the_others_become_holes(padded):
     """Each head's real slots older than the last `window - 1` tokens of its row leave: those before the layer's
