@@ -134,6 +134,11 @@ class HeadwiseLayer(DynamicLayer):
     # ----- the transformers layer API -----------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Hold the new keys/values until the intercept commits them to every head."""
+        if not self.driven and not (self.seen or self.pending):
+            raise RuntimeError(
+                "this cache's head-wise layers were emptied (reset): it takes its next prompt inside `with "
+                "press(model):` (any press); without a press, use a new DynamicCache"
+            )
         if not self.driven:
             raise RuntimeError(
                 "this cache holds head-wise compressed layers (AdaKV / DuoAttention): continue it inside "
@@ -160,8 +165,8 @@ class HeadwiseLayer(DynamicLayer):
             raise NotImplementedError("a head-wise compressed cache cannot be cropped: its evicted tokens are gone")
 
     def reset(self) -> None:
-        """Empty every head (the layer then takes a new prompt, appended to every head, stored as its first commit
-        makes it: dense until a press quantizes it, as `PressedLayer.reset`)."""
+        """Empty every head and free the storage. The next forward under a press replaces the emptied layer with a
+        fresh dense one (`intercept`), so the new prompt may have another batch size, padding or press."""
         self.store = {}
         self.bounds = [0] * (len(self.lengths) + 1)
         self.lengths = [0] * len(self.lengths)

@@ -332,6 +332,10 @@ class Intercept:
         for i, layer in enumerate(cache.layers):
             if i in self._compressible and model_access.is_plain_layer(layer):
                 cache.layers[i] = layer = PressedLayer.from_layer(layer)
+            elif isinstance(layer, HeadwiseLayer) and not (layer.seen or layer.pending or layer.torn):
+                # an emptied head-wise layer (`cache.reset()`) starts the next prompt as a fresh cache's does:
+                # dense, of the new prompt's batch and padding, for whichever press runs it
+                cache.layers[i] = layer = PressedLayer(layer.window)
             if isinstance(layer, _DRIVEN) and not layer.driven:
                 layer.driven = True
                 newly.append(layer)

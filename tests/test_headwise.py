@@ -720,6 +720,30 @@ def test_headwise_cache_refuses_another_headwise_press_and_resets():
     assert torch.allclose(again, fresh, atol=1e-5)
 
 
+def test_a_reset_headwise_cache_takes_another_batch_size_padding_or_press():
+    """An emptied head-wise cache starts its next prompt as a fresh cache does: another batch size (an
+    index_copy_ error inside its commit before), a left-padded prompt (refused as padding past the first forward)
+    or another press (refused as made by AdaKVPress); without a press it says what to do."""
+    model = tiny_model("llama")
+    ada = AdaKVPress(SnapKVPress(0.5, window_size=8))
+    ids, mask = left_padded([prompt(1, 64, seed=3)[0], prompt(1, 50, seed=4)[0], prompt(1, 58, seed=6)[0]])
+    duo = DuoAttentionPress(compression_ratio=0.5, head_pattern=tiny_pattern(model), window=8)
+    cache = DynamicCache(config=model.config)
+    with ada(model):
+        model(prompt(2, 64), cache=cache)
+    for press, kwargs in ((ada, {"input_ids": ids, "attention_mask": mask}), (ada, {"input_ids": ids[:1]}),
+                          (duo, {"input_ids": ids[:1]})):  # fmt: skip
+        cache.reset()
+        with press(model):
+            again = model(**kwargs, cache=cache).logits
+        with press(model):
+            fresh = model(**kwargs, cache=DynamicCache(config=model.config)).logits
+        assert torch.equal(again, fresh)
+    cache.reset()
+    with pytest.raises(RuntimeError, match="emptied.*use a new DynamicCache"):
+        model(ids[:1], cache=cache)
+
+
 def test_a_chunked_padded_batch_that_cannot_go_head_wise_is_told_why():
     """A left-padded row's padding reaching a chunk after the layers went head-wise is refused, naming the chunks."""
     model = tiny_model("llama")
