@@ -461,19 +461,21 @@ class PressedLayer(DynamicLayer):
         if extra["keys"].shape[:2] != self.keys.shape[:2] or extra["keys"].shape[3:] != self.keys.shape[3:]:
             raise ValueError(f"slots to insert have shape {tuple(extra['keys'].shape)}, this layer's keys "
                              f"{tuple(self.keys.shape)} (batch, heads and head size must match)")  # fmt: skip
-        if bool(torch.isin(extra["pos"][0, 0], self.pos[0, 0]).any()):
+        held_real = self.valid if self.valid is not None else torch.ones_like(self.pos, dtype=torch.bool)
+        new_real = extra["valid"] if "valid" in extra else torch.ones_like(extra["pos"], dtype=torch.bool)
+        same = (extra["pos"][..., :, None] == self.pos[..., None, :]) & new_real[..., :, None] & held_real[..., None, :]
+        if bool(same.any()):  # (each row and head: their slots may hold other positions)
             raise ValueError("some slots to insert are already held (their positions are in the layer)")
         merged = {"keys": torch.cat([self.keys[:, :, : self.n], extra["keys"]], dim=2),
                   "values": torch.cat([self.values[:, :, : self.n], extra["values"]], dim=2)}  # fmt: skip
         merged.update({name: torch.cat([t[..., : self.n], extra[name]], dim=2) for name, t in self.slots.items()})
-        order = merged["pos"][0, 0].long().argsort()
-        self.keys = merged.pop("keys").index_select(2, order)
-        self.values = merged.pop("values").index_select(2, order)
-        self.slots = {name: t.index_select(2, order) for name, t in merged.items()}
-        added = extra["keys"].shape[2]
-        self.n += added
+        order = merged["pos"].long().argsort(dim=2, stable=True)  # each row and head in its own position order
+        take = lambda t: t.gather(2, order if t.dim() == 3 else order[..., None].expand(*order.shape, t.shape[-1]))  # noqa: E731
+        self.keys, self.values = take(merged.pop("keys")), take(merged.pop("values"))
+        self.slots = {name: take(t) for name, t in merged.items()}
+        self.n += extra["keys"].shape[2]
         self.rewrites += 1
-        self.shift = self.shift - added
+        self._count_evicted()  # (padding or holes among the slots brought back are not tokens held again)
         self._forget_rows()
         self._trimmed = False
 

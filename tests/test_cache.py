@@ -187,6 +187,28 @@ def test_slot_masks_and_duplicate_inserts_are_refused():
     assert layer.n == 6
 
 
+def test_slots_inserted_where_heads_hold_other_positions_go_in_each_heads_order():
+    """Heads (and rows) that kept other positions: each takes the inserted slots in its own position order (all
+    followed head 0's order before), and a slot another head already holds is refused (only head 0 was looked at)."""
+    torch.manual_seed(0)
+    layer = PressedLayer()
+    keys = torch.randn(2, 2, 8, 4)
+    layer.update(keys, keys.clone())
+    layer.keep(torch.tensor([[[0, 1, 2, 3], [0, 1, 6, 7]], [[4, 5, 6, 7], [0, 2, 4, 6]]]))
+    extra = {"keys": torch.randn(2, 2, 2, 4), "values": torch.randn(2, 2, 2, 4),
+             "pos": torch.tensor([[[5, 4], [3, 2]], [[1, 0], [7, 5]]], dtype=torch.int32)}  # fmt: skip
+    layer.insert(extra)
+    assert layer.pos.tolist() == [[[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 6, 7]],
+                                  [[0, 1, 4, 5, 6, 7], [0, 2, 4, 5, 6, 7]]]  # fmt: skip
+    assert torch.equal(layer.keys[1, 1, 3], extra["keys"][1, 1, 1]) and layer.n == 6  # position 5: row 1, head 1
+    assert layer.shift.tolist() == [2, 2]
+    again = {name: t[:, :, :1] for name, t in extra.items()}
+    again["pos"] = torch.tensor([[[8], [6]], [[8], [8]]], dtype=torch.int32)  # row 0, head 1 holds 6
+    with pytest.raises(ValueError, match="already held"):
+        layer.insert(again)
+    assert layer.n == 6
+
+
 def test_decoding_grows_the_storage_with_spare_room_not_a_copy_a_step():
     """A layer that keeps every decoded token copies its slots once every `n * SPARE` steps (at least
     `SPARE_MIN`), not at every step; the room it holds beyond its slots stays within that share; an eviction
