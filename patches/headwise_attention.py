@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from kvpress.patches import blocked_attention as blocked
+from kvpress.patches import model_access
 from kvpress.patches.cache import PressedLayer
 from kvpress.patches.head_cache import HeadwiseLayer
 
@@ -50,7 +51,7 @@ def headwise_attention(
     fp32 aligned with the layer's packed storage, the weight each held slot received from the queries of its KV
     head, summed (0 in spare room), computed from the weights of the output (`attention_with_mass`); else None."""
     scale = float(module.scaling)
-    softcap = getattr(module, "attn_logit_softcapping", None)
+    softcap = model_access.logit_softcap(module)
     if mass_block is None and not softcap and _one_call(query, layer):
         return _varlen(query, layer, scale), None
     return _pairs(query, layer, scale, softcap, mass_block)

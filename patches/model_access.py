@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 import threading
@@ -208,8 +209,21 @@ def attention_scaling(module: nn.Module) -> float:
 
 
 def logit_softcap(module: nn.Module) -> float | None:
-    """The tanh cap an attention module applies to its logits (Gemma's `attn_logit_softcapping`), or None."""
-    return getattr(module, "attn_logit_softcapping", None) or None
+    """The tanh cap an attention module applies to its logits (Gemma 2's `attn_logit_softcapping`), or None: only
+    where its forward hands it to the attention function (Gemma 3 keeps the attribute from its config and never
+    passes it, so its attention is not capped)."""
+    cap = getattr(module, "attn_logit_softcapping", None) or None
+    return cap if cap is not None and _passes_softcap(type(module)) else None
+
+
+@functools.cache
+def _passes_softcap(cls: type) -> bool:
+    """Whether an attention class's forward passes `softcap=` to the attention function (its source read once; a
+    class whose source cannot be read is taken at its attribute's word)."""
+    try:
+        return "softcap=" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return True
 
 
 def layer_index(module: nn.Module) -> int:

@@ -372,6 +372,27 @@ def test_adakv_without_freedom_equals_the_dense_press(attn, family, inner):
     assert (dense - headwise).nan_to_num(0.0).abs().max() <= 1e-5  # -inf - -inf: the masked EOS
 
 
+def test_a_softcap_the_model_never_applies_is_not_applied_by_presses_or_head_wise_attention():
+    """Gemma 3 keeps `attn_logit_softcapping` from its config but never hands it to its attention: the presses'
+    scores and the head-wise attention capped the logits anyway (AdaKV at even shares then left SnapKV by 2e-3);
+    Gemma 2 hands it over, and kvpress applies it there."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from kvpress.patches import model_access
+
+    capped, plain = tiny_model("gemma3", "eager", attn_logit_softcapping=1.0), tiny_model("gemma3", "eager")
+    ids = prompt(1, 96)
+    assert torch.equal(capped(ids[:, :40]).logits, plain(ids[:, :40]).logits)  # (the model ignores it)
+    dense, _ = greedy_scores(capped, ids, SnapKVPress(0.5, window_size=8), new=10)
+    headwise, _ = greedy_scores(capped, ids, AdaKVPress(SnapKVPress(0.5, window_size=8), alpha_safeguard=1.0), new=10)
+    assert (dense - headwise).nan_to_num(0.0).abs().max() <= 1e-5
+    assert model_access.logit_softcap(capped.model.layers[0].self_attn) is None
+    gemma2 = AutoModelForCausalLM.from_config(Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, attn_logit_softcapping=50.0))  # fmt: skip
+    assert model_access.logit_softcap(gemma2.model.layers[0].self_attn) == 50.0
+
+
 def _loud_first_head(cls):
     """`cls` whose first KV head scores 1000 times louder: the same order within every head."""
 
