@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from kvpress import SimLayerKVPress
 from kvpress.recording import compress_recording, record_prefill
-from tiny import left_padded, prompt, tiny_model
+from tiny import greedy_scores, left_padded, prompt, tiny_model
 
 
 def _laziness(model, ids, n_sink, window):
@@ -73,6 +73,25 @@ def test_each_row_of_a_batch_has_the_plan_it_has_alone():
     assert len({tuple(plan) for plan in plans}) > 1, "every row chose the same layers: the test shows nothing"
     assert all(torch.equal(padded[i], alone[i]) for i in range(3))
     assert torch.equal(even[0], alone[0])
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_on_sliding_layers_a_lazy_layer_keeps_the_latest_tokens_in_a_batch_as_alone(attn):
+    """Where a sliding window's sinks have left, a lazy layer's budget (sinks + window) takes the latest tokens
+    before its window: every token scored alike before, so the slots' layout chose, and the longest row of a
+    left-padded batch kept position 32 over 33 where alone it kept 33 (logits 0.5 apart)."""
+    model = tiny_model("gemma3", attn)
+    rows = [prompt(1, 40, seed=1)[0], prompt(1, 27, seed=2)[0]]
+    ids, mask = left_padded(rows)
+    make = lambda: SimLayerKVPress(compression_ratio=0.5, n_sink=2, window_size=4)  # noqa: E731
+    batch, cache = greedy_scores(model, ids, make(), new=6, mask=mask)
+    for i, row in enumerate(rows):
+        alone, single = greedy_scores(model, row[None], make(), new=6)
+        assert (alone[:, 0] - batch[:, i]).nan_to_num(0.0).abs().max() <= 1e-5
+        for layer in single.layers:
+            if layer.window is not None:  # what the next token sees: the last window - 1 real tokens, in order
+                last = layer.seen - 1
+                assert sorted(layer.pos[0, 0, : layer.n].tolist()) == list(range(last - layer.n + 1, last + 1))
 
 
 def test_bad_parameters_are_refused_by_name():

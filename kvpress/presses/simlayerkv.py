@@ -89,7 +89,10 @@ class SimLayerKVPress(BasePress):
         return (probs * local).sum(-1).mean(dim=(1, 2, 3)).tolist()
 
     def score(self, obs: Observation) -> torch.Tensor:
-        return torch.zeros(obs.keys.shape[:3], device=obs.keys.device)  # a lazy layer keeps its protected tokens
+        # a lazy layer keeps its protected sinks and window; where the sinks left a sliding window, the most recent
+        # tokens before it take their share (all scored alike before: the slots' layout chose, so a row of a batch
+        # kept other tokens than alone)
+        return obs.layer.pos[..., : obs.keys.shape[2]].float()
 
     def row_budgets(self, layer_idx: int, n_layers: int, spans: list[int]) -> list[int]:
         lazy = (self.lazy or {}).get(layer_idx)
