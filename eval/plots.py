@@ -235,6 +235,15 @@ def _curves(plt, summary: list[dict], bands: dict, path: Path, default: str) -> 
     return path
 
 
+def heatmap_order(summary: list[dict]) -> list[str]:
+    """The heatmap's presses, best first: by the mean of their retentions as coloured, clipped to [0, 1] (unclipped,
+    a near-chance full cache's retentions of 3.0 put a press second that ranks seventh), then by name."""
+    presses = sorted({s["press"] for s in summary} - {FULL})
+    kept = {p: [min(max(s["retention"], 0.0), 1.0) for s in summary if s["press"] == p and s["retention"] is not None]
+            for p in presses}  # fmt: skip
+    return sorted(presses, key=lambda p: (-statistics.fmean(kept[p]) if kept[p] else 0.0, p))
+
+
 def _heatmap(plt, summary: list[dict], path: Path, default: str) -> Path:
     import matplotlib
     import numpy as np
@@ -243,9 +252,7 @@ def _heatmap(plt, summary: list[dict], path: Path, default: str) -> Path:
     ratios = sorted({s["ratio"] for s in summary if s["press"] != FULL})
     cell = {(s["press"], s["task"], s["ratio"]): s["retention"] for s in summary}
     partial = partial_cells(summary)
-    presses = sorted({s["press"] for s in summary} - {FULL})
-    kept = {p: [v for (q, _, _), v in cell.items() if q == p and v is not None] for p in presses}
-    presses.sort(key=lambda p: (-statistics.fmean(kept[p]) if kept[p] else 0.0, p))  # best first
+    presses = heatmap_order(summary)
     names = [_wrap(f"{p} (default)" if is_default(p, default) else p, 60) for p in presses]
     name_inches = 0.07 * max(len(line) for name in names for line in name.splitlines()) + 0.3
     height = 1.6 + 0.3 * sum(name.count("\n") + 1 for name in names)

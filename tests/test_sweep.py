@@ -423,7 +423,7 @@ def test_the_benchmarks_resume_past_a_torn_last_row(tmp_path, capsys):
 
 def test_plots_give_each_press_its_own_style_and_write_both_pngs(tmp_path):
     pytest.importorskip("matplotlib")
-    from kvpress.eval.plots import intervals, is_default, partial_cells, plot_sweep, press_styles
+    from kvpress.eval.plots import heatmap_order, intervals, is_default, partial_cells, plot_sweep, press_styles
     from kvpress.presses import DEFAULT_PRESS, press_names
 
     names = [f"{n}{extra}" for n in press_names() for extra in ("", ":window_size=16", ":inner=kvzip")]
@@ -453,6 +453,11 @@ def test_plots_give_each_press_its_own_style_and_write_both_pngs(tmp_path):
     widened = [{**s, "examples": 6} if s["press"] == "none" and s["task"] == "arithmetic" else s for s in summary]
     assert partial_cells(widened) == {("snapkv", "arithmetic", 0.5), (DEFAULT_PRESS, "arithmetic", 0.5)}
     assert plot_sweep(widened, rows, tmp_path) == written  # marked ('*' and a range of n), not dropped
+    # best first by retention as coloured (clipped to 1): 3.0 over a near-chance full cache does not lift a press
+    near_chance = [{"task": t, "press": p, "ratio": 0.5, "retention": v} for p, values in
+                   (("a", (3.0, 0.1)), ("b", (1.0, 0.6)), ("c", (0.9, 0.4)))
+                   for t, v in zip("xy", values, strict=True)]  # fmt: skip
+    assert heatmap_order(near_chance) == ["b", "c", "a"]
 
 
 def test_a_quantizing_press_is_also_measured_at_ratio_zero():
