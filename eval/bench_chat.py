@@ -35,6 +35,7 @@ import torch
 import kvpress
 from kvpress.engine import Observation, observe
 from kvpress.eval.confidence import mean_half_width, wilson
+from kvpress.eval.paired import difference_interval
 from kvpress.eval.sweep import append_row, read_rows
 from kvpress.eval.tasks.chat_recall import ChatExample, chat_recall_examples
 from kvpress.patches import model_access
@@ -151,7 +152,8 @@ def bench(examples: list[ChatExample], play: Callable[[ChatExample], dict[str, d
 def summarize(rows: dict[str, list[dict]]) -> dict[str, dict]:
     """Per configuration, from its rows (one a chat, in the full cache's order): accuracy with its Wilson 95% interval
     and n, its difference from the full cache's on the same chats (mean of the per-chat differences, Student's t 95%
-    interval clipped to [-1, 1]; [0, 0] when no chat's score moved) and retention (accuracy / the full cache's),
+    interval as `paired.difference_interval`: clipped to [-1, 1], and where every chat moved alike, none included,
+    `confidence.no_spread_interval`'s) and retention (accuracy / the full cache's),
     bytes and tokens fed, and for a round policy how often it selected the asked round (Wilson interval)."""
     full = rows["full"]
     full_acc = sum(r["score"] for r in full) / len(full)
@@ -167,8 +169,8 @@ def summarize(rows: dict[str, list[dict]]) -> dict[str, dict]:
             "accuracy_interval": [round(x, 4) for x in wilson(sum(scores), len(members))],
             "n": len(members),
             "minus_full": round(gap, 4),
-            "minus_full_interval": (None if math.isnan(half) else
-                                    [round(max(-1.0, gap - half), 4), round(min(1.0, gap + half), 4)]),  # fmt: skip
+            "minus_full_interval": None if math.isnan(half) else [round(x, 4) for x in difference_interval(
+                gap, half, "score", len(differences))],  # fmt: skip
             "retention": round(acc / full_acc, 4) if full_acc else None,
             "working_bytes_last": round(sum(r["bytes_ratio_last"] for r in members) / len(members), 4),
             "working_bytes_mean_over_turns": round(sum(r["bytes_ratio_mean"] for r in members) / len(members), 4),

@@ -5,7 +5,10 @@ freedom, not the normal 1.96: at n = 8 the t interval is 21% wider (t = 2.365), 
 4% (2.040). The mean of several cells' means (a press's mean over a sweep's cells, `ranking.py`) pools their
 standard errors, with the covariance of cells that share examples (one task's ratios), and takes t at the
 Welch-Satterthwaite degrees of freedom (`pooled_half_width`). A proportion (every score 0 or 1) uses Wilson's
-interval, right at 0 and 1 and at few examples, where the normal one collapses to a point.
+interval, right at 0 and 1 and at few examples, where the normal one collapses to a point. So does Student's t when
+every value of a sample is the same (its standard deviation is 0: "-1.000 [-1.000, -1.000]" of 2 examples): such a
+sample bounds only how often another value occurs, at most Wilson's upper bound of 0 in n, and the values lie in a
+known range (`no_spread_interval`; for 0/1 values it is Wilson's).
 """
 
 from __future__ import annotations
@@ -58,9 +61,23 @@ def _central(t: float, df: int) -> float:
 
 
 def mean_half_width(values: list[float]) -> float:
-    """Half the 95% interval of the mean of `values`: t(n - 1) sd / sqrt(n) (nan for fewer than 2)."""
+    """Half the 95% interval of the mean of `values`: t(n - 1) sd / sqrt(n) (nan for fewer than 2, or where a value
+    is not finite; 0 where every value is the same: see `no_spread_interval`)."""
     n = len(values)
-    return t_quantile(n - 1) * statistics.stdev(values) / math.sqrt(n) if n > 1 else math.nan
+    if n < 2 or not all(math.isfinite(v) for v in values):
+        return math.nan
+    return t_quantile(n - 1) * statistics.stdev(values) / math.sqrt(n)
+
+
+def no_spread_interval(value: float, n: int, low: float, high: float) -> tuple[float, float]:
+    """The 95% interval of the mean of `n` values that all came out as `value`, each known to lie in [low, high]:
+    another value occurs in at most a fraction u of the population (Wilson's upper bound for 0 of n), and lies at
+    worst at an end of the range: [value - u (value - low), value + u (high - value)]. For 0/1 values that is
+    Wilson's interval of 0 or n successes."""
+    if not low <= value <= high:
+        raise ValueError(f"value {value} lies outside its range [{low}, {high}]")
+    u = wilson(0, n)[1]
+    return value - u * (value - low), value + u * (high - value)
 
 
 def pooled_half_width(groups: list[list[dict]]) -> float:
@@ -100,6 +117,10 @@ def pooled_half_width(groups: list[list[dict]]) -> float:
 
 def wilson(successes: float, n: int, z: float = Z) -> tuple[float, float]:
     """Wilson's 95% interval for `successes` of `n` trials."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"Wilson's interval needs n >= 1 trials, got {n!r}")
+    if not 0 <= successes <= n:
+        raise ValueError(f"Wilson's interval needs 0 <= successes <= n = {n}, got {successes!r}")
     p, zz = successes / n, z * z / n
     centre, half = (p + zz / 2) / (1 + zz), z * math.sqrt(p * (1 - p) / n + zz / (4 * n)) / (1 + zz)
     return max(0.0, centre - half), min(1.0, centre + half)

@@ -4,7 +4,8 @@
 
 For each `--pair A B`, each task and each ratio both were measured at, on the examples both answered: the mean score
 of A and of B, the mean of B - A with its 95% interval (Student's t, t(n - 1) sd / sqrt(n), `confidence.py`, clipped
-to [-1, 1] for a score or a top-1 agreement, which lie in [0, 1]; [0, 0] when no score changed) and how many
+to [-1, 1] for a score or a top-1 agreement, which lie in [0, 1]; where every difference is the same, 0 when no
+score changed, `confidence.no_spread_interval`, as t collapses to a point there) and how many
 examples' scores changed, then the same pooled over tasks (every example of every task counted once). Scores are the
 sweep's (0 to 1; points = 100 x). `--metric` pairs another field of the rows instead: an answer row's `answer_top1`
 or `answer_kl` (its fidelity to the full cache's answer, which does not hang on the model answering right) or a
@@ -26,7 +27,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from kvpress.eval.confidence import mean_half_width
+from kvpress.eval.confidence import mean_half_width, no_spread_interval
 from kvpress.eval.sweep import current_rows
 from kvpress.eval.tasks import row_version
 
@@ -84,7 +85,7 @@ def difference_stats(task: str, ratio: float, pairs: list[tuple[float, float]], 
     diffs = [b - a for a, b in pairs]
     n = len(diffs)
     mean = statistics.fmean(diffs)
-    low, high = difference_interval(mean, mean_half_width(diffs), metric)
+    low, high = difference_interval(mean, mean_half_width(diffs), metric, n)
     return {"base": base, "variant": variant, "metric": metric, "task": task, "ratio": ratio, "n": n,
             "changed": sum(d != 0 for d in diffs),
             "base_score": statistics.fmean(a for a, _ in pairs),
@@ -92,9 +93,11 @@ def difference_stats(task: str, ratio: float, pairs: list[tuple[float, float]], 
             "difference": mean, "low": low, "high": high}  # fmt: skip
 
 
-def difference_interval(mean: float, half: float, metric: str) -> tuple[float, float]:
+def difference_interval(mean: float, half: float, metric: str, n: int) -> tuple[float, float]:
     """mean -/+ half, clipped to the differences `metric` allows: [-1, 1] for a value in [0, 1] (a t interval
-    of a difference near -1 reaches past it), unbounded for a KL (`METRICS`)."""
+    of a difference near -1 reaches past it), unbounded for a KL (`METRICS`). A half width of 0 (every one of the
+    `n` differences the same, 0 where no score changed) has the interval `confidence.no_spread_interval` gives in
+    that range (t's collapsed to a point); a KL's stays a point."""
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
     low, high = mean - half, mean + half
@@ -102,6 +105,8 @@ def difference_interval(mean: float, half: float, metric: str) -> tuple[float, f
     if bounds is None or math.isnan(half):
         return low, high
     span = bounds[1] - bounds[0]
+    if half == 0:
+        return no_spread_interval(mean, n, -span, span)
     return max(low, -span), min(high, span)
 
 

@@ -11,7 +11,8 @@ over the data.
 Bands are 95% intervals over a cell's examples, from the rows in `results*.jsonl` (summary.json and table.md
 carry them too; `confidence.py`): where every score of the cell is 0 or 1, Wilson's interval for a proportion
 (right at 0 and 1 and at few examples, where the normal one collapses to a point); otherwise (fractions: partial
-credit, top-1 agreement) Student's t interval, mean +- t(n - 1) sd / sqrt(n), clipped to [0, 1]. Perplexity pools
+credit, top-1 agreement) Student's t interval, mean +- t(n - 1) sd / sqrt(n), clipped to [0, 1], or where every
+score is the same fraction, `confidence.no_spread_interval` (t collapsed to a point there). Perplexity pools
 the NLL of all documents (NLL sum / token sum, a ratio of sums): its standard error is the ratio estimator's,
 sqrt(sum (nll_i - r tokens_i)^2 / (n (n - 1))) / mean tokens, and the band exp(r +- t(n - 1) se). Otherwise a
 cell of one example has no band. With more than `BANDS_FOR_ALL`
@@ -32,7 +33,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from kvpress.eval.confidence import mean_half_width, t_quantile, wilson
+from kvpress.eval.confidence import mean_half_width, no_spread_interval, t_quantile, wilson
 from kvpress.presses import DEFAULT_PRESS
 from kvpress.presses.defaults import default_for
 
@@ -103,7 +104,8 @@ def intervals(rows: list[dict]) -> dict[tuple[str, str, float], tuple[float, flo
             out[key] = (math.exp(rate - t * se), math.exp(rate + t * se))
         else:
             mean, half = statistics.fmean(scores), mean_half_width(scores)
-            out[key] = (max(0.0, mean - half), min(1.0, mean + half))
+            out[key] = no_spread_interval(mean, n, 0.0, 1.0) if half == 0 else (max(0.0, mean - half),
+                                                                                min(1.0, mean + half))  # fmt: skip
     return out
 
 

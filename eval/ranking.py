@@ -10,12 +10,13 @@ gives its mean over the tasks at each ratio), its mean the mean over the cells, 
 standard errors (`confidence.pooled_half_width`): a task's cells at several ratios hold the same examples, whose
 differences move together (an example a press loses at r = 0.5 it mostly loses at 0.75 too), so their covariance
 counts; tasks are independent (disjoint examples). Every interval is clipped to [-1, 1], what a difference of two
-scores in [0, 1] can be (`paired.difference_interval`). Presses are ranked by worst cell, then mean; only presses
-measured in every cell are ranked. The cells' ratios are those a press evicts at (r > 0: a quantized press's r = 0
-rows are not an eviction cell). A press paired with the full cache on fewer of its examples in a cell than the full
-cache has (a sweep widened for some presses) is marked: it was not measured on the same examples as the others
-(`--examples N` ranks every press on the first N). The model's default press (`kvpress/presses/defaults.json`)
-is marked.
+scores in [0, 1] can be, and where nothing varies (every difference the same) it is
+`confidence.no_spread_interval`'s over the fewest examples of its cells (`paired.difference_interval`). Presses are
+ranked by worst cell, then mean; only presses measured in every cell are ranked. The cells' ratios are those a press
+evicts at (r > 0: a quantized press's r = 0 rows are not an eviction cell). A press paired with the full cache on
+fewer of its examples in a cell than the full cache has (a sweep widened for some presses) is marked: it was not
+measured on the same examples as the others (`--examples N` ranks every press on the first N). The model's default
+press (`kvpress/presses/defaults.json`) is marked.
 """
 
 from __future__ import annotations
@@ -59,13 +60,14 @@ def ranking(rows: list[dict]) -> dict:
         worst = min(stats, key=lambda s: s["difference"])
         mean = _mean([s["difference"] for s in stats])
         diffs = {cell: {e: b - a for e, (a, b) in pairs[cell].items()} for cell in cells}
+        fewest = min(s["n"] for s in stats)  # (where nothing varies, the interval hangs on the fewest examples)
         low, high = difference_interval(  # nan: a cell of one example
-            mean, pooled_half_width([[diffs[(task, ratio)] for ratio in ratios] for task in kept]), "score")
+            mean, pooled_half_width([[diffs[(task, ratio)] for ratio in ratios] for task in kept]), "score", fewest)
         by_ratio = []  # the mean over tasks at each ratio (tasks independent)
         for ratio in ratios:
             at = _mean([found[(task, ratio)]["difference"] for task in kept])
             at_low, at_high = difference_interval(at, pooled_half_width([[diffs[(task, ratio)]] for task in kept]),
-                                                  "score")  # fmt: skip
+                                                  "score", min(found[(task, ratio)]["n"] for task in kept))  # fmt: skip
             by_ratio.append({"ratio": ratio, "mean": at, "low": at_low, "high": at_high})
         fewer = [[s["task"], s["ratio"], s["n"]] for s in stats if s["n"] < full_n[s["task"]]]
         presses.append({"press": press, "worst": worst, "mean": mean, "mean_low": low,

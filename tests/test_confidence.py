@@ -67,3 +67,27 @@ def test_means_over_the_same_examples_count_their_covariance():
     var, var4 = (mean_half_width(values) / t_quantile(7)) ** 2, (mean_half_width(values[:4]) / t_quantile(3)) ** 2
     cov = var4 * 4 * 4 / (8 * 4)  # their covariance over the 4 shared examples (their variance), n_ij / (n_i n_j)
     assert shared == pytest.approx(t_quantile(3) * math.sqrt(var + var4 + 2 * cov) / 2)
+
+
+def test_a_sample_without_spread_bounds_how_often_another_value_occurs():
+    """Every value the same: t collapses to a point ("-1.000 [-1.000, -1.000]" of 2 examples); the interval is the
+    range another value can reach in at most Wilson's upper bound of 0 in n of the population. For 0/1 values it is
+    Wilson's; a NaN or infinite value has no t interval (a bare AttributeError from statistics before)."""
+    from kvpress.eval.confidence import no_spread_interval
+
+    assert mean_half_width([0.3, 0.3]) == 0.0
+    u2 = wilson(0, 2)[1]
+    assert no_spread_interval(-1.0, 2, -1.0, 1.0) == pytest.approx((-1.0, -1.0 + 2 * u2))
+    assert no_spread_interval(0.3, 2, 0.0, 1.0) == pytest.approx((0.3 - 0.3 * u2, 0.3 + 0.7 * u2))
+    assert no_spread_interval(1.0, 6, 0.0, 1.0) == pytest.approx(wilson(6, 6))
+    assert no_spread_interval(0.0, 32, -1.0, 1.0) == pytest.approx((-0.107, 0.107), abs=1e-3)
+    with pytest.raises(ValueError, match="outside its range"):
+        no_spread_interval(1.5, 4, 0.0, 1.0)
+    assert math.isnan(mean_half_width([0.1, math.nan])) and math.isnan(mean_half_width([0.1, math.inf]))
+
+
+@pytest.mark.parametrize("successes, n, said", [(4.5, 4, "0 <= successes <= n = 4"), (-0.5, 4, "0 <= successes"),
+                                                (0, 0, "n >= 1"), (1, 2.0, "n >= 1")])  # fmt: skip
+def test_wilson_refuses_counts_it_cannot_hold(successes, n, said):
+    with pytest.raises(ValueError, match=said):
+        wilson(successes, n)

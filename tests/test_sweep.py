@@ -441,6 +441,9 @@ def test_plots_give_each_press_its_own_style_and_write_both_pngs(tmp_path):
     binary = [{**r, "score": float(r["example"] > 0)} for r in rows]  # 3 of 4: Wilson's interval
     assert intervals(binary)[("arithmetic", "snapkv", 0.5)] == pytest.approx((0.3006, 0.9544), abs=1e-4)
     assert intervals(binary[:1])[("needle_noise", "none", 0.0)] == pytest.approx((0.0, 0.7935), abs=1e-4)  # n = 1
+    same = [{**r, "score": 0.3} for r in rows]  # every score the same fraction: t's [0.3, 0.3] was a point
+    assert intervals(same)[("arithmetic", "snapkv", 0.5)] == pytest.approx((0.3 * (1 - 0.4899), 0.3 + 0.7 * 0.4899),
+                                                                            abs=1e-4)  # fmt: skip
     summary = [{"task": t, "press": p, "ratio": r, "examples": 4, "score": 0.75, "ppl": None, "retention": 1.0,
                 "kept_bytes_ratio": 1 - r} for t in ("needle_noise", "arithmetic")
                for p, r in (("none", 0.0), ("snapkv", 0.5), (DEFAULT_PRESS, 0.5))]  # fmt: skip
@@ -500,9 +503,15 @@ def test_paired_intervals_are_clipped_to_what_a_difference_can_be():
     assert top1["high"] == 1.0 and top1["low"] == pytest.approx(0.875 - 0.2956, abs=1e-4)
     kl = difference_stats("t", 0.75, [(0.0, 1.0)] * 7 + [(0.0, 0.0)], "none", "a", "kl")  # a KL has no bound above
     assert kl["high"] == pytest.approx(0.875 + 0.2956, abs=1e-4) and kl["low"] == top1["low"]
-    assert all(map(math.isnan, difference_interval(0.5, math.nan, "score")))  # one example: no interval
+    assert all(map(math.isnan, difference_interval(0.5, math.nan, "score", 1)))  # one example: no interval
+    # every example lost, or none moved: t's point, "-1.000 [-1.000, -1.000]" of 2; now what 2 examples allow
+    every = difference_stats("t", 0.75, [(1.0, 0.0)] * 2, "none", "a", "score")
+    assert (every["low"], every["high"]) == pytest.approx((-1.0, -1.0 + 2 * 0.6576), abs=1e-4)
+    still = difference_stats("t", 0.75, [(1.0, 1.0)] * 32, "none", "a", "score")
+    assert (still["low"], still["high"]) == pytest.approx((-0.1072, 0.1072), abs=1e-4)
+    assert difference_stats("t", 0.75, [(0.2, 0.3)] * 4, "none", "a", "kl")["low"] == pytest.approx(0.1)  # a KL: t
     with pytest.raises(ValueError, match="metric must be one of score, answer_top1, answer_kl, kl, got 'ppl'"):
-        difference_interval(0.0, 0.1, "ppl")
+        difference_interval(0.0, 0.1, "ppl", 4)
 
 
 def test_paired_also_pairs_against_another_sweep_of_the_same_examples(tmp_path, capsys):
