@@ -115,7 +115,8 @@ def table(rows: list[dict]) -> str:
     lines = [f"| A | B | task | r | n | A: {metric} | B: {metric} | B - A (95% interval) | {metric} changed |",
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        interval = f"{r['difference']:+.3f} " + ("(one example: no interval)" if math.isnan(r["low"]) else
+        none = "(one example: no interval)" if r["n"] < 2 else "(a value is not finite: no interval)"
+        interval = f"{r['difference']:+.3f} " + (none if math.isnan(r["low"]) else
                                                  f"[{r['low']:+.3f}, {r['high']:+.3f}]")  # fmt: skip
         lines.append(f"| {r['base']} | {r['variant']} | {r['task']} | {r['ratio']} | {r['n']} | "
                      f"{r['base_score']:.3f} | {r['variant_score']:.3f} | {interval} | {r['changed']} |")  # fmt: skip

@@ -487,6 +487,8 @@ def test_paired_differences_count_only_examples_both_answered():
     from kvpress.eval.paired import table
 
     assert "| 1 | 1.000 | 0.000 | -1.000 (one example: no interval) | 1 |" in table(paired_rows(rows[:2], "a", "b"))
+    infinite = [{**r, "kl": r["score"] * math.inf} for r in rows]  # a KL of inf: two examples, no interval
+    assert "(a value is not finite: no interval)" in table(paired_rows(infinite, "a", "b", "kl"))
     full = [{"task": "t", "ratio": 0.0, "example": i, "press": "none", "score": 1.0} for i in range(3)]
     cells = paired_rows(full + rows, "none", "a")  # the full cache, measured at r = 0, pairs at a's ratio
     assert [(c["task"], c["ratio"], c["n"], c["difference"]) for c in cells] == [("all", 0.75, 3, 0.0),
