@@ -63,6 +63,9 @@ def dataset(task: str, length: int = 1024, n: int = 32, seed: int = 0, **kwargs)
     n, length, seed = (_whole(name, value) for name, value in (("n", n), ("length", length), ("seed", seed)))
     tokenizer = _tokenizer(kwargs)
     items = task_examples(task, tokenizer, n, length, seed)
+    if not isinstance(items[0], Document | Example):
+        raise ValueError(f"kvpress task {task!r} has no lm-eval form: its examples are {type(items[0]).__name__}s "
+                         "(token ids scored by their KL against the full cache), for `kvpress sweep`")  # fmt: skip
     if isinstance(items[0], Document):
         rows = [{"text": d.text} for d in items]
     else:
