@@ -7,7 +7,8 @@
 Called as NVIDIA kvpress's pipeline is, so switching tools is changing the import. The context is prefilled
 and compressed once without the questions (`kvpress.pipeline.prefill_context`); each question and its
 answer are appended to that cache and dropped before the next question (`scratch`), so every question sees
-the same compressed context, and one question gives exactly `kvpress.generate`'s answer. `cache=` receives the
+the same compressed context, and one question gives exactly `kvpress.generate`'s answer at the same
+`max_new_tokens` (the defaults differ: 50 here, as NVIDIA kvpress's pipeline; 64 there). `cache=` receives the
 compressed context (left as the context alone). Importing kvpress registers the task (the one global effect of
 the import; no model is touched).
 """
