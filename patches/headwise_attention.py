@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from kvpress.patches import blocked_attention as blocked
-from kvpress.patches import model_access
 from kvpress.patches.cache import PressedLayer
 from kvpress.patches.head_cache import HeadwiseLayer
 
@@ -44,14 +43,15 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)  # the dtypes torch's flash kerne
 
 
 def headwise_attention(
-    module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, mass_block: int | None = None
+    module: nn.Module, query: torch.Tensor, layer: HeadwiseLayer, mass_block: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of `query` `[B, Hq, q, D]` (post-RoPE) over `layer`, whose newest `q` slots per head
     are the query tokens; `[B, q, Hq, Dv]`, and with `mass_block` (queries a block) the attention mass: `[slots]`
     fp32 aligned with the layer's packed storage, the weight each held slot received from the queries of its KV
-    head, summed (0 in spare room), computed from the weights of the output (`attention_with_mass`); else None."""
+    head, summed (0 in spare room), computed from the weights of the output (`attention_with_mass`); else None.
+    `softcap`: the tanh cap the model's attention call was given (its `softcap=`), None for none."""
     scale = float(module.scaling)
-    softcap = model_access.logit_softcap(module)
     if mass_block is None and not softcap and _one_call(query, layer):
         return _varlen(query, layer, scale), None
     return _pairs(query, layer, scale, softcap, mass_block)

@@ -393,7 +393,7 @@ class Intercept:
             layer.commit()
             grad = torch.is_grad_enabled() and query.requires_grad
             block = self.handler.mass_block(layer, call.compressing) if layer.window is None and not grad else None
-            out, mass = headwise_attention(module, query, layer, block)
+            out, mass = headwise_attention(module, query, layer, block, kwargs.get("softcap"))
             layer.trim_window()
             self.handler.after_headwise(module, query, layer, hidden, call.compressing, ids, mass)
             layer.compact()  # evictions free slots in place: a layer with too much spare room is packed tight

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -218,10 +219,11 @@ def logit_softcap(module: nn.Module) -> float | None:
 
 @functools.cache
 def _passes_softcap(cls: type) -> bool:
-    """Whether an attention class's forward passes `softcap=` to the attention function (its source read once; a
-    class whose source cannot be read is taken at its attribute's word)."""
+    """Whether an attention class's forward passes `softcap=` (other than None) to the attention function (its source
+    read once; a class whose source cannot be read is taken at its attribute's word). The attention itself takes the
+    cap from its call (`headwise_attention`'s `softcap`); the presses' scores, built outside it, from here."""
     try:
-        return "softcap=" in inspect.getsource(cls.forward)
+        return re.search(r"softcap\s*=\s*(?!None\b)", inspect.getsource(cls.forward)) is not None
     except (OSError, TypeError):
         return True
 

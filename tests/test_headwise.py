@@ -72,7 +72,7 @@ def test_varlen_attention_equals_masked_dense(q_len, softcap, mass_block, gpu_pa
     layer.commit()
     module = torch.nn.Module()
     module.scaling, module.attn_logit_softcapping = d**-0.5, softcap
-    out, mass = headwise_attention(module, query, layer, mass_block)
+    out, mass = headwise_attention(module, query, layer, mass_block, softcap)
 
     all_k = torch.cat([keys, new_k], 2).repeat_interleave(g, 1)
     all_v = torch.cat([values, new_v], 2).repeat_interleave(g, 1)
@@ -391,6 +391,14 @@ def test_a_softcap_the_model_never_applies_is_not_applied_by_presses_or_head_wis
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, attn_logit_softcapping=50.0))  # fmt: skip
     assert model_access.logit_softcap(gemma2.model.layers[0].self_attn) == 50.0
+
+    class NoCap(torch.nn.Module):  # hands softcap=None over (as videoprism's attention does)
+        attn_logit_softcapping = 50.0
+
+        def forward(self, attend):
+            return attend(softcap=None)
+
+    assert model_access.logit_softcap(NoCap()) is None
 
 
 def _loud_first_head(cls):
