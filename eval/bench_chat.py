@@ -164,13 +164,13 @@ def summarize(rows: dict[str, list[dict]]) -> dict[str, dict]:
         gap, half = sum(differences) / len(differences), mean_half_width(differences)
         store = [r["store_bytes"] / f["bytes_last"] for r, f in zip(members, full, strict=True)]
         selected = sum(r["fact_round"] in r["selected"] for r in members) if name.startswith("round") else None
+        interval = None if name == "full" or math.isnan(half) else difference_interval(gap, half, "score", len(scores))
         summary[name] = {
             "accuracy": round(acc, 4),
             "accuracy_interval": [round(x, 4) for x in wilson(sum(scores), len(members))],
             "n": len(members),
-            "minus_full": round(gap, 4),
-            "minus_full_interval": None if math.isnan(half) else [round(x, 4) for x in difference_interval(
-                gap, half, "score", len(differences))],  # fmt: skip
+            "minus_full": None if name == "full" else round(gap, 4),  # (the full cache against itself: nothing)
+            "minus_full_interval": None if interval is None else [round(x, 4) for x in interval],
             "retention": round(acc / full_acc, 4) if full_acc else None,
             "working_bytes_last": round(sum(r["bytes_ratio_last"] for r in members) / len(members), 4),
             "working_bytes_mean_over_turns": round(sum(r["bytes_ratio_mean"] for r in members) / len(members), 4),

@@ -18,6 +18,7 @@ import math
 import statistics
 
 LEVEL = 0.95  # two-sided
+SAME = 1e-12  # values this close (relative to 1 or their size) are the same value, apart in rounding only
 Z = 1.96  # the normal quantile of LEVEL, as written (Wilson's interval)
 
 
@@ -66,6 +67,8 @@ def mean_half_width(values: list[float]) -> float:
     n = len(values)
     if n < 2 or not all(math.isfinite(v) for v in values):
         return math.nan
+    if max(values) - min(values) <= SAME * max(1.0, *map(abs, values)):  # (0.1 - 0.3 and 0.2 - 0.4 differ by 3e-17)
+        return 0.0
     return t_quantile(n - 1) * statistics.stdev(values) / math.sqrt(n)
 
 
@@ -109,7 +112,7 @@ def pooled_half_width(groups: list[list[dict]]) -> float:
     total = sum(variances)
     if math.isnan(total):
         return math.nan
-    if total == 0:
+    if total <= SAME**2:  # nothing varies but rounding
         return 0.0
     df = total**2 / sum(v**2 / d for v, d in zip(variances, dfs, strict=True))
     return t_quantile(max(1, math.floor(df + 1e-9))) * math.sqrt(total) / len(means)  # (7 - 1e-15 is 7 df)

@@ -461,11 +461,17 @@ class PressedLayer(DynamicLayer):
         if extra["keys"].shape[:2] != self.keys.shape[:2] or extra["keys"].shape[3:] != self.keys.shape[3:]:
             raise ValueError(f"slots to insert have shape {tuple(extra['keys'].shape)}, this layer's keys "
                              f"{tuple(self.keys.shape)} (batch, heads and head size must match)")  # fmt: skip
-        held_real = self.valid if self.valid is not None else torch.ones_like(self.pos, dtype=torch.bool)
-        new_real = extra["valid"] if "valid" in extra else torch.ones_like(extra["pos"], dtype=torch.bool)
-        same = (extra["pos"][..., :, None] == self.pos[..., None, :]) & new_real[..., :, None] & held_real[..., None, :]
-        if bool(same.any()):  # (each row and head: their slots may hold other positions)
-            raise ValueError("some slots to insert are already held (their positions are in the layer)")
+        # each row and head (their slots may hold other positions): a real slot's position among the real held ones,
+        # found in them sorted (padding and holes read as -1, which no real position is)
+        if self.n:
+            held = self.pos.long() if self.valid is None else self.pos.long().masked_fill(~self.valid, -1)
+            held = held.sort(dim=-1).values
+            new = extra["pos"].long()
+            found = held.gather(-1, torch.searchsorted(held, new).clamp_max(self.n - 1)) == new
+            if "valid" in extra:
+                found &= extra["valid"]
+            if bool(found.any()):
+                raise ValueError("some slots to insert are already held (their positions are in the layer)")
         merged = {"keys": torch.cat([self.keys[:, :, : self.n], extra["keys"]], dim=2),
                   "values": torch.cat([self.values[:, :, : self.n], extra["values"]], dim=2)}  # fmt: skip
         merged.update({name: torch.cat([t[..., : self.n], extra[name]], dim=2) for name, t in self.slots.items()})

@@ -37,8 +37,10 @@ def test_a_run_resumes_from_its_rows_and_reports_wilson_intervals(tmp_path):
     assert summary["minus_full"] == -0.5 and summary["minus_full_interval"] == pytest.approx([-1.0, 0.419], abs=1e-3)
     assert summary["fact_round_selected"] == 1.0 and summary["fact_round_selected_interval"] == pytest.approx(
         [0.51, 1.0], abs=0.01)  # Wilson's, 4 of 4
-    # no chat moved: t collapses to [0, 0]; a chat of 4 bounds how many could move (Wilson's 0 of 4: 0.49)
-    assert result["summary"]["full"]["minus_full_interval"] == pytest.approx([-0.49, 0.49], abs=1e-3)
+    assert result["summary"]["full"]["minus_full_interval"] is None  # (the full cache against itself)
+    still = bench([0, 1, 2, 3], lambda example: {"full": _rows(example)["full"], "round": _rows(example)["full"]})
+    # no chat moved: t collapses to [0, 0]; 4 chats bound how many could move (Wilson's 0 of 4: 0.49)
+    assert still["summary"]["round"]["minus_full_interval"] == pytest.approx([-0.49, 0.49], abs=1e-3)
     assert [json.loads(line).get("example") for line in log.read_text().splitlines()] == [None, 0, 1, 2, 3]
     with pytest.raises(ValueError, match="other settings"):
         bench([0], play, log, {"model": "m", "seed": 1})

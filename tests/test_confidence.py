@@ -75,7 +75,7 @@ def test_a_sample_without_spread_bounds_how_often_another_value_occurs():
     Wilson's; a NaN or infinite value has no t interval (a bare AttributeError from statistics before)."""
     from kvpress.eval.confidence import no_spread_interval
 
-    assert mean_half_width([0.3, 0.3]) == 0.0
+    assert mean_half_width([0.3, 0.3]) == 0.0 and mean_half_width([0.1 - 0.3, 0.2 - 0.4]) == 0.0  # (3e-17 apart)
     u2 = wilson(0, 2)[1]
     assert no_spread_interval(-1.0, 2, -1.0, 1.0) == pytest.approx((-1.0, -1.0 + 2 * u2))
     assert no_spread_interval(0.3, 2, 0.0, 1.0) == pytest.approx((0.3 - 0.3 * u2, 0.3 + 0.7 * u2))

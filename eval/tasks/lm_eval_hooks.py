@@ -64,8 +64,8 @@ def dataset(task: str, length: int = 1024, n: int = 32, seed: int = 0, **kwargs)
     tokenizer = _tokenizer(kwargs)
     items = task_examples(task, tokenizer, n, length, seed)
     if not isinstance(items[0], Document | Example):
-        raise ValueError(f"kvpress task {task!r} has no lm-eval form: its examples are {type(items[0]).__name__}s "
-                         "(token ids scored by their KL against the full cache), for `kvpress sweep`")  # fmt: skip
+        raise ValueError(f"kvpress task {task!r} has no lm-eval form: its examples are {type(items[0]).__name__}s, "
+                         "measured by `kvpress sweep`")  # fmt: skip
     if isinstance(items[0], Document):
         rows = [{"text": d.text} for d in items]
     else:
@@ -100,7 +100,8 @@ def process_results(doc: dict, results: list[str]) -> dict:
 
 
 def process_any_answer(doc: dict, results: list[str]) -> dict:
-    """1 when the generated text holds any one of the reference answers, without case (RULER's QA tasks)."""
+    """1 when the generated text holds any one of the reference answers, without case, one of at most 3 characters
+    as a whole word (RULER's QA tasks: `ruler_qa.any_answer_score`)."""
     return {"score": any_answer_score(tuple(doc["answers"]), results[0])}
 
 
