@@ -77,8 +77,9 @@ def no_spread_interval(value: float, n: int, low: float, high: float) -> tuple[f
     another value occurs in at most a fraction u of the population (Wilson's upper bound for 0 of n), and lies at
     worst at an end of the range: [value - u (value - low), value + u (high - value)]. For 0/1 values that is
     Wilson's interval of 0 or n successes."""
-    if not low <= value <= high:
+    if not low - SAME <= value <= high + SAME:
         raise ValueError(f"value {value} lies outside its range [{low}, {high}]")
+    value = min(max(value, low), high)  # (a mean of equal values may land an ulp past an end)
     u = wilson(0, n)[1]
     return value - u * (value - low), value + u * (high - value)
 
