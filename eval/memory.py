@@ -75,13 +75,15 @@ def peak_memory() -> dict:
 
 
 def full_cache_bytes(model, tokens: int) -> int:
-    """Bytes a plain `DynamicCache` of `model` would hold after `tokens` tokens (sliding layers capped)."""
+    """Bytes a plain `DynamicCache` of `model` would hold after `tokens` tokens (a sliding layer holds the last
+    `sliding_window - 1`, what the next token can see, as transformers' `DynamicSlidingWindowLayer` keeps)."""
     config = model.config.get_text_config(decoder=True)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_token = 2 * config.num_key_value_heads * head_dim * torch.finfo(model.dtype).bits // 8
     types = layer_types(model)
-    window = getattr(config, "sliding_window", None) or tokens
-    return sum(per_token * (tokens if t == "full_attention" else min(tokens, window)) for t in types)
+    window = getattr(config, "sliding_window", None)
+    held = tokens if window is None else min(tokens, window - 1)
+    return sum(per_token * (tokens if t == "full_attention" else held) for t in types)
 
 
 class TensorPeak(TorchDispatchMode):

@@ -63,6 +63,17 @@ def test_compressed_context_scores_against_the_compressed_cache(default_model):
     assert budget.kv_summary()["kept_whole"] == 2
 
 
+@pytest.mark.parametrize("family", ["gemma3", "mistral-window"])
+def test_a_full_cache_counts_what_a_plain_cache_of_sliding_layers_holds(family):
+    """A sliding layer of a plain DynamicCache holds the last window - 1 tokens (full_cache_bytes counted window)."""
+    from tiny import prompt, tiny_model
+
+    windowed = tiny_model(family)
+    plain = DynamicCache(config=windowed.config)
+    windowed(prompt(1, 40), cache=plain)
+    assert full_cache_bytes(windowed, 40) == sum(layer.keys.nbytes + layer.values.nbytes for layer in plain.layers)
+
+
 def test_generate_until_compresses_the_prompt(default_model):
     model, tokenizer = default_model
     bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="sink-window", compression_ratio=0.5, batch_size=2,
