@@ -72,7 +72,12 @@ class ChatSession:
                 "extended; ChatSession needs an append-only template"
             )
         delta = text[len(self._rendered) :]
-        return self._pending + self.tokenizer(delta, add_special_tokens=False).input_ids
+        ids = self._pending + self.tokenizer(delta, add_special_tokens=False).input_ids
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if max(ids, default=0) >= vocab:  # (a raw IndexError in the embedding, the turn lost)
+            raise ValueError(f"the tokenizer gives token ids past the model's vocabulary of {vocab}: pass the model's "
+                             "own tokenizer")  # fmt: skip
+        return ids
 
     def _prefix_length(self) -> int:
         """Tokens every rendering shares before the first user message's text (system prompt, then the

@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch import nn
 from transformers import DynamicCache
 
 from kvpress.engine import maybe_installed
+from kvpress.patches.intercept import active_handler
 from kvpress.presses.base import BasePress
 from kvpress.recording import compress_recording, record_prefill
 
@@ -104,6 +106,12 @@ def generate(
     `prefill_chunk_size` feeds the prefill that many tokens a forward, each evicting (see `prefill_context`).
     """
     check_press(press)
+    if not isinstance(model, nn.Module) or not callable(tokenizer):
+        raise TypeError(f"kvpress.generate takes a model and its tokenizer, got {type(model).__name__} and "
+                        f"{type(tokenizer).__name__}")  # fmt: skip
+    if press is None and active_handler(model) is not None:  # (a press given here is refused as a second one)
+        raise ValueError("kvpress.generate(press=None) runs inside a press active on this model, which would "
+                         "compress the context and the answer too: leave its `with` block, or pass it as press=")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if not isinstance(query_aware, bool):
@@ -121,6 +129,10 @@ def generate(
         )
     device = model.device
     ctx_ids, q_ids = split_prompt(tokenizer, context, question, chat_template)
+    vocab = model.get_input_embeddings().num_embeddings
+    if max((int(t.max()) for t in (ctx_ids, q_ids) if t.numel()), default=0) >= vocab:  # (a raw IndexError after)
+        raise ValueError(f"the tokenizer gives token ids past the model's vocabulary of {vocab}: pass the model's "
+                         "own tokenizer")  # fmt: skip
     ctx_ids, q_ids = ctx_ids.to(device), q_ids.to(device)
     cache = DynamicCache(config=model.config) if cache is None else cache
     ids = torch.cat([ctx_ids, q_ids], dim=-1)

@@ -316,10 +316,11 @@ class Intercept:
         """Before an active caller's forward: find or make its cache and let the press drive its layers."""
         call.cache = call.ids = None  # ids: set by the input embedding's hook (none when embeddings are given)
         cache = kwargs.get(self.cache_key, kwargs.get("past_key_values"))
+        if kwargs.get("use_cache") is False:  # (with a cache given too: generate re-fed the whole text each step and
+            # the press compressed a cache no step read, its answer the uncompressed model's)
+            raise ValueError("a press compresses the KV cache: call the model with use_cache=True (in "
+                             "model.generate: use_cache=True, or the model's generation_config.use_cache=True)")
         if cache is None:
-            if kwargs.get("use_cache") is False:
-                raise ValueError("a press compresses the KV cache: call the model with use_cache=True (in "
-                                 "model.generate: use_cache=True, or the model's generation_config.use_cache=True)")
             cache = model_access.new_cache(self.model)
             kwargs[self.cache_key] = cache
         if not isinstance(cache, DynamicCache):

@@ -443,3 +443,25 @@ def test_trainers_and_calibration_refuse_bad_settings_before_the_model_loads_or_
                        (lambda: word_edges(tokenizer, 10.0), "vocab must be an integer >= 1, got 10.0")):
         with pytest.raises(ValueError, match=said):
             call()
+
+
+def test_generate_and_a_chat_refuse_a_tokenizer_past_the_models_vocabulary_and_a_press_left_active():
+    """A tokenizer with more ids than the model's embedding gave a raw IndexError (generate and a chat turn); a
+    missing model or tokenizer a bare TypeError / AttributeError; press=None inside another press's block was
+    compressed by it without a word (a second press there is refused)."""
+    from transformers import AutoTokenizer
+
+    from kvpress.models import resolve_model_path
+    from tiny import CONTEXT, tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(), local_files_only=True)
+    small = tiny_model("llama")  # 128 ids
+    with pytest.raises(ValueError, match="past the model's vocabulary of 128"):
+        kvpress.generate(small, tokenizer, CONTEXT, "Where?")
+    with pytest.raises(ValueError, match="past the model's vocabulary of 128"):
+        kvpress.ChatSession(small, tokenizer, max_new_tokens=2).send("hi")
+    with pytest.raises(TypeError, match="takes a model and its tokenizer, got LlamaForCausalLM and NoneType"):
+        kvpress.generate(small, None, CONTEXT, "Where?")
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    with kvpress.KnormPress(0.5)(model), pytest.raises(ValueError, match=r"press=None\) runs inside a press active"):
+        kvpress.generate(model, tokenizer, CONTEXT, "Where?", max_new_tokens=2)

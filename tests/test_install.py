@@ -107,6 +107,11 @@ def test_use_cache_false_refused():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="use_cache=True"), SnapKVPress(compression_ratio=0.5)(model):
         model(prompt(1, 8), use_cache=False)
+    # with a cache given too: generate re-fed the whole text each step, the press compressed a cache nothing read,
+    # and the answer was the uncompressed model's, without a word
+    with pytest.raises(ValueError, match="use_cache=True"), SnapKVPress(compression_ratio=0.5)(model):
+        model.generate(prompt(1, 40), cache=DynamicCache(config=model.config), use_cache=False, max_new_tokens=2,
+                       do_sample=False, pad_token_id=0)  # fmt: skip
 
 
 def test_presses_run_with_autograd_enabled():
