@@ -45,6 +45,11 @@ def save_cache(cache: DynamicCache, path: str | Path, model: nn.Module, press: s
     if len(cache.layers) != len(kinds):
         raise ValueError(f"this cache has {len(cache.layers)} layers and this {type(model).__name__} {len(kinds)}: "
                          "save a cache with the model that made it")  # fmt: skip
+    heads = model_access.text_config(model).num_key_value_heads
+    held = {_kv_heads(layer, heads) for layer in cache.layers}
+    if held != {heads}:  # (it was written, loaded, and its next forward failed on a raw size mismatch)
+        raise ValueError(f"this cache's layers hold {sorted(held)} KV heads and this {type(model).__name__} "
+                         f"{heads}: save a cache with the model that made it")  # fmt: skip
     lengths = sorted({layer.get_seq_length() for layer in cache.layers})
     if len(lengths) > 1:  # (a plain cache keeps no record of a forward that raised after some layers ran)
         raise ValueError(f"this cache's layers have seen different numbers of tokens ({lengths[0]} to {lengths[-1]}): "
@@ -63,6 +68,15 @@ def save_cache(cache: DynamicCache, path: str | Path, model: nn.Module, press: s
             "versions": {p: version(p) for p in ("kvpress", "torch", "transformers")}}  # fmt: skip
     tensors = {k: t.cpu() for k, t in tensors.items()}
     write_whole(path, lambda tmp: save_file(tensors, str(tmp), metadata={"kvpress": json.dumps(meta)}))
+
+
+def _kv_heads(layer, default: int) -> int:
+    """The KV heads a cache layer holds (a head-wise layer's count, a dense layer's keys' second dimension), or
+    `default` for a layer that holds nothing yet."""
+    if getattr(layer, "heads", None):
+        return layer.heads
+    keys = getattr(layer, "keys", None)
+    return keys.shape[1] if keys is not None and keys.dim() == 4 else default
 
 
 def read_metadata(path: str | Path) -> dict:

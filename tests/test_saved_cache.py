@@ -132,6 +132,14 @@ def test_a_cache_of_another_window_another_model_or_a_half_updated_forward_is_re
         kvpress.load_cache(path, full)
     with pytest.raises(ValueError, match="this cache has 2 layers and this LlamaForCausalLM 3: save a cache with"):
         kvpress.save_cache(cache, path, tiny_model("llama", num_hidden_layers=3))
+    with pytest.raises(ValueError, match=r"hold \[2\] KV heads and this LlamaForCausalLM 4: save a cache with"):
+        kvpress.save_cache(cache, path, tiny_model("llama", num_key_value_heads=4))  # (loaded, then a raw mismatch)
+    headwise = DynamicCache(config=full.config)
+    with kvpress.AdaKVPress(kvpress.SnapKVPress(0.5, window_size=4))(full):
+        full(prompt(1, 40), cache=headwise)
+    kvpress.save_cache(headwise, path, full)  # (a head-wise layer's heads count too)
+    with pytest.raises(ValueError, match=r"hold \[2\] KV heads"):
+        kvpress.save_cache(headwise, path, tiny_model("mistral", num_key_value_heads=4))
     model = tiny_model("llama", num_hidden_layers=3)
     cache = DynamicCache(config=model.config)
     model(prompt(1, 40), cache=cache)
