@@ -312,6 +312,10 @@ def _check_generate(args: argparse.Namespace) -> None:
                          "--ratio and --max-tokens")  # fmt: skip
     if args.load_cache and args.prefill_chunk_size is not None:
         raise ValueError("--load-cache answers from a cache already prefilled: drop --prefill-chunk-size")
+    if not args.question.strip():
+        raise ValueError("--question is empty: ask something")
+    if Path(args.context_file).is_file() and not Path(args.context_file).read_text().strip():
+        raise ValueError(f"--context-file {args.context_file} holds no text")
     from kvpress.pipeline import check_chunk_size
 
     check_chunk_size(args.prefill_chunk_size)  # (a size no chunk can have, before the model loads)
@@ -324,6 +328,9 @@ def _check_generate(args: argparse.Namespace) -> None:
         read_metadata(args.load_cache)  # a missing or foreign file is named before the model loads
     elif args.press != "none":
         press = _check_press(args.press or "default", args.ratio, args.max_tokens, args.model)
+        if press is not None and press.needs_question and not args.query_aware and not args.save_cache:
+            raise ValueError(f"{type(press).__name__} scores by the question: add --query-aware")
+        check_chunk_size(args.prefill_chunk_size, press)  # (a press that cannot prefill in chunks, named)
         if args.save_cache and press is not None and press.needs_question:
             raise ValueError(f"--save-cache: {type(press).__name__} scores by the question, and a saved cache holds "
                              "the context compressed without it: save the cache of another press")  # fmt: skip

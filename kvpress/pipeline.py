@@ -109,6 +109,9 @@ def generate(
     if not isinstance(model, nn.Module) or not callable(tokenizer):
         raise TypeError(f"kvpress.generate takes a model and its tokenizer, got {type(model).__name__} and "
                         f"{type(tokenizer).__name__}")  # fmt: skip
+    for name, text in (("context", context), ("question", question)):  # (whitespace was answered; a chat refuses it)
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{name} must be a string with some text, got {text!r:.40}")
     if press is None and active_handler(model) is not None:  # (a press given here is refused as a second one)
         raise ValueError("kvpress.generate(press=None) runs inside a press active on this model, which would "
                          "compress the context and the answer too: leave its `with` block, or pass it as press=")

@@ -210,7 +210,14 @@ def test_cli_refuses_flags_it_would_ignore_before_the_model_loads(tmp_path, caps
              (["demo", "--presses", "snapkv,lookahead"], "--presses lookahead: LookaheadPress scores by the question"),
              (["demo", "--presses", "none", "--ratio", "0.3"], "--presses none: the demo prints the full cache's row"),
              (["generate", "--context-file", str(tmp_path / "c.txt"), "--question", "q", "--press",
-               "sink-window:window=100", "--ratio", "0.5"], "SinkWindowPress takes window= or a budget")]  # fmt: skip
+               "sink-window:window=100", "--ratio", "0.5"], "SinkWindowPress takes window= or a budget"),
+             # refused only once the model had loaded
+             (ask + ["--press", "lookahead"], "LookaheadPress scores by the question: add --query-aware"),
+             (ask + ["--press", "simlayerkv", "--prefill-chunk-size", "8"], "cannot prefill in chunks"),
+             (["generate", "--context-file", str(tmp_path / "c.txt"), "--question", "  "], "--question is empty"),
+             (["generate", "--context-file", str(tmp_path / "blank.txt"), "--question", "q"],
+              "holds no text")]  # fmt: skip
+    (tmp_path / "blank.txt").write_text(" \n")
     for argv, said in cases:
         assert main(argv) == 2
         assert said in capsys.readouterr().err
@@ -462,6 +469,9 @@ def test_generate_and_a_chat_refuse_a_tokenizer_past_the_models_vocabulary_and_a
         kvpress.ChatSession(small, tokenizer, max_new_tokens=2).send("hi")
     with pytest.raises(TypeError, match="takes a model and its tokenizer, got LlamaForCausalLM and NoneType"):
         kvpress.generate(small, None, CONTEXT, "Where?")
+    for context, question in ((CONTEXT, "   "), (" \n", "Where?")):  # (whitespace was answered; a chat refuses it)
+        with pytest.raises(ValueError, match="must be a string with some text"):
+            kvpress.generate(small, tokenizer, context, question)
     model = tiny_model("llama", vocab_size=len(tokenizer))
     with kvpress.KnormPress(0.5)(model), pytest.raises(ValueError, match=r"press=None\) runs inside a press active"):
         kvpress.generate(model, tokenizer, CONTEXT, "Where?", max_new_tokens=2)
