@@ -47,6 +47,8 @@ class ChatSession:
             raise TypeError("a RoundPolicy is a chat policy, not a press: pass it as round_policy=")
         if round_policy is not None and not isinstance(round_policy, RoundPolicy):
             raise TypeError(f"round_policy must be a kvpress.RoundPolicy, got {type(round_policy).__name__}")
+        if system is not None and (not isinstance(system, str) or not system.strip()):
+            raise ValueError(f"system must be a system prompt with some text (or None: none), got {system!r:.40}")
         _check_one_of(press, round_policy)
         self.model, self.tokenizer, self.press, self.round_policy = model, tokenizer, press, round_policy
         self.max_new_tokens = max_new_tokens

@@ -82,6 +82,8 @@ def _kv_heads(layer, default: int) -> int:
 def read_metadata(path: str | Path) -> dict:
     """The metadata of a saved cache (architecture hash, press spec, versions, layers)."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"saved cache {path} is a directory: name the .safetensors file save_cache wrote")
     if not path.is_file():
         raise FileNotFoundError(f"saved cache {path} does not exist")
     try:

@@ -74,6 +74,10 @@ def stream(
         raise ValueError(f"{type(press).__name__} compresses a whole prompt once, in a pass over all of it: a stream "
                          "fed chunk by chunk needs a press that scores tokens as they are cached (sink-window, "
                          "snapkv, kvzap, ...)")  # fmt: skip
+    if cache is not None and not isinstance(cache, DynamicCache):
+        raise TypeError(f"cache must be None or an empty transformers DynamicCache, got {type(cache).__name__}")
+    if not isinstance(progress, bool):
+        raise ValueError(f"progress must be True or False, got {progress!r}")
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError(f"cache= already holds {cache.get_seq_length()} tokens: a stream starts from an empty "
                          "cache (its NLLs would be conditioned on the earlier text); pass an empty DynamicCache")

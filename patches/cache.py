@@ -712,6 +712,8 @@ def layer_tensors(layer) -> list[torch.Tensor]:
 
 def cache_bytes(cache: Cache) -> int:
     """Bytes held by every tensor of every layer of `cache` (keys, values, positions, masks, scores)."""
+    if not isinstance(cache, Cache):
+        raise TypeError(f"cache_bytes counts a transformers Cache (a DynamicCache), got {type(cache).__name__}")
     return tensor_bytes(t for layer in cache.layers for t in layer_tensors(layer))
 
 

@@ -475,3 +475,29 @@ def test_generate_and_a_chat_refuse_a_tokenizer_past_the_models_vocabulary_and_a
     model = tiny_model("llama", vocab_size=len(tokenizer))
     with kvpress.KnormPress(0.5)(model), pytest.raises(ValueError, match=r"press=None\) runs inside a press active"):
         kvpress.generate(model, tokenizer, CONTEXT, "Where?", max_new_tokens=2)
+
+
+def test_small_public_calls_name_their_bad_input():
+    """Raw errors before: stream(cache=[]) an AttributeError, cache_bytes(None) another, load_cache(a directory)
+    "does not exist", ChatSession(system=123) a template TypeError at the first turn (system="" was dropped
+    silently), stream(progress="no") took the string as true."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from kvpress.models import resolve_model_path
+    from tiny import prompt, tiny_model
+
+    model = tiny_model("llama")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(), local_files_only=True)
+    with pytest.raises(TypeError, match="cache must be None or an empty transformers DynamicCache, got list"):
+        kvpress.stream(model, None, prompt(1, 8)[0], cache=[])
+    with pytest.raises(ValueError, match="progress must be True or False, got 'no'"):
+        kvpress.stream(model, None, prompt(1, 8)[0], progress="no")
+    with pytest.raises(TypeError, match="cache_bytes counts a transformers Cache"):
+        kvpress.cache_bytes(None)
+    with pytest.raises(ValueError, match="is a directory: name the .safetensors file"):
+        kvpress.load_cache(Path(__file__).parent, model)
+    for system in (123, ["a"], " "):
+        with pytest.raises(ValueError, match="system must be a system prompt with some text"):
+            kvpress.ChatSession(model, tokenizer, system=system)
