@@ -114,7 +114,7 @@ def generate(
             raise ValueError(f"{name} must be a string with some text, got {text!r:.40}")
     if press is None and active_handler(model) is not None:  # (a press given here is refused as a second one)
         raise ValueError("kvpress.generate(press=None) runs inside a press active on this model, which would "
-                         "compress the context and the answer too: leave its `with` block, or pass it as press=")
+                         "compress the context and the answer too: leave its `with` block and pass it as press=")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if not isinstance(query_aware, bool):

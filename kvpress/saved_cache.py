@@ -45,11 +45,12 @@ def save_cache(cache: DynamicCache, path: str | Path, model: nn.Module, press: s
     if len(cache.layers) != len(kinds):
         raise ValueError(f"this cache has {len(cache.layers)} layers and this {type(model).__name__} {len(kinds)}: "
                          "save a cache with the model that made it")  # fmt: skip
-    heads = model_access.text_config(model).num_key_value_heads
-    held = {_kv_heads(layer, heads) for layer in cache.layers}
-    if held != {heads}:  # (it was written, loaded, and its next forward failed on a raw size mismatch)
-        raise ValueError(f"this cache's layers hold {sorted(held)} KV heads and this {type(model).__name__} "
-                         f"{heads}: save a cache with the model that made it")  # fmt: skip
+    shape = (model_access.text_config(model).num_key_value_heads, model_access.head_dim(model))
+    held = {_kv_shape(layer, shape) for layer in cache.layers}
+    if held != {shape}:  # (it was written, loaded, and its next forward failed on a raw size mismatch)
+        holds = " and ".join(f"{h} KV heads of size {d}" for h, d in sorted(held))
+        raise ValueError(f"this cache's layers hold {holds} and this {type(model).__name__} {shape[0]} of size "
+                         f"{shape[1]}: save a cache with the model that made it")  # fmt: skip
     lengths = sorted({layer.get_seq_length() for layer in cache.layers})
     if len(lengths) > 1:  # (a plain cache keeps no record of a forward that raised after some layers ran)
         raise ValueError(f"this cache's layers have seen different numbers of tokens ({lengths[0]} to {lengths[-1]}): "
@@ -70,13 +71,15 @@ def save_cache(cache: DynamicCache, path: str | Path, model: nn.Module, press: s
     write_whole(path, lambda tmp: save_file(tensors, str(tmp), metadata={"kvpress": json.dumps(meta)}))
 
 
-def _kv_heads(layer, default: int) -> int:
-    """The KV heads a cache layer holds (a head-wise layer's count, a dense layer's keys' second dimension), or
-    `default` for a layer that holds nothing yet."""
-    if getattr(layer, "heads", None):
-        return layer.heads
-    keys = getattr(layer, "keys", None)
-    return keys.shape[1] if keys is not None and keys.dim() == 4 else default
+def _kv_shape(layer, default: tuple[int, int]) -> tuple[int, int]:
+    """The KV heads a cache layer holds and their size (its values' `[B, H, n, D]`: a head-wise layer's placeholder
+    has them too; keys may be thinned or codes), or `default` for a layer that holds nothing yet or holds codes."""
+    values = getattr(layer, "values", None)
+    if values is None or values.dim() != 4:
+        return default
+    if getattr(layer, "kv_bits", None) is not None and values.dtype == torch.uint8:  # (codes: their size is not D)
+        return values.shape[1], default[1]
+    return values.shape[1], values.shape[-1]
 
 
 def read_metadata(path: str | Path) -> dict:

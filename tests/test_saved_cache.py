@@ -132,14 +132,19 @@ def test_a_cache_of_another_window_another_model_or_a_half_updated_forward_is_re
         kvpress.load_cache(path, full)
     with pytest.raises(ValueError, match="this cache has 2 layers and this LlamaForCausalLM 3: save a cache with"):
         kvpress.save_cache(cache, path, tiny_model("llama", num_hidden_layers=3))
-    with pytest.raises(ValueError, match=r"hold \[2\] KV heads and this LlamaForCausalLM 4: save a cache with"):
+    with pytest.raises(ValueError, match="hold 2 KV heads of size 16 and this LlamaForCausalLM 4 of size 16: save"):
         kvpress.save_cache(cache, path, tiny_model("llama", num_key_value_heads=4))  # (loaded, then a raw mismatch)
-    headwise = DynamicCache(config=full.config)
+    with pytest.raises(ValueError, match="hold 2 KV heads of size 16 and this LlamaForCausalLM 2 of size 32"):
+        kvpress.save_cache(cache, path, tiny_model("llama", head_dim=32))
+    headwise, quantized = DynamicCache(config=full.config), DynamicCache(config=full.config)
     with kvpress.AdaKVPress(kvpress.SnapKVPress(0.5, window_size=4))(full):
         full(prompt(1, 40), cache=headwise)
-    kvpress.save_cache(headwise, path, full)  # (a head-wise layer's heads count too)
-    with pytest.raises(ValueError, match=r"hold \[2\] KV heads"):
-        kvpress.save_cache(headwise, path, tiny_model("mistral", num_key_value_heads=4))
+    with kvpress.SnapKVPress(0.5, window_size=4, kv_bits=4)(full):
+        full(prompt(1, 40), cache=quantized)
+    for held in (headwise, quantized):  # (a head-wise layer's placeholder, 4-bit codes: counted as what they hold)
+        kvpress.save_cache(held, path, full)
+        with pytest.raises(ValueError, match="hold 2 KV heads of size 16"):
+            kvpress.save_cache(held, path, tiny_model("mistral", num_key_value_heads=4))
     model = tiny_model("llama", num_hidden_layers=3)
     cache = DynamicCache(config=model.config)
     model(prompt(1, 40), cache=cache)
