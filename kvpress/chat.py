@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpress.engine import maybe_installed, observe
-from kvpress.pipeline import check_press, greedy
+from kvpress.pipeline import check_press, check_token_ids, greedy
 from kvpress.presses.base import BasePress
 from kvpress.round_store import RoundStore
 from kvpress.rounds import RoundPolicy
@@ -75,10 +75,7 @@ class ChatSession:
             )
         delta = text[len(self._rendered) :]
         ids = self._pending + self.tokenizer(delta, add_special_tokens=False).input_ids
-        vocab = self.model.get_input_embeddings().num_embeddings
-        if max(ids, default=0) >= vocab:  # (a raw IndexError in the embedding, the turn lost)
-            raise ValueError(f"the tokenizer gives token ids past the model's vocabulary of {vocab}: pass the model's "
-                             "own tokenizer")  # fmt: skip
+        check_token_ids(self.model, torch.tensor(ids, dtype=torch.long), "the turn's token ids", tokenized=True)
         return ids
 
     def _prefix_length(self) -> int:

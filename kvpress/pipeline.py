@@ -54,6 +54,19 @@ def split_prompt(
     return ids_head, ids_tail
 
 
+def check_token_ids(model, ids: torch.Tensor, what: str, tokenized: bool = False) -> None:
+    """Refuse token ids `model` cannot embed (a raw IndexError inside its embedding otherwise), naming `what` they
+    are: ids that are not integers, or outside [0, the model's vocabulary); `tokenized`: a tokenizer made them."""
+    vocab = model.get_input_embeddings().num_embeddings
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise ValueError(f"{what} must be integers, got {ids.dtype}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        hint = (f": the tokenizer gives token ids past the model's vocabulary of {vocab}; pass the model's own "
+                "tokenizer") if tokenized else ""  # fmt: skip
+        raise ValueError(f"{what} must lie in [0, {vocab}) (the model's vocabulary), got {int(ids.min())} to "
+                         f"{int(ids.max())}{hint}")  # fmt: skip
+
+
 def check_press(press) -> None:
     """Refuse anything but a press or None where a press is expected, saying what is allowed."""
     if press is not None and not isinstance(press, BasePress):
@@ -132,10 +145,7 @@ def generate(
         )
     device = model.device
     ctx_ids, q_ids = split_prompt(tokenizer, context, question, chat_template)
-    vocab = model.get_input_embeddings().num_embeddings
-    if max((int(t.max()) for t in (ctx_ids, q_ids) if t.numel()), default=0) >= vocab:  # (a raw IndexError after)
-        raise ValueError(f"the tokenizer gives token ids past the model's vocabulary of {vocab}: pass the model's "
-                         "own tokenizer")  # fmt: skip
+    check_token_ids(model, torch.cat([ctx_ids, q_ids], dim=-1), "the prompt's token ids", tokenized=True)
     ctx_ids, q_ids = ctx_ids.to(device), q_ids.to(device)
     cache = DynamicCache(config=model.config) if cache is None else cache
     ids = torch.cat([ctx_ids, q_ids], dim=-1)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from kvpress.pipeline import check_press
+from kvpress.pipeline import check_press, check_token_ids
 from kvpress.presses.base import BasePress
 
 
@@ -86,12 +86,7 @@ def stream(
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 2:
             raise ValueError(f"limit must be an integer of at least 2 tokens, got {limit!r}")
         ids = ids[:limit]
-    vocab = model.get_input_embeddings().num_embeddings
-    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-        raise ValueError(f"the stream's token ids must be integers, got {ids.dtype}")
-    if ids.min() < 0 or ids.max() >= vocab:
-        raise ValueError(f"the stream's token ids must lie in [0, {vocab}) (the model's vocabulary), got "
-                         f"{int(ids.min())} to {int(ids.max())}")  # fmt: skip
+    check_token_ids(model, ids, "the stream's token ids")
     max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if press is None and max_positions is not None and ids.numel() > max_positions:
         raise ValueError(
