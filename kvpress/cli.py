@@ -444,18 +444,16 @@ def main(argv: list[str] | None = None) -> int:
                                      "runs it)")  # fmt: skip
         elif args.command == "generate":
             _check_generate(args)
-        elif args.command in ("train-scorer", "train-gates"):  # before the model loads
-            from kvpress.train_gates import check_arguments as check_gates
-            from kvpress.train_gates import train_gates
-            from kvpress.train_scorer import check_arguments as check_scorer
-            from kvpress.train_scorer import train_scorer
+        elif args.command == "train-scorer" and (args.update_profile or args.update_words):
+            _check_update(args)  # before the model loads
+        elif args.command == "train-scorer":  # the trainer's own checks, before the model loads
+            from kvpress.train_scorer import check_arguments, train_scorer
 
-            check, trainer = (check_scorer, train_scorer) if args.command == "train-scorer" else (check_gates,
-                                                                                                  train_gates)
-            if args.command == "train-scorer" and (args.update_profile or args.update_words):
-                _check_update(args)
-            else:  # (the trainer's own checks: lr, sparsity, tokens past the training text)
-                check(**_trainer_args(trainer, args))
+            check_arguments(**_trainer_args(train_scorer, args))  # (tokens past the training text)
+        elif args.command == "train-gates":
+            from kvpress.train_gates import check_arguments, train_gates
+
+            check_arguments(**_trainer_args(train_gates, args))  # (lr, sparsity, tokens past the training text)
         for flag in ("out", "save_cache"):  # files written after the run
             path = getattr(args, flag, None)
             if path is None:
