@@ -290,10 +290,13 @@ def write(out: Path, rows: list[dict], skipped: dict) -> list[dict]:
     no-press run of its own configuration) and `gpu.md` from `rows`; returns the configurations that failed and
     were not measured since."""
     measured = [r for r in rows if "error" not in r]
-    cards = {}  # the devices each table's rows ran on: a table of several is split by device
+    cards, weights = {}, {}  # the devices and weights of each table's rows: a table of several is split by them
     for r in measured:
         cards.setdefault(_table(r), set()).add(r.get("device"))
-    named = {id(r): _table(r) + (f" on {r.get('device')}" if len(cards[_table(r)]) > 1 else "") for r in measured}
+        weights.setdefault(_table(r), set()).add(r.get("random_weights", False))
+    named = {id(r): _table(r) + (f" on {r.get('device')}" if len(cards[_table(r)]) > 1 else "") + (
+        (" random weights" if r.get("random_weights", False) else " real weights")
+        if len(weights[_table(r)]) > 1 else "") for r in measured}  # fmt: skip
     tables = {a: [_same_length(t) for t in summary([r for r in measured if named[id(r)] == a])]
               for a in sorted(set(named.values()))}  # fmt: skip
     measured = {_key(r) for r in rows if "error" not in r}  # a failure a later run measured is no failure

@@ -56,6 +56,13 @@ def test_without_cuda_the_rows_already_measured_are_summarised(tmp_path, capsys,
     bench_gpu.write(tmp_path, [*h200, pair[0], {**pair[1], "cache_bytes": 2}], {})
     tables = json.loads((tmp_path / "gpu.json").read_text())["tables"]
     assert {name: t[0]["cache_ratio"] for name, t in tables.items()} == {"sdpa on H100": 0.25, "sdpa on H200": 0.5}
+    # rows of the packaged weights pair only among themselves too, where a table holds both (`--config` runs are
+    # labelled with the model they stand in for)
+    real = [{**r, "random_weights": False} for r in rows[:2]]
+    bench_gpu.write(tmp_path, [*rows[:2], real[0], {**real[1], "cache_bytes": 2}], {})
+    tables = json.loads((tmp_path / "gpu.json").read_text())["tables"]
+    assert {name: t[0]["cache_ratio"] for name, t in tables.items()} == {"sdpa random weights": 0.5,
+                                                                        "sdpa real weights": 0.25}  # fmt: skip
 
 
 def test_random_weights_from_a_config_directory(tmp_path, tokenized):
