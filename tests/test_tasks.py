@@ -96,6 +96,14 @@ def test_arithmetic_answer_is_reasoning_gyms(tokenizer):
         assert e.score(f" 7{e.answers[0]}") == 0.0  # the first number counts, not a substring
 
 
+def test_a_chat_number_is_scored_whole_with_its_thousands_separator():
+    from kvpress.eval.tasks.chat_recall import whole_number_score
+
+    assert whole_number_score("12345", "It is 12,345.") == 1 and whole_number_score("12345", "It is 12345") == 1
+    assert whole_number_score("345", "It is 1,345.") == 0 and whole_number_score("345", "It is 1345") == 0
+    assert whole_number_score("345", "Rooms 12, 345 and 7") == 1  # a list's comma is no separator
+
+
 def test_first_number():
     assert first_number(" -12 apples and 3") == -12.0
     assert first_number("about 1,234.5 of them") == 1234.5

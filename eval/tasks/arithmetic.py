@@ -24,7 +24,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from kvpress.eval.tasks.example import Example, check_size
+from kvpress.eval.tasks.example import Example, check_size, without_thousands_separators
 
 DEFAULT_GENERATOR = "chain_sum"
 DEFAULT_CONFIG = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
@@ -35,7 +35,7 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 def first_number(text: str) -> float | None:
     """The first number written in `text` (thousands separators ignored), or None."""
-    match = _NUMBER.search(re.sub(r"(?<=\d),(?=\d{3})", "", text))
+    match = _NUMBER.search(without_thousands_separators(text))
     return None if match is None else float(match.group())
 
 

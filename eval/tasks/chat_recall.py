@@ -13,7 +13,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from kvpress.eval.tasks.example import Example, drawn_one_at_a_time
+from kvpress.eval.tasks.example import Example, drawn_one_at_a_time, without_thousands_separators
 
 _FACTS = (
     ("By the way, my locker code is {v}.", "What is my locker code? Answer with the number.", 10000, 99999),
@@ -38,8 +38,9 @@ class ChatExample:
 
 
 def whole_number_score(answer: str, text: str) -> float:
-    """1 if the number `answer` appears whole in `text` (not inside a longer number)."""
-    return float(re.search(rf"(?<!\d){re.escape(answer)}(?!\d)", text) is not None)
+    """1 if the number `answer` appears whole in `text` (not inside a longer number); a thousands separator is read
+    as part of its number ("12,345" answers 12345, and "1,345" does not answer 345)."""
+    return float(re.search(rf"(?<!\d){re.escape(answer)}(?!\d)", without_thousands_separators(text)) is not None)
 
 
 @dataclass(frozen=True)

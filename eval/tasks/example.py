@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -22,6 +23,11 @@ class Example:
     def score(self, text: str) -> float:
         """The fraction of `answers` found in the generated `text` (RULER's string-match-all)."""
         return sum(answer in text for answer in self.answers) / len(self.answers)
+
+
+def without_thousands_separators(text: str) -> str:
+    """`text` with each comma between digits that a group of three digits follows removed ("12,345" -> "12345")."""
+    return re.sub(r"(?<=\d),(?=\d{3})", "", text)
 
 
 def drawn_one_at_a_time(rng: random.Random, pool: list, n: int) -> Iterator:
