@@ -46,6 +46,18 @@ def test_too_short_to_score_keeps_the_newest():
         assert set(layer.pos[0, 0, : layer.n].long().tolist()) == {0, *range(31, 40)}
 
 
+def test_the_newest_unscored_tokens_stay_at_long_contexts():
+    # ranked by 1e4 + rank / n before, float32 told the tail's ranks apart only up to about 1,000 tokens: past
+    # that, ties cut the newest tokens in no order
+    model = tiny_model("llama", max_position_embeddings=4096)
+    cache = DynamicCache(config=model.config)
+    with LagKVPress(max_tokens=100, lag_size=4096, n_sink=4)(model):  # 4,092 tokens after the sinks: none lagged
+        model(prompt(1, 4096), cache=cache)
+    for layer in cache.layers:
+        for head in range(layer.keys.shape[1]):
+            assert set(layer.pos[0, head, : layer.n].long().tolist()) == {*range(4), *range(4000, 4096)}
+
+
 def test_bad_parameters_are_refused_by_name():
     with pytest.raises(ValueError, match="lag_size"):
         LagKVPress(0.5, lag_size=0)

@@ -17,7 +17,9 @@ import torch
 
 from kvpress.presses.base import BasePress, Observation
 
-UNSCORED = 1e4  # above any softmax score: the sinks and the partitions without a lag are kept first
+# the sinks and the partitions without a lag rank above every scored token (keys' plus values' softmax: at most
+# 2), newest highest: UNSCORED + their rank, whole numbers that float32 tells apart up to 2^24 tokens
+UNSCORED = 3.0
 
 
 @dataclass
@@ -48,7 +50,7 @@ class LagKVPress(BasePress):
         for row in range(b):
             m = int(held[row])
             ranked = torch.full((h, n), -1.0, device=scores.device)  # padding and holes: below every token
-            ranked[:, :m] = UNSCORED + torch.arange(m, device=scores.device) / max(m, 1)  # newest highest
+            ranked[:, :m] = UNSCORED + torch.arange(m, device=scores.device)  # newest highest
             body = m - self.n_sink
             parts = body // self.lag_size
             if parts >= 2:  # partitions 0 .. parts - 2 have a lag
