@@ -9,6 +9,7 @@ every query: at prefill and at every decoding step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -31,6 +32,9 @@ class HeavyHitterPress(BasePress):
 
     window: int | None = None
     chunk: int = 64
+    # every query counts: a question read inside frozen() adds its attention too, so when eviction resumes its tokens
+    # hold their mass and the older tokens the mass the question gave them (they held 0 and went first)
+    observes_frozen: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.window is not None and (not isinstance(self.window, int) or self.window < 0):
