@@ -1,7 +1,9 @@
-"""Whole-number arguments (counts, sizes) checked as a function is called, named when refused: a float or a bool
-gave raw TypeErrors deep inside (or, for a bool, ran as 1)."""
+"""Whole numbers: arguments (counts, sizes) checked as a function is called, named when refused (a float or a bool
+gave raw TypeErrors deep inside, or, for a bool, ran as 1); and the whole part of a share of a count."""
 
 from __future__ import annotations
+
+import math
 
 
 def check_whole(**least: tuple[object, int]) -> None:
@@ -9,3 +11,9 @@ def check_whole(**least: tuple[object, int]) -> None:
     for name, (value, bound) in least.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < bound:
             raise ValueError(f"{name} must be an integer >= {bound}, got {value!r}")
+
+
+def floor_share(n: int, fraction: float) -> int:
+    """floor(n x fraction) of the decimal `fraction` as written: in binary floating point 90 x 0.7 is
+    62.99999999999999, and a budget of compression_ratio=0.7 kept 28 of 90 tokens where it promises 27."""
+    return math.floor(round(n * fraction, 9))

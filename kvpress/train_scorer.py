@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from kvpress import shipped
-from kvpress.counts import check_whole
+from kvpress.counts import check_whole, floor_share
 from kvpress.patterns import config_hash
 from kvpress.pipeline import split_prompt
 from kvpress.presses.base import Observation
@@ -147,7 +147,7 @@ def layer_counts(data: dict, ratio: float) -> dict[int, float]:
     top-k of every layer's and head's scores together, k = the budget of every layer and head)."""
     n, heads = next(iter(data.values()))[1].shape
     flat = torch.cat([y.flatten() for _, y, _ in data.values()])
-    k = min(flat.numel(), (n - int(n * ratio)) * heads * len(data))
+    k = min(flat.numel(), (n - floor_share(n, ratio)) * heads * len(data))
     threshold = flat.topk(k).values[-1]
     return {idx: float((y >= threshold).sum()) for idx, (_, y, _) in data.items()}
 
@@ -214,7 +214,7 @@ def _spearman(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _kept_agreement(predicted: torch.Tensor, target: torch.Tensor, ratio: float) -> torch.Tensor:
     """`[H]` share of the tokens `target`'s top-k keeps (k = the budget at `ratio`) that `predicted`'s keeps too."""
-    k = max(1, predicted.shape[0] - int(predicted.shape[0] * ratio))
+    k = max(1, predicted.shape[0] - floor_share(predicted.shape[0], ratio))
     a = torch.zeros_like(predicted, dtype=torch.bool).scatter_(0, predicted.topk(k, dim=0).indices, True)
     b = torch.zeros_like(target, dtype=torch.bool).scatter_(0, target.topk(k, dim=0).indices, True)
     return (a & b).sum(0).double() / k

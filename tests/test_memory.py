@@ -135,6 +135,9 @@ def test_decode_slack_validated():
         (HeavyHitterPress(compression_ratio=0.9), [10, 1000], [1, 100]),
         (SinkWindowPress(compression_ratio=0.99), [3, 1000], [3, 10]),
         (SnapKVPress(max_tokens=100), [50, 1000], [50, 100]),
+        # 90 x 0.7 is 62.99999999999999 in binary floating point: 27 kept, not 28 (the ratio read as written)
+        (KnormPress(compression_ratio=0.7), [90, 100, 170], [27, 30, 51]),
+        (KnormPress(compression_ratio=0.57), [100], [43]),
         (KnormPress(max_tokens=100, layer_scales=(1, 3)), [1000], [50]),
     ],
 )

@@ -22,6 +22,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from kvpress.counts import floor_share
 from kvpress.engine import Installable, Observation
 from kvpress.patches import kv_quantization as quant
 from kvpress.patches.cache import PressedLayer
@@ -297,7 +298,7 @@ class BasePress(Installable):
                               f"({math.floor(self.max_tokens * scale)} tokens) is more than the {seen} it holds: it "
                               "keeps them all, so the layers keep less than the budget in total", stacklevel=2)
         else:
-            keep = seen - math.floor(seen * self.compression_ratio)
+            keep = seen - floor_share(seen, self.compression_ratio)
             if scale != 1.0 and self.compression_ratio:  # r = 0 keeps everything, in every layer
                 keep = min(seen, math.floor(keep * scale))
         floor = min(seen, self.sink_count() + self.recent_count(keep))

@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from kvpress.counts import floor_share
 from kvpress.patches import kv_quantization as quant
 from kvpress.patches import model_access
 from kvpress.patches.head_cache import HeadwiseLayer
@@ -164,7 +165,7 @@ class DuoAttentionPress(HeadwisePress):
             spans = (windows - 1).clamp(max=n)  # what a retrieval head holds
             sinks = self.n_sink - (n - (windows - 1)).clamp(0, self.n_sink)  # (past a window the sinks leave it)
             streams = torch.minimum(spans, sinks + self.window)  # what a streaming head holds
-            target = float((spans - (spans * self.compression_ratio).floor()).sum())
+            target = float(sum(s - floor_share(s, self.compression_ratio) for s in spans.tolist()))
             kept = torch.cat([spans.new_zeros(1), (spans - streams).cumsum(0)]) + streams.sum()  # with 0, 1, ... pairs
             gap = (kept - target).abs()
             counts.append(len(windows) - int(gap.flip(0).argmin()))  # the last of the closest
@@ -198,7 +199,7 @@ class DuoAttentionPress(HeadwisePress):
         its budget holds more than a streaming head's `n_sink + window`; with `retrieval_fraction`, always)."""
         if self.compression_ratio is None:
             return [True] * len(seen)
-        return [n - math.floor(n * self.compression_ratio) > self.n_sink + self.window for n in seen]
+        return [n - floor_share(n, self.compression_ratio) > self.n_sink + self.window for n in seen]
 
     def _targets(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
         """`[B]` on the host: the press's budget for each row of `obs`, and what a head over it is cut to."""

@@ -11,12 +11,12 @@ comparable accuracy.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from kvpress.counts import floor_share
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.head_budget import HeadwisePress
 from kvpress.presses.wrapping import WrapsPress, wrapped_chain
@@ -86,7 +86,7 @@ class ThinKPress(WrapsPress, BasePress):
             return  # a row that holds only padding yet (a first chunk): chosen once every row holds real keys
         keys = layer.held_kv()[0]
         dim = keys.shape[-1]
-        kept = dim - math.floor(dim * self.key_channel_ratio)
+        kept = dim - floor_share(dim, self.key_channel_ratio)
         if kept == dim:
             return
         scores = channel_scores(obs.query[:, :, -self.query_window :], keys, layer.valid)
