@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpress.engine import maybe_installed, observe
-from kvpress.pipeline import check_press, check_token_ids, greedy
+from kvpress.pipeline import check_no_outer_press, check_press, check_token_ids, greedy
 from kvpress.presses.base import BasePress
 from kvpress.round_store import RoundStore
 from kvpress.rounds import RoundPolicy
@@ -121,6 +121,8 @@ class ChatSession:
         if self._broken:
             raise RuntimeError(f"this session cannot go on ({self._broken}); start a new one")
         _check_one_of(self.press, self.round_policy)  # both are attributes a caller may set between turns
+        if self.press is None and self.round_policy is None:  # (a press given is refused as a second one)
+            check_no_outer_press(self.model, "ChatSession.send", "the chat")
         if not isinstance(text, str) or not text.strip():
             raise ValueError("the message is empty")
         if reply is not None and (not isinstance(reply, str) or not reply.strip()):

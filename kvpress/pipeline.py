@@ -67,6 +67,13 @@ def check_token_ids(model, ids: torch.Tensor, what: str, tokenized: bool = False
                          f"{int(ids.max())}{hint}")  # fmt: skip
 
 
+def check_no_outer_press(model, caller: str, what: str) -> None:
+    """Refuse `caller`'s press=None (a full cache) inside a press active on `model`, which would compress `what`."""
+    if active_handler(model) is not None:
+        raise ValueError(f"{caller}(press=None) runs inside a press active on this model, which would compress {what} "
+                         "too: leave its `with` block and pass it as press=")  # fmt: skip
+
+
 def check_press(press) -> None:
     """Refuse anything but a press or None where a press is expected, saying what is allowed."""
     if press is not None and not isinstance(press, BasePress):
@@ -125,9 +132,8 @@ def generate(
     for name, text in (("context", context), ("question", question)):  # (whitespace was answered; a chat refuses it)
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"{name} must be a string with some text, got {text!r:.40}")
-    if press is None and active_handler(model) is not None:  # (a press given here is refused as a second one)
-        raise ValueError("kvpress.generate(press=None) runs inside a press active on this model, which would "
-                         "compress the context and the answer too: leave its `with` block and pass it as press=")
+    if press is None:  # (a press given here is refused as a second one)
+        check_no_outer_press(model, "kvpress.generate", "the context and the answer")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if not isinstance(query_aware, bool):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from kvpress.pipeline import check_press, check_token_ids
+from kvpress.pipeline import check_no_outer_press, check_press, check_token_ids
 from kvpress.presses.base import BasePress
 
 
@@ -70,6 +70,8 @@ def stream(
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
     check_press(press)
+    if press is None:
+        check_no_outer_press(model, "kvpress.stream", "the stream")
     if press is not None and press.needs_whole_context:
         raise ValueError(f"{type(press).__name__} compresses a whole prompt once, in a pass over all of it: a stream "
                          "fed chunk by chunk needs a press that scores tokens as they are cached (sink-window, "

@@ -20,7 +20,14 @@ from transformers import AutoModelForCausalLM, DynamicCache, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
 from kvpress.patches.cache import scratch
-from kvpress.pipeline import answer_from_cache, check_compresses, check_press, prefill_context, split_prompt
+from kvpress.pipeline import (
+    answer_from_cache,
+    check_compresses,
+    check_no_outer_press,
+    check_press,
+    prefill_context,
+    split_prompt,
+)
 
 TASK = "kv-press-text-generation"
 # each argument the task takes and the stage that takes it (its default is that stage's)
@@ -99,6 +106,8 @@ class KVPressTextGenerationPipeline(Pipeline):
             raise ValueError(f"cache= already holds {cache.get_seq_length()} tokens: pass an empty DynamicCache")
         device = self.model.device
         context_ids = inputs["context_ids"].to(device)
+        if press is None:  # (before the prefill: its scratch cache refused only after)
+            check_no_outer_press(self.model, TASK, "the context")
         check_compresses(press, context_ids.shape[1])  # as kvpress.generate: one question gives its answer
         prefill_context(self.model, context_ids, press, cache, self.tokenizer)
         answers = []

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+import transformers
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
@@ -473,8 +474,19 @@ def test_generate_and_a_chat_refuse_a_tokenizer_past_the_models_vocabulary_and_a
         with pytest.raises(ValueError, match="must be a string with some text"):
             kvpress.generate(small, tokenizer, context, question)
     model = tiny_model("llama", vocab_size=len(tokenizer))
-    with kvpress.KnormPress(0.5)(model), pytest.raises(ValueError, match=r"press=None\) runs inside a press active"):
-        kvpress.generate(model, tokenizer, CONTEXT, "Where?", max_new_tokens=2)
+    # a full cache asked for inside another press's block: the chat, the stream and the pipeline were compressed by
+    # it without a word (a chat of 49 tokens held 25), where kvpress.generate refused
+    pipe = transformers.pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
+    calls = {"kvpress.generate": lambda: kvpress.generate(model, tokenizer, CONTEXT, "Where?", max_new_tokens=2),
+             "ChatSession.send": lambda: kvpress.ChatSession(model, tokenizer, max_new_tokens=2).send("Where?"),
+             "kvpress.stream": lambda: next(kvpress.stream(model, tokenizer, CONTEXT, progress=False)),
+             "kv-press-text-generation": lambda: pipe(CONTEXT, question="Where?", max_new_tokens=2)}  # fmt: skip
+    for caller, call in calls.items():
+        with kvpress.KnormPress(0.5)(model), pytest.raises(ValueError, match=rf"^{caller}\(press=None\) runs inside"):
+            call()
+    with kvpress.KnormPress(0.5)(model):  # a chat's round policy observes the press's forwards: nothing evicted
+        policy = kvpress.RoundPolicy(top_k_rounds=1, keep_recent_rounds=1)
+        assert isinstance(kvpress.ChatSession(model, tokenizer, round_policy=policy, max_new_tokens=2).send("Hi"), str)
 
 
 def test_small_public_calls_name_their_bad_input():
