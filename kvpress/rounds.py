@@ -167,6 +167,7 @@ class RoundPolicy:
             raise ValueError(f"this chat's cache holds per-slot {[k for k in kinds if k != 'pos']} (a press's padding, "
                              f"scores or rotations): inner={type(self.inner).__name__} cannot compress a round of "
                              "it; continue it without inner=, or with the press that made it")  # fmt: skip
+        _check_rounds_aligned(cache, rounds)
         self._turn = _Turn(cache, list(rounds), store if self.offload == "cpu" else None, queries)
         self._queries = {}
 
@@ -214,21 +215,28 @@ class RoundPolicy:
         candidates = list(range(max(0, len(turn.rounds) - self.keep_recent_rounds)))
         upper = {i: layer for i, layer in enumerate(turn.cache.layers)
                  if i > self.watershed and isinstance(layer, PressedLayer) and layer.n}  # fmt: skip
-        if not candidates or not upper:
+        if not turn.rounds or not upper:
             return
-        self.relevance = round_relevance(obs, [turn.rounds[r] for r in candidates], turn.queries)
-        available = [r for r in candidates if all(_holds(layer, turn.rounds[r]) or (
-            turn.store is not None and (i, r) in turn.store) for i, layer in upper.items())]  # fmt: skip
-        self.selected = sorted(sorted(available, key=lambda r: -self.relevance[r])[: self.top_k_rounds])
+        if candidates:
+            self.relevance = round_relevance(obs, [turn.rounds[r] for r in candidates], turn.queries)
+            available = [r for r in candidates if all(_holds(layer, turn.rounds[r]) or (
+                turn.store is not None and (i, r) in turn.store) for i, layer in upper.items())]  # fmt: skip
+            self.selected = sorted(sorted(available, key=lambda r: -self.relevance[r])[: self.top_k_rounds])
+        recent = range(len(candidates), len(turn.rounds))  # (recalled where a larger keep_recent_rounds asks now)
         for i, layer in upper.items():
             drop = torch.zeros(layer.n, dtype=torch.bool, device=layer.keys.device)
             for r in candidates:
                 if r not in self.selected:
-                    drop |= _in_span(layer, turn.rounds[r])
+                    leaving = _in_span(layer, turn.rounds[r])
+                    if turn.store is not None and (i, r) not in turn.store and bool(leaving.any()):
+                        # finished before this policy (or this watershed, or offload="cpu") was set: stored as it
+                        # leaves, so a later turn can recall it
+                        turn.store.put(i, r, layer.copy_slots(leaving))
+                    drop |= leaving
             if bool(drop.any()):
                 layer.drop_slots(drop)
-            for r in self.selected:
-                if not _holds(layer, turn.rounds[r]):
+            for r in (*self.selected, *recent):
+                if not _holds(layer, turn.rounds[r]) and turn.store is not None and (i, r) in turn.store:
                     layer.insert(turn.store.get(i, r))
 
     def _compress_round(self, layer_idx: int, layer: PressedLayer, span: tuple[int, int]) -> None:
@@ -246,6 +254,25 @@ class RoundPolicy:
                 "pos": part["pos"].gather(2, alone.pos.long())}  # fmt: skip
         layer.drop_slots(chosen)
         layer.insert(kept)
+
+
+def _check_rounds_aligned(cache, rounds: list[tuple[int, int]]) -> None:
+    """Refuse a cache whose KV heads hold a round in different slots: the policy finds, drops and compresses a
+    round by the slots that hold it in the first head, for every head. A press that compressed the history head by
+    head (SnapKV at each turn's prefill) leaves such a cache; `inner` keeps each round's slots in line."""
+    if not rounds:
+        return
+    bounds = sorted({p for span in rounds for p in span})
+    for idx, layer in enumerate(cache.layers):
+        if not isinstance(layer, PressedLayer) or not layer.n:
+            continue
+        part = torch.bucketize(layer.pos[..., : layer.n].long(), torch.tensor(bounds, device=layer.pos.device),
+                               right=True)  # fmt: skip
+        if bool((part != part[:1, :1]).any()):
+            raise ValueError(f"layer {idx} of this chat's cache holds its rounds in different slots in different KV "
+                             "heads (a press compressed the history head by head): a round policy moves whole "
+                             "rounds, so it cannot continue it; keep the press, or start the chat with the policy "
+                             "(inner= compresses each round)")  # fmt: skip
 
 
 def _in_span(layer: PressedLayer, span: tuple[int, int]) -> torch.Tensor:

@@ -237,3 +237,58 @@ def test_a_cache_a_press_left_that_a_later_turn_cannot_continue_is_refused_befor
         session.send("What is my name?")
     session.round_policy, session.press = None, kvpress.HeavyHitterPress(compression_ratio=0.3)
     session.send("What is my name?")
+
+
+def test_a_policy_set_during_a_chat_stores_the_rounds_it_drops_and_brings_them_back(tokenized, monkeypatch):
+    """Rounds finished before the policy was set were never stored (the store is filled as rounds end): at the
+    policy's first turn they left the layers after the watershed for good, and a later turn ranking one of them
+    first could not recall it. They are stored as they leave; a larger keep_recent_rounds brings back the rounds
+    it now counts as recent."""
+    model, tokenizer = tokenized
+    session = kvpress.ChatSession(model, tokenizer, max_new_tokens=3)
+    for user, reply in TURNS[:3]:
+        session.send(user, reply=reply)
+    plain = session.cache.layers[2]  # a plain layer: position i in slot i
+    whole = {i: (plain.keys[0, :, i].clone(), plain.values[0, :, i].clone()) for i in range(plain.keys.shape[2])}
+    policy = kvpress.RoundPolicy(top_k_rounds=1, keep_recent_rounds=1, watershed_layer=1)
+    session.round_policy = policy
+    ranks = {"first": 1}  # the candidate round ranked first at the next selection
+    monkeypatch.setattr(kvpress.rounds, "round_relevance",
+                        lambda obs, spans, _: [float(r == ranks["first"]) for r in range(len(spans))])  # fmt: skip
+    session.send(TURNS[3][0], reply=TURNS[3][1])
+    upper = session.cache.layers[2]
+    start, end = max(session.rounds[0].start, session.prefix_tokens), session.rounds[0].end  # (after the prefix)
+
+    def held():
+        return upper.pos[0, 0, : upper.n].tolist()
+
+    assert policy.selected == [1] and not any(start <= p < end for p in held())  # round 0 left
+    ranks["first"] = 0
+    session.send("What is my locker code?", reply="48213.")
+    assert policy.selected == [0]
+    round0 = [(i, int(p)) for i, p in enumerate(held()) if start <= p < end]
+    assert len(round0) == end - start  # back whole, as it was
+    for i, p in round0:
+        keys, values = whole[p]
+        assert torch.equal(upper.keys[0, :, i], keys) and torch.equal(upper.values[0, :, i], values)
+    policy.keep_recent_rounds = 5  # every finished round is recent now: those dropped come back
+    session.send("And my sister?", reply="She visits next month.")
+    assert all(any(max(r.start, session.prefix_tokens) <= p < r.end for p in held()) for r in session.rounds[:-1])
+
+
+def test_a_cache_compressed_head_by_head_is_refused_by_a_round_policy(tokenized):
+    """A press compressing the history head by head leaves each KV head holding other tokens of each round: the
+    policy drops and stores rounds by the first head's slots, so the other heads kept tokens of dropped rounds and
+    lost some of the recent one. Refused before the turn; the chat goes on with its press."""
+    model, tokenizer = tokenized
+    press = kvpress.SnapKVPress(compression_ratio=0.3, window_size=4)
+    session = kvpress.ChatSession(model, tokenizer, press=press, max_new_tokens=3)
+    for user, reply in TURNS[:3]:
+        session.send(user, reply=reply)
+    session.press, session.round_policy = None, kvpress.RoundPolicy(top_k_rounds=0, watershed_layer=1)
+    held = [layer.n for layer in session.cache.layers]
+    with pytest.raises(ValueError, match="holds its rounds in different slots in different KV heads"):
+        session.send(TURNS[3][0], reply=TURNS[3][1])
+    assert [layer.n for layer in session.cache.layers] == held and len(session.rounds) == 3
+    session.press, session.round_policy = press, None
+    session.send(TURNS[3][0], reply=TURNS[3][1])
