@@ -467,6 +467,22 @@ def test_each_task_yaml_scores_as_its_examples_do(tokenizer):
     assert checked == set(ANSWER_TOKENS)
 
 
+def test_each_task_yaml_versions_its_builder():
+    """lm-eval reports a task's YAML version beside its scores: its whole part is the builder's version (results of
+    builders 1 and 2 read 1.0 alike before), so results of other examples are told apart."""
+    from kvpress.eval.lm_eval_bridge import TASKS_DIR
+    from kvpress.eval.tasks import task_version
+
+    seen = {}
+    for path in sorted(Path(TASKS_DIR).glob("kvpress_*.yaml")):
+        text = path.read_text()
+        task = re.search(r"^dataset_kwargs:\n  task: (\w+)$", text, re.M)
+        if task is not None:
+            version = float(re.search(r"^  version: ([\d.]+)", text, re.M).group(1))
+            seen[task.group(1)] = int(version)
+    assert seen and all(v == task_version(t) for t, v in seen.items()), seen
+
+
 def test_continuation_examples_are_the_tokens_that_follow(tokenizer):
     from kvpress.eval.tasks.continuation import FOLLOWING
     from kvpress.eval.tasks.needle import corpus
