@@ -569,6 +569,42 @@ def _model_args(parsed: argparse.Namespace | None, config: dict) -> dict | None:
     return given if isinstance(given, dict) else None  # (a list, a number: lm-eval itself answers)
 
 
+def _own_tasks() -> set[str]:
+    """The task and group names kvpress's task files define (`TASKS_DIR`)."""
+    names = set()
+    for path in Path(TASKS_DIR).glob("*.yaml"):
+        names |= set(re.findall(r"^(?:task|group): (\w+)$", path.read_text(), re.M))
+    return names
+
+
+def _cache_refusal(parsed: argparse.Namespace | None, config: dict) -> str | None:
+    """Why lm-eval's caches cannot serve this run (None where they are not asked for): its saved answers
+    (`--use_cache`) are keyed by a request's text alone, so another press or ratio would read this run's, and those
+    read record no KV bytes; its saved requests (`--cache_requests true`) are keyed by a task's name, not by the
+    metadata (length, n, seed) kvpress's tasks are built from, so another length would be scored on these."""
+    if parsed is None:
+        return None
+    path = parsed.use_cache or config.get("use_cache")
+    if path:
+        return (f"--use_cache {path}: lm-eval keys its saved answers by a request's text alone, so a run with another "
+                "press or ratio would read this one's (and answers read from it record no KV bytes): run without it")
+    asked = parsed.cache_requests or config.get("cache_requests") or {}
+    if isinstance(asked, str):
+        from lm_eval._cli.utils import request_caching_arg_to_dict
+
+        asked = request_caching_arg_to_dict(asked)
+    if not asked.get("cache_requests") or asked.get("rewrite_requests_cache"):
+        return None
+    tasks = parsed.tasks or config.get("tasks") or []
+    tasks = [tasks] if isinstance(tasks, str) else tasks
+    ours = sorted({t for given in tasks for t in str(given).split(",")} & _own_tasks())
+    if ours:
+        return (f"--cache_requests true with {', '.join(ours)}: lm-eval keys its saved requests by a task's name, not "
+                "by the metadata (length, n, seed) kvpress's tasks are built from, so another length would be scored "
+                "on the saved ones: run without it (or with refresh, which builds them again)")
+    return None
+
+
 def main(argv: list[str]) -> int:
     """`kvpress lm-eval ARGS`: lm-eval's own CLI with `--model kvpress` (given or not, in any of lm-eval's own
     spellings) and kvpress's offline tasks included."""
@@ -601,6 +637,10 @@ def main(argv: list[str]) -> int:
             message = (f"{parsed.config} sets model: {config['model']}: kvpress lm-eval runs lm-eval's model kvpress "
                        "(drop the file's model, or run `lm_eval` itself for its other models)")  # fmt: skip
             print(f"kvpress lm-eval: {message}", file=sys.stderr)
+            return 2
+        refusal = _cache_refusal(parsed, config)
+        if refusal is not None:
+            print(f"kvpress lm-eval: {refusal}", file=sys.stderr)
             return 2
         argv = ["run", "--model", "kvpress", *rest]
         include = _run_flags("include_path")

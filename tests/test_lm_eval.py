@@ -220,6 +220,19 @@ def test_cli_refuses_bad_press_task_and_model(default_model, capsys, monkeypatch
     with pytest.raises(AssertionError, match="lm-eval ran"):  # the file's own tasks: kvpress's do not replace them
         main(["lm-eval", "--config", str(tmp_path / "own.yaml"), "--tasks", "x"])
     assert ran[-1] == ["run", "--model", "kvpress", "--config", str(tmp_path / "own.yaml"), "--tasks", "x"]
+    # lm-eval's caches: its saved answers are keyed by a request's text alone (another press would read this one's),
+    # its saved requests by a task's name (another length of a kvpress task would be scored on these)
+    assert main(["lm-eval", "--use_cache", str(tmp_path / "db"), "--tasks", "x"]) == 2
+    assert "keys its saved answers by a request's text alone" in capsys.readouterr().err
+    (tmp_path / "cached.yaml").write_text("use_cache: db\nmodel: kvpress\n")
+    assert main(["lm-eval", "--config", str(tmp_path / "cached.yaml"), "--tasks", "x"]) == 2
+    assert "--use_cache db: lm-eval keys" in capsys.readouterr().err
+    for given in (["--cache_requests"], ["--cache_requests", "true"], ["--cache_requests=true"]):
+        assert main(["lm-eval", *given, "--tasks", "hellaswag,kvpress_ruler"]) == 2
+        assert "--cache_requests true with kvpress_ruler: lm-eval keys its saved requests" in capsys.readouterr().err
+    for fine in (["--cache_requests", "refresh", "--tasks", "kvpress_ruler"], ["--cache_requests", "--tasks", "x"]):
+        with pytest.raises(AssertionError, match="lm-eval ran"):  # rebuilt, or not kvpress's tasks: lm-eval runs
+            main(["lm-eval", *fine])
     monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", real)
     assert main(["lm-eval", "--model_args", "pretrained=default", "--tasks", "no_such_task"]) == 2
     assert "kvpress lm-eval: Tasks not found: no_such_task" in capsys.readouterr().err
