@@ -80,7 +80,7 @@ from kvpress.eval.tasks import (
 )
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.files import write_text_whole
-from kvpress.models import PACKAGED_MODELS, cache_dir
+from kvpress.models import DEFAULT_MODEL, PACKAGED_MODELS, cache_dir
 from kvpress.patches.cache import scratch
 from kvpress.pipeline import answer_ids_from_cache, check_chunk_size, prefill_context, split_prompt
 from kvpress.presses import parse_press_spec, resolve_default, spec_before_loading
@@ -132,6 +132,9 @@ def check_plan(presses: list[str], tasks: list[str], query_aware: bool, prefill_
     if asking and not query_aware:
         raise ValueError(f"{asking} score by the question: sweep them with --query-aware")
     questionless = [task for task in tasks if task.startswith(("continuation", "perplexity"))]  # (text, no question)
+    if query_aware and len(questionless) == len(tasks):
+        raise ValueError(f"--query-aware prefills a question with the context, and the tasks {questionless} ask none "
+                         "(a text scored as it goes on): sweep them without it")  # fmt: skip
     if asking and questionless:
         raise ValueError(f"{asking} score by the question, and the tasks {questionless} ask none (a text scored as it "
                          "goes on): sweep them separately")  # fmt: skip
@@ -329,7 +332,8 @@ def is_final(row: dict) -> bool:
 
 
 def _check_resume(out: Path, settings: dict) -> None:
-    """Refuse to add rows to a directory measured with another model, context length, seed or mode."""
+    """Refuse to add rows to a directory measured with another model, context length, seed, mode or perplexity
+    chunk."""
     path = out / "settings.json"
     if not path.exists():
         return
@@ -337,7 +341,7 @@ def _check_resume(out: Path, settings: dict) -> None:
     before.setdefault("prefill_chunk_size", None)  # sweeps from before chunks prefilled in one forward
     if "model" in before:  # (a local path, written as typed before paths were made absolute)
         before["model"] = named_model(before["model"])
-    for key in ("model", "length", "seed", "query_aware", "prefill_chunk_size"):
+    for key in ("model", "length", "seed", "query_aware", "prefill_chunk_size", "perplexity_chunk"):
         if key in before and before[key] != settings[key]:
             raise ValueError(f"{out} holds a sweep with {key}={before[key]!r}, not {settings[key]!r}: "
                              "use another --out")  # fmt: skip
@@ -735,6 +739,10 @@ def main(argv: list[str] | None = None) -> int:
             check_spellings(Path(args.out), early)
             check_older_rows(Path(args.out), configurations(early, ratios), tasks, args.examples)
         check_data(tasks)
+        settings = {"model": named_model(args.model or DEFAULT_MODEL), "length": args.length, "seed": args.seed,
+                    "query_aware": args.query_aware, "prefill_chunk_size": args.prefill_chunk_size,
+                    "perplexity_chunk": CHUNK}  # fmt: skip
+        _check_resume(Path(args.out), settings)  # (run_sweep checks again, with the loaded model's own name)
     except (ValueError, TypeError) as err:
         print(f"kvpress sweep: {err}", file=sys.stderr)
         return 2

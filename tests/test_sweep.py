@@ -364,11 +364,24 @@ def test_a_sweep_refuses_what_its_tasks_cannot_take_before_its_model_loads(tmp_p
         (["--tasks", "needle_noise", "--out", str(tmp_path / "file")], "is a file: give a directory"),
         (["--tasks", "needle_noise,continuation_pydoc", "--presses", "lookahead", "--query-aware"],
          "['lookahead'] score by the question, and the tasks ['continuation_pydoc'] ask none"),
+        (["--tasks", "continuation_pydoc,perplexity_pydoc", "--query-aware"],  # (its rows were the same without it)
+         "--query-aware prefills a question with the context, and the tasks ['continuation_pydoc', "
+         "'perplexity_pydoc'] ask none"),
     ):  # fmt: skip
         argv = ["--presses", "snapkv", "--out", str(tmp_path / "s"), *args]
         assert sweep.main(argv) == 2
         assert said in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+    # a directory measured otherwise: refused before the model loads (a traceback after it), the perplexity tasks'
+    # chunk too (its rows were kept, and settings.json overwritten, under another chunk)
+    held = {"model": "smollm2-135m", "length": 1024, "seed": 0, "query_aware": False, "prefill_chunk_size": None,
+            "perplexity_chunk": sweep.CHUNK}  # fmt: skip
+    for key, value in (("length", 2048), ("seed", 3), ("model", "qwen2.5-0.5b"), ("perplexity_chunk", 32),
+                       ("query_aware", True)):  # fmt: skip
+        (tmp_path / "held").mkdir(exist_ok=True)
+        (tmp_path / "held" / "settings.json").write_text(json.dumps({**held, key: value}))
+        assert sweep.main(["--presses", "snapkv", "--tasks", "needle_noise", "--out", str(tmp_path / "held")]) == 2
+        assert f"holds a sweep with {key}={value!r}, not {held[key]!r}: use another --out" in capsys.readouterr().err
 
 
 def test_a_sweep_refuses_a_press_its_directory_holds_under_another_name(tmp_path, monkeypatch, capsys):
