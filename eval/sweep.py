@@ -600,7 +600,7 @@ def _shard():
 
 def write_summary(out: Path) -> list[dict]:
     """Aggregate `results.jsonl` into summary.json / summary.csv / table.md / plot.png (+ heatmap.png)."""
-    rows = list(current_rows(out).values())
+    rows = _one_builder_a_cell(list(current_rows(out).values()))
     if not rows:
         raise ValueError(_no_rows(out))
     groups: dict = {}
@@ -635,6 +635,14 @@ def write_summary(out: Path) -> list[dict]:
     (out / "table.md").write_text(_table(summary))
     plot_sweep(summary, rows, out)
     return summary
+
+
+def _one_builder_a_cell(rows: list[dict]) -> list[dict]:
+    """`rows` less those of an older builder of their task in a cell (task, press, ratio) that holds rows its
+    builder makes now: a sweep resumed with fewer examples re-measures only those, and its cells averaged the
+    rest of the older examples with them. A cell of older rows alone stays (what its directory measured)."""
+    current = {(r["task"], r["press"], r["ratio"]) for r in rows if built_now(r)}
+    return [r for r in rows if built_now(r) or (r["task"], r["press"], r["ratio"]) not in current]
 
 
 def _same_examples(members: list[dict], full: list[dict]) -> tuple[list[dict], list[dict]]:

@@ -806,6 +806,12 @@ def test_the_summary_retention_divides_by_the_full_cache_on_the_same_examples(tm
     assert (by["snapkv"]["retention"], by["knorm"]["retention"], by["none"]["retention"]) == (1.0, 0.5, 1.0)
     assert by["snapkv"]["score"] == 0.5  # (its score over all its examples)
     assert by["h2o"]["retention"] is None  # measured on another version of the task's examples: nothing to pair
+    # a sweep resumed with fewer examples re-measures those on the new builder: its older rows past them left the
+    # cell's score and n a mean over two example sets
+    stale = [row(2, "knorm", 0.5, 1.0, version=1), row(3, "knorm", 0.5, 1.0, version=1)]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + stale))
+    by = {s["press"]: s for s in write_summary(tmp_path)}
+    assert (by["knorm"]["examples"], by["knorm"]["score"], by["h2o"]["examples"]) == (2, 0.25, 1)
 
 
 def test_rows_reach_a_results_file_replaced_while_the_sweep_runs(default_model, tmp_path, monkeypatch, short_answers):
