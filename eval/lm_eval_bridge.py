@@ -139,6 +139,7 @@ class KVPressLM(HFLM):
             _check_question(self.press, self.query_aware)
             check_chunk_size(self.prefill_chunk_size, self.press)  # (any other press: checked by _settle)
         self.kv_records: list[dict] = []
+        self._all_totals: list[dict] | None = None  # data-parallel, on process 0: every process's `_totals`
         self.kept_whole = 0  # contexts within the press's max_tokens: nothing to compress (said once, counted)
         if cpu_processes and self._world_size == 1:  # HFLM shards data only across GPUs: shard it here
             from accelerate import Accelerator
@@ -305,7 +306,7 @@ class KVPressLM(HFLM):
         self._check_tokenized_by(requests)
         if self.press is not None and not self.query_aware:
             self._question_starts = {request.args[0]: self._question_start(request) for request in requests}
-        return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+        return self._shared(super().loglikelihood(requests, disable_tqdm=disable_tqdm))
 
     def _head_tokens(self, text: str, start: int, tokens: list[int]) -> int:
         """How many of `tokens` (`text` encoded as lm-eval does) end before character `start` (its question);
@@ -373,6 +374,9 @@ class KVPressLM(HFLM):
 
     # ----- loglikelihood_rolling: the document read in chunks through one compressed cache ----------------
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        return self._shared(self._rolling(requests, disable_tqdm))
+
+    def _rolling(self, requests, disable_tqdm: bool) -> list[float]:
         self._check_tokenized_by(requests)
         if self.press is None:
             return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
@@ -406,7 +410,7 @@ class KVPressLM(HFLM):
                 tokens = self.tok_encode(context)
                 head = self._head_tokens(context, self._question_start(request), tokens)
                 self._question_tails[tuple(tokens)] = len(tokens) - head
-        return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        return self._shared(super().generate_until(requests, disable_tqdm=disable_tqdm))
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
         if self.press is None:
@@ -463,20 +467,42 @@ class KVPressLM(HFLM):
         full = batch * full_cache_bytes(self.model, tokens)
         self.kv_records.append({"kept_bytes": kvpress.cache_bytes(cache), "full_bytes": full, "requests": batch})
 
+    def _totals(self) -> dict:
+        """This process's records summed, its prefills kept whole and its peak memory."""
+        return {"requests": sum(r["requests"] for r in self.kv_records),
+                "kept_bytes": sum(r["kept_bytes"] for r in self.kv_records),
+                "full_bytes": sum(r["full_bytes"] for r in self.kv_records),
+                "kept_whole": self.kept_whole, **peak_memory()}  # fmt: skip
+
+    def _shared(self, result: list) -> list:
+        """`result`, after every process (data-parallel) sent its totals to process 0: lm-eval runs each kind of
+        request on every process, then asks process 0 alone for `get_model_info`, where a gather would wait for
+        processes that never come."""
+        if self.world_size > 1:
+            gathered = self.gather_object(self._totals(), dst=0)
+            if self.rank == 0:
+                self._all_totals = gathered
+        return result
+
     def kv_summary(self) -> dict:
         """Mean kept and full KV bytes per request (a batch's cache counted for each of its rows), their ratio, and
-        peak process / CUDA memory."""
-        n = sum(r["requests"] for r in self.kv_records)
-        kept = sum(r["kept_bytes"] for r in self.kv_records) / max(n, 1)
-        full = sum(r["full_bytes"] for r in self.kv_records) / max(n, 1)
+        peak process / CUDA memory; data-parallel, over every process's requests (`processes`; peaks: the largest
+        process's; a request lm-eval repeated to even out the processes' shares counts as one more)."""
+        mine = self._totals()  # process 0's as of now; the others' as of their last requests
+        totals = [mine, *self._all_totals[1:]] if self._all_totals else [mine]
+        n = sum(t["requests"] for t in totals)
+        kept = sum(t["kept_bytes"] for t in totals) / max(n, 1)
+        full = sum(t["full_bytes"] for t in totals) / max(n, 1)
+        peaks = {key: max(t[key] for t in totals) for key in mine if key.startswith("peak_")}
         return {
             "press": repr(self.press),
             "requests": n,
             "mean_kept_kv_bytes": round(kept),
             "mean_full_kv_bytes": round(full),
             "kept_ratio": round(kept / full, 4) if full else None,
-            "kept_whole": self.kept_whole,
-            **peak_memory(),
+            "kept_whole": sum(t["kept_whole"] for t in totals),
+            "processes": len(totals),
+            **peaks,
         }
 
     def get_model_info(self) -> dict:

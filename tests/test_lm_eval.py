@@ -89,6 +89,27 @@ def test_generate_until_compresses_the_prompt(default_model):
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_data_parallel_kv_summary_covers_every_process(default_model, monkeypatch):
+    """lm-eval asks process 0 alone for the model's info, after the run: its KV means covered its own share of the
+    requests (4 of 8 at two processes). Each kind of request, which every process runs, ends by sending each
+    process's totals to process 0."""
+    model, tokenizer = default_model
+    bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="sink-window", compression_ratio=0.5, batch_size=1,
+                       query_aware=True)  # fmt: skip
+    other = {"requests": 3, "kept_bytes": 3000, "full_bytes": 6000, "kept_whole": 1, "peak_rss_bytes": 2**50}
+    sent = []
+    monkeypatch.setattr(bridge, "_world_size", 2)
+    monkeypatch.setattr(bridge, "gather_object", lambda obj, dst=0: sent.append(obj) or [obj, other])
+    arguments = {"until": ["\n"], "max_gen_toks": 2}
+    requests = [Instance("generate_until", {}, (p, arguments), i) for i, p in enumerate(["One, two,", "Red, green,"])]
+    bridge.generate_until(requests, disable_tqdm=True)
+    assert len(sent) == 1 and sent[0]["requests"] == 2  # once per kind of request, this process's two
+    mine = sum(r["kept_bytes"] for r in bridge.kv_records)
+    summary = bridge.kv_summary()
+    assert (summary["requests"], summary["processes"], summary["kept_whole"]) == (5, 2, 1)
+    assert summary["mean_kept_kv_bytes"] == round((mine + 3000) / 5) and summary["peak_rss_bytes"] == 2**50
+
+
 def _rolling(lm, texts):
     requests = [Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(texts)]
     return lm.loglikelihood_rolling(requests, disable_tqdm=True)
