@@ -195,6 +195,21 @@ def test_global_budget_moves_tokens_to_the_layers_that_score_higher():
         KVzipPress(0.5, global_budget=1.5)
 
 
+def test_global_budget_spreads_over_the_full_attention_layers_alone():
+    """A sliding layer holds its window alone: given a larger share it could not use it, while each full-attention
+    layer's share multiplied the whole context's budget (a 3-layer Gemma 3 kept 216 tokens for 108). The
+    full-attention layers share theirs; each sliding layer keeps its even share of its window."""
+    types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention", "full_attention"]
+    model = tiny_model("gemma3", num_hidden_layers=5, layer_types=types)
+    recording = record_prefill(model, prompt(1, 60))
+    even = compress_recording(model, recording, KVzipPress(0.5, global_budget=0.0, window_size=0), _Tokenizer())
+    spread = compress_recording(model, recording, KVzipPress(0.5, global_budget=1.0, window_size=0), _Tokenizer())
+    evens, spreads = [layer.n for layer in even.layers], [layer.n for layer in spread.layers]
+    full = [i for i, kind in enumerate(types) if kind == "full_attention"]
+    assert [spreads[i] for i in (0, 2)] == [evens[i] for i in (0, 2)] == [4, 4]  # half of the 7 a window holds
+    assert len({spreads[i] for i in full}) > 1 and abs(sum(spreads[i] for i in full) - 90) <= 3  # 3 x 30 (floors)
+
+
 def test_normalize_layers_spreads_the_budget_by_each_heads_shape_not_its_scale():
     model = tiny_model("llama", num_hidden_layers=4)
     ids = prompt(1, 60)

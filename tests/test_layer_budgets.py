@@ -41,6 +41,26 @@ def test_a_pyramid_refuses_sliding_window_layers():
                 pass
 
 
+def test_fixed_layer_shares_refuse_sliding_window_layers_beside_others():
+    """A share multiplies a layer's own budget, and a sliding layer holds its window alone: Knorm with layer_scales
+    (1, 1, 2) on a 3-layer Gemma 3 kept 77 tokens of 200 where its budget at r = 0.75 is 54 (the full-attention layer
+    took twice the whole context's budget). Refused as the press is installed, through a wrapper and for KVzap's
+    scorer profile too; layers of one kind (every one sliding) take them."""
+    from kvpress import KVzapPress
+    from kvpress.presses.chunk import ChunkPress
+    from tiny import tiny_scorer
+
+    gemma = tiny_model("gemma3")
+    for press in (KnormPress(0.75, layer_scales=(1, 1, 2)), ChunkPress(KnormPress(0.75, layer_scales=(1, 1, 2))),
+                  KVzapPress(0.75, global_budget=0.5, scorer=tiny_scorer(gemma))):  # fmt: skip
+        with pytest.raises(ValueError, match="has sliding-window layers beside others"), press(gemma):
+            pass
+    with KVzapPress(0.75, global_budget=0.0, scorer=tiny_scorer(gemma))(gemma):  # (no profile: even shares)
+        pass
+    with KnormPress(0.75, layer_scales=(1, 3))(tiny_model("mistral-window")):  # every layer slides: same spans
+        pass
+
+
 def test_a_layer_share_that_rounds_to_nothing_keeps_a_token():
     model = tiny_model("llama", num_hidden_layers=4)
     press = PyramidKVPress(KnormPress(compression_ratio=0.9))  # top layer: 1/20 of 10 of 100 tokens

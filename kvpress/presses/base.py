@@ -127,7 +127,8 @@ class BasePress(Installable):
             different numbers of tokens, the total staying that of the budget (each share rounded down: up to one
             token a layer less; with compression_ratio, a layer whose share is more than its whole context keeps
             it all and the others share the rest, `shares_within`; with max_tokens such a layer keeps its
-            context, said once, and the total is less).
+            context, said once, and the total is less). Refused on a model with sliding-window layers beside
+            full-attention ones (a sliding layer holds its window alone: the total would not be the budget).
         decode_slack: while decoding, a row over its budget is cut to `budget - decode_slack * budget`
             tokens at once, so scoring and copying run every few steps instead of every step (the cache
             never exceeds its budget; default 0.02). 0 evicts one token per step. A press that scores the whole context
@@ -269,6 +270,13 @@ class BasePress(Installable):
 
     def check_model(self, model: nn.Module) -> None:
         """Raise when this press cannot run on `model` (called when the press is installed)."""
+
+    @property
+    def spreads_over_layers(self) -> bool:
+        """Whether layers keep shares of the budget set before a prompt is seen (`layer_scales`): a share multiplies
+        the layer's own budget, so where sliding-window layers hold their window alone the layers' total is not the
+        budget (refused there as the press is installed)."""
+        return self.layer_scales is not None
 
     def layer_scale(self, layer_idx: int, n_layers: int) -> float:
         """Budget of layer `layer_idx` relative to the average layer (1.0: every layer the same)."""

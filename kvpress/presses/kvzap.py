@@ -54,7 +54,8 @@ class KVzapPress(BasePress):
             scorer's layer profile (measured at training, per compression ratio, interpolated between), since a
             live prefill evicts each layer before the next one has scores (a layer whose share is more than
             its context keeps it, the others sharing the rest: `shares_within`). Needs compression_ratio (the
-            profile is per ratio), not max_tokens.
+            profile is per ratio), not max_tokens; refused, as `layer_scales` are, on a model with sliding-window
+            layers beside full-attention ones.
         kernel_size: width of the pooling of the scores over neighbouring positions (default 1: none; odd), as
             SnapKV pools its attention, so a kept token's neighbours (the rest of a number, of a name) stay with it.
         pool: "mean" (default: SnapKV's average) or "max" (a token scores as its best neighbour). Neither kept more
@@ -131,6 +132,10 @@ class KVzapPress(BasePress):
             shares = (1 - g) + g * scorer.layer_shares(self.compression_ratio)
             scales = tuple(float(share * len(shares) / shares.sum()) for share in shares)
             self._shares = shares_within(scales, self.compression_ratio)
+
+    @property
+    def spreads_over_layers(self) -> bool:
+        return self.layer_scales is not None or bool(self.global_budget)  # (its scorer's profile of layers)
 
     def layer_scale(self, layer_idx: int, n_layers: int) -> float:
         if self._shares is None:

@@ -46,7 +46,10 @@ class KVzipPress(BasePress):
             layer's scores together (the paper ranks all layers at once: g = 1); layers whose pairs score
             higher keep more, the total stays the budget (each layer's share rounded down: up to one token a
             layer less). Each layer keeps at least (1 - g) of the even share (default 0.5; 0: every layer keeps
-            the same number). Within a layer the budget is per head, or spread across heads with
+            the same number). On a model with sliding-window and full-attention layers only the latter share their
+            budget this way: a sliding layer holds its window alone and keeps its even share of it (a larger share
+            there would go unused, and the full-attention layers' shares, which multiply the whole context's
+            budget, summed to up to twice it). Within a layer the budget is per head, or spread across heads with
             `AdaKVPress(KVzipPress(...))`.
         value_norm: weight each pair's score by the L2 norm of its value (default False), since what a
             pair adds to an attention output is its weight times its value (value-aware pruning, Guo et
@@ -127,7 +130,7 @@ class KVzipPress(BasePress):
             recording.memo[key] = reconstruction_scores(model, recording.cache, ids, prompt, self.reconstruction_chunk)
         self.scores, self._lead = recording.memo[key], recording.ids[:, -LEAD_IN:]
         self._scored = weakref.ref(recording.cache)
-        self._shares = self._layer_shares(self.scores, recording.tokens) if self.global_budget else None
+        self._shares = self._layer_shares(model, self.scores, recording.tokens) if self.global_budget else None
 
     def prepare_chunk(self, model: nn.Module, cache, ids: torch.Tensor, tokenizer=None) -> None:
         """Score a later chunk: `ids` `[B, m]`, the last tokens `cache` has seen, fed after the ones this press
@@ -153,7 +156,7 @@ class KVzipPress(BasePress):
             peak[..., : before.shape[-1]] = torch.maximum(peak[..., : before.shape[-1]], before)
             scores[idx] = peak.masked_fill_(~_held(cache.layers[idx], peak), 0)
         self.scores, self._lead = scores, torch.cat([self._lead, ids], dim=-1)[:, -LEAD_IN:]
-        self._shares = self._layer_shares(scores, peak.shape[-1]) if self.global_budget else None
+        self._shares = self._layer_shares(model, scores, peak.shape[-1]) if self.global_budget else None
 
     def _request(self, tokenizer, device: torch.device) -> torch.Tensor:
         """The repeat request's ids `[1, p]`, written with the model's tokenizer."""
@@ -161,9 +164,15 @@ class KVzipPress(BasePress):
             raise ValueError("KVzipPress writes its repeat request with the model's tokenizer: pass tokenizer=")
         return tokenizer(self.prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
 
-    def _layer_shares(self, scores: dict[int, torch.Tensor], n: int) -> dict[int, float]:
-        """Each layer's budget relative to the average layer: (1 - g) plus g times its share of the global
-        top-k of all layers' scores (each head's divided by its peak first with `normalize_layers`)."""
+    def _layer_shares(self, model: nn.Module, scores: dict[int, torch.Tensor], n: int) -> dict[int, float]:
+        """Each layer's budget relative to the average one: (1 - g) plus g times its share of the global top-k of
+        the layers' scores (each head's divided by its peak first with `normalize_layers`); beside full-attention
+        layers, a sliding-window layer is left out (its even share, of the window it holds)."""
+        kinds = model_access.layer_types(model)
+        if len(set(kinds)) > 1:  # (layers of one kind hold as much: every one shares)
+            scores = {idx: s for idx, s in scores.items() if kinds[idx] == "full_attention"}
+        if not scores:
+            return {}
         if self.normalize_layers:
             scores = {idx: scaled_to_peak(s.float()) for idx, s in scores.items()}
         flat = torch.cat([s.flatten().float() for s in scores.values()])

@@ -124,5 +124,9 @@ class WrapsPress:
     def recent_count(self, budget):
         return self.press.recent_count(budget)
 
+    @property
+    def spreads_over_layers(self) -> bool:
+        return self.press.spreads_over_layers
+
     def layer_scale(self, layer_idx: int, n_layers: int) -> float:
         return self.press.layer_scale(layer_idx, n_layers)
