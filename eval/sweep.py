@@ -729,6 +729,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvpress sweep: --refresh takes --out and --model only, not {', '.join(chosen)}", file=sys.stderr)
             return 2
         return _refresh(args)
+    taken = _resume_plan(args, defaults)
+    if taken:
+        print(f"kvpress sweep: {args.out} goes on with its last run's {', '.join(taken)}", file=sys.stderr)
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -762,6 +765,26 @@ def main(argv: list[str] | None = None) -> int:
         print(_table(summary))
         print(f"wrote {args.out}/results*.jsonl, summary.json, summary.csv, table.md, plot.png (+ heatmap.png)")
     return 0
+
+
+def _resume_plan(args, defaults: dict) -> list[str]:
+    """Fill what the command leaves out from `--out`'s settings.json (its last run's plan and settings), so that
+    `kvpress sweep --out DIR` resumes DIR as it was run (the defaults widened it, or were refused as another
+    length); returns the options taken."""
+    path = Path(args.out) / "settings.json"
+    if not path.is_file():
+        return []
+    held = json.loads(path.read_text())
+    taken = []
+    for name in (*defaults, "model", "prefill_chunk_size"):
+        if getattr(args, name) is None and held.get(name) is not None:
+            value = held[name]
+            setattr(args, name, ",".join(map(str, value)) if isinstance(value, list) else value)
+            taken.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
+    if not args.query_aware and held.get("query_aware"):
+        args.query_aware = True
+        taken.append("--query-aware")
+    return taken
 
 
 def _ratio(text: str) -> float:

@@ -376,12 +376,35 @@ def test_a_sweep_refuses_what_its_tasks_cannot_take_before_its_model_loads(tmp_p
     # chunk too (its rows were kept, and settings.json overwritten, under another chunk)
     held = {"model": "smollm2-135m", "length": 1024, "seed": 0, "query_aware": False, "prefill_chunk_size": None,
             "perplexity_chunk": sweep.CHUNK}  # fmt: skip
-    for key, value in (("length", 2048), ("seed", 3), ("model", "qwen2.5-0.5b"), ("perplexity_chunk", 32),
-                       ("query_aware", True)):  # fmt: skip
+    # (what the command leaves out is taken from the directory: each setting is given here, as the model loaded)
+    given = {"length": ["--length", "1024"], "seed": ["--seed", "0"], "model": ["--model", "smollm2-135m"],
+             "perplexity_chunk": [], "query_aware": ["--query-aware"]}  # fmt: skip
+    for key, value, expected in (("length", 2048, 1024), ("seed", 3, 0), ("model", "qwen2.5-0.5b", "smollm2-135m"),
+                                 ("perplexity_chunk", 32, sweep.CHUNK), ("query_aware", False, True)):  # fmt: skip
         (tmp_path / "held").mkdir(exist_ok=True)
         (tmp_path / "held" / "settings.json").write_text(json.dumps({**held, key: value}))
-        assert sweep.main(["--presses", "snapkv", "--tasks", "needle_noise", "--out", str(tmp_path / "held")]) == 2
-        assert f"holds a sweep with {key}={value!r}, not {held[key]!r}: use another --out" in capsys.readouterr().err
+        argv = ["--presses", "snapkv", "--tasks", "needle_noise", "--out", str(tmp_path / "held"), *given[key]]
+        assert sweep.main(argv) == 2
+        assert f"holds a sweep with {key}={value!r}, not {expected!r}: use another --out" in capsys.readouterr().err
+
+
+def test_a_sweep_given_its_directory_alone_goes_on_with_its_last_plan(tmp_path, monkeypatch, capsys):
+    """`kvpress sweep --out DIR` ran the default plan into DIR (widening it with the default presses, or refused as
+    another length); it now takes what the command leaves out from DIR's settings, and says so."""
+    from kvpress.eval import sweep
+
+    held = {"examples": 8, "length": 2048, "seed": 1, "query_aware": True, "perplexity_chunk": sweep.CHUNK,
+            "model": "qwen2.5-0.5b", "presses": ["snapkv", "knorm"], "ratios": [0.0, 0.5], "tasks": ["needle_noise"],
+            "processes": 1, "prefill_chunk_size": None}  # fmt: skip
+    (tmp_path / "settings.json").write_text(json.dumps(held))
+    ran = {}
+    monkeypatch.setattr(sweep.kvpress, "load_model", lambda name: ran.setdefault("model", name) and (None, None))
+    monkeypatch.setattr(sweep, "run_sweep", lambda model, tok, *args, **kw: ran.update(args=args, kw=kw) or [])
+    assert sweep.main(["--out", str(tmp_path), "--presses", "snapkv,h2o"]) == 0  # widened by one press
+    assert "goes on with its last run's --ratios 0.0,0.5, --tasks needle_noise" in capsys.readouterr().err
+    presses, ratios, tasks, out, examples, length, seed, query_aware = ran["args"]
+    assert (ran["model"], presses, ratios, tasks, examples, length, seed, query_aware) == (
+        "qwen2.5-0.5b", ["snapkv", "h2o"], [0.0, 0.5], ["needle_noise"], 8, 2048, 1, True)
 
 
 def test_a_sweep_refuses_a_press_its_directory_holds_under_another_name(tmp_path, monkeypatch, capsys):
