@@ -33,8 +33,8 @@ class CriticalKVPress(WrapsPress, BasePress):
         first_stage_ratio: the share of each head's budget chosen by the attention alone (default 0.5, as in
             the paper); the rest by attention x ||v W_O||_1 (averaged over the query heads of the KV group).
             The wrapped press's protected tokens (its sinks and window) rank first and count in that share, as
-            in NVIDIA kvpress: where they fill it (SnapKV's window of 64 against a budget of 100 and the default 0.5), the first stage is
-            them alone and the rest goes to the second.
+            in NVIDIA kvpress: where they fill it (SnapKV's window of 64 against a budget of 100 and the default
+            0.5), the first stage is them alone and the rest goes to the second.
         epsilon: added to the attention before it is weighted (default 1e-4), so an unattended token with a
             large value still ranks above an unattended small one.
 
