@@ -588,6 +588,13 @@ def test_duo_over_a_scorer(inner):
         DuoAttentionPress(retrieval_fraction=0.5, press=AdaKVPress(SnapKVPress(0.5)))
 
 
+def test_duo_retrieval_fraction_rounds_half_up():
+    """Python's round halves to even: 0.25 of 6 pairs gave 2 retrieval heads, 0.75 of them 4, where 5 keeps more."""
+    windows = torch.full((6,), float("inf"))
+    got = {f: int(DuoAttentionPress(retrieval_fraction=f).retrieval_heads([10], windows)[0]) for f in (0.25, 0.75, 0.7)}
+    assert got == {0.25: 2, 0.75: 5, 0.7: 4}
+
+
 def test_duo_compression_ratio_sets_the_bytes():
     model = tiny_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4)
     ids = prompt(1, 400)

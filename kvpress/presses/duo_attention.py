@@ -43,7 +43,8 @@ class DuoAttentionPress(HeadwisePress):
             forward where the row's budget holds more than a streaming head's `n_sink + window` (before that
             the row keeps everything; each row of a padded batch splits when it would alone). A context fed
             in chunks keeps that split, so later chunks are kept at the first split's share (below 1 - r). Or:
-        retrieval_fraction: a fixed fraction of the (layer, KV head) pairs kept whole. Exactly one of the two.
+        retrieval_fraction: a fixed fraction of the (layer, KV head) pairs kept whole (rounded half up: 0.75 of 6
+            pairs is 5, where Python's round gave 4, and 0.25 of 6 gave 2). Exactly one of the two.
         head_pattern: "auto" (default: the packaged pattern made for the model's architecture), a packaged
             pattern's model name ("smollm2-135m", "qwen2.5-0.5b"), a JSON path, or a dict; a pattern made
             for another architecture is refused when the press is installed.
@@ -159,7 +160,8 @@ class DuoAttentionPress(HeadwisePress):
         (a streaming head: the sinks still in it and its last `window` tokens), so which pairs retrieve changes what
         a retrieval head costs."""
         if self.retrieval_fraction is not None:
-            return torch.full((len(real_seen),), round(self.retrieval_fraction * len(windows)))
+            pairs = floor_share(2 * len(windows), self.retrieval_fraction)  # (round half up: 4.5 of 6 pairs is 5)
+            return torch.full((len(real_seen),), (pairs + 1) // 2)
         counts = []
         for n in real_seen:
             spans = (windows - 1).clamp(max=n)  # what a retrieval head holds
