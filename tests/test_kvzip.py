@@ -195,6 +195,19 @@ def test_global_budget_moves_tokens_to_the_layers_that_score_higher():
         KVzipPress(0.5, global_budget=1.5)
 
 
+def test_a_prompt_repeated_in_a_batch_splits_its_layers_as_alone():
+    """Beams and num_return_sequences prefill one prompt in several rows: the global top-k counted one row's budget
+    over every row's scores, so the layers split otherwise than alone (logits 0.06 apart)."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    ids = prompt(1, 60)
+    held = {}
+    for rows in (1, 3):
+        recording = record_prefill(model, ids.repeat(rows, 1))
+        cache = compress_recording(model, recording, KVzipPress(0.5, global_budget=1.0, window_size=0), _Tokenizer())
+        held[rows] = [layer.n for layer in cache.layers]
+    assert held[3] == held[1] and len(set(held[1])) > 1
+
+
 def test_global_budget_spreads_over_the_full_attention_layers_alone():
     """A sliding layer holds its window alone: given a larger share it could not use it, while each full-attention
     layer's share multiplied the whole context's budget (a 3-layer Gemma 3 kept 216 tokens for 108). The

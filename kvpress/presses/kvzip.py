@@ -46,10 +46,12 @@ class KVzipPress(BasePress):
             layer's scores together (the paper ranks all layers at once: g = 1); layers whose pairs score
             higher keep more, the total stays the budget (each layer's share rounded down: up to one token a
             layer less). Each layer keeps at least (1 - g) of the even share (default 0.5; 0: every layer keeps
-            the same number). On a model with sliding-window and full-attention layers only the latter share their
-            budget this way: a sliding layer holds its window alone and keeps its even share of it (a larger share
-            there would go unused, and the full-attention layers' shares, which multiply the whole context's
-            budget, summed to up to twice it). Within a layer the budget is per head, or spread across heads with
+            the same number). A batch's rows share one split, their scores ranked together: a prompt repeated
+            (beams, num_return_sequences) splits as it alone, rows of other prompts as their mean. On a model with
+            sliding-window and full-attention layers only the latter share their budget this way: a sliding layer
+            holds its window alone and keeps its even share of it (a larger share there would go unused, and the
+            full-attention layers' shares, which multiply the whole context's budget, summed to up to twice it).
+            Within a layer the budget is per head, or spread across heads with
             `AdaKVPress(KVzipPress(...))`.
         value_norm: weight each pair's score by the L2 norm of its value (default False), since what a
             pair adds to an attention output is its weight times its value (value-aware pruning, Guo et
@@ -176,8 +178,8 @@ class KVzipPress(BasePress):
         if self.normalize_layers:
             scores = {idx: scaled_to_peak(s.float()) for idx, s in scores.items()}
         flat = torch.cat([s.flatten().float() for s in scores.values()])
-        per_layer = self.budget_of(n) * next(iter(scores.values())).shape[1]
-        k = min(flat.numel(), per_layer * len(scores))
+        rows, heads = next(iter(scores.values())).shape[:2]  # (the rows of a batch are ranked together)
+        k = min(flat.numel(), self.budget_of(n) * heads * len(scores) * rows)
         threshold = flat.topk(k).values[-1]
         counts = {idx: float((s.float() >= threshold).sum()) for idx, s in scores.items()}
         mean = sum(counts.values()) / len(counts)
