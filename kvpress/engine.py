@@ -344,8 +344,14 @@ class PressInstallation:
 
     # ----- what the intercept calls -------------------------------------------------------------------
     def before_forward(self, cache: DynamicCache, args: tuple, kwargs: dict) -> None:
-        if any(isinstance(layer, HeadwiseLayer) for layer in cache.layers):
+        headwise = any(isinstance(layer, HeadwiseLayer) for layer in cache.layers)
+        if headwise:
             self._check_headwise(cache, args, kwargs)
+        if (headwise or (self.press is not None and self.press.per_head)) and kwargs.get(
+                "output_attentions", getattr(self.model.config, "output_attentions", False)):  # fmt: skip
+            raise ValueError("output_attentions: a layer compressed head by head holds other tokens in each KV head, "
+                             "so it returns no attention weights (transformers' list of them skipped those layers "
+                             "without a word): read attentions under a dense press, or without one")  # fmt: skip
         if (self.press is None or not self.press.rerotate) and any(getattr(layer, "rotated", False)
                                                                    for layer in cache.layers):  # fmt: skip
             name = type(self.press).__name__ if self.press is not None else "an observer (a chat's round policy)"
@@ -375,9 +381,10 @@ class PressInstallation:
             name, instead = self.press.chunk_refusal()
             raise ValueError(
                 f"{name} compresses the first prompt of a cache, scored by a pass over all of it; this forward adds "
-                f"{q} tokens to a cache already holding {seen} seen (the next chunk of a chunked prefill, or a new "
-                "turn), which it cannot score, so the budget would not hold: feed the prompt in one forward (no "
-                f"prefill_chunk_size), use {instead}, or read a new turn inside `installed.frozen()` to keep it whole"
+                f"{q} tokens to a cache already holding {seen} seen (the next chunk of a chunked prefill, a new "
+                "turn, or assisted decoding's draft tokens), which it cannot score, so the budget would not hold: "
+                f"feed the prompt in one forward (no prefill_chunk_size, no assistant), use {instead}, or read a new "
+                "turn inside `installed.frozen()` to keep it whole"
             )
         unscored = self._unscored
         if not fresh and (unscored is None or unscored.cache() is not cache or unscored.ids is None):

@@ -588,6 +588,21 @@ def test_duo_over_a_scorer(inner):
         DuoAttentionPress(retrieval_fraction=0.5, press=AdaKVPress(SnapKVPress(0.5)))
 
 
+def test_output_attentions_is_refused_where_layers_are_compressed_head_by_head():
+    """Head-wise layers return no attention weights: transformers' list skipped them without a word (three layers
+    gave one entry, the third layer's). A dense press returns every layer's."""
+    model = tiny_model("llama", "eager")
+    ids = prompt(1, 40)
+    with pytest.raises(ValueError, match="output_attentions: a layer compressed head by head"):
+        with AdaKVPress(SnapKVPress(0.5, window_size=4))(model):
+            model(ids, cache=DynamicCache(config=model.config), output_attentions=True)
+    cache = DynamicCache(config=model.config)
+    with SnapKVPress(0.5, window_size=4)(model):
+        model(ids, cache=cache)
+        out = model(ids[:, :1], cache=cache, output_attentions=True)
+    assert len(out.attentions) == model.config.num_hidden_layers and out.attentions[0].shape[-1] == 21
+
+
 def test_duo_retrieval_fraction_rounds_half_up():
     """Python's round halves to even: 0.25 of 6 pairs gave 2 retrieval heads, 0.75 of them 4, where 5 keeps more."""
     windows = torch.full((6,), float("inf"))

@@ -195,6 +195,16 @@ def test_global_budget_moves_tokens_to_the_layers_that_score_higher():
         KVzipPress(0.5, global_budget=1.5)
 
 
+def test_assisted_decoding_is_refused_by_name():
+    """Prompt lookup feeds draft tokens and crops the rejected ones: KVzip had scored them (its later-chunk scoring),
+    and the next forward raised an internal consistency error even at r = 0."""
+    model = tiny_model("llama")
+    ids = prompt(1, 12).repeat(1, 4)  # (a repeated text: prompt lookup finds drafts in it)
+    with pytest.raises(ValueError, match="assisted or prompt-lookup decoding crops rejected draft tokens"):
+        with KVzipPress(0.0)(model, tokenizer=_Tokenizer()):
+            model.generate(ids, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=3, pad_token_id=0)
+
+
 def test_a_prompt_repeated_in_a_batch_splits_its_layers_as_alone():
     """Beams and num_return_sequences prefill one prompt in several rows: the global top-k counted one row's budget
     over every row's scores, so the layers split otherwise than alone (logits 0.06 apart)."""

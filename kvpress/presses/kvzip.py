@@ -153,8 +153,11 @@ class KVzipPress(BasePress):
         for idx, peak in peaks.items():
             before = self.scores[idx].to(peak.dtype)
             if before.shape[-1] + ids.shape[1] != peak.shape[-1]:
-                raise RuntimeError(f"KVzipPress scored {before.shape[-1]} tokens of this cache, and {ids.shape[1]} "
-                                   f"follow them, but layer {idx} has seen {peak.shape[-1]}")  # fmt: skip
+                raise ValueError(f"KVzipPress scored {before.shape[-1]} tokens of this cache, and {ids.shape[1]} "
+                                 f"follow them, but layer {idx} has seen {peak.shape[-1]}: the cache was cut back "
+                                 "since it scored (assisted or prompt-lookup decoding crops rejected draft tokens), "
+                                 "which a press scoring the whole context cannot follow: generate without an "
+                                 "assistant or prompt lookup")  # fmt: skip
             peak[..., : before.shape[-1]] = torch.maximum(peak[..., : before.shape[-1]], before)
             scores[idx] = peak.masked_fill_(~_held(cache.layers[idx], peak), 0)
         self.scores, self._lead = scores, torch.cat([self._lead, ids], dim=-1)[:, -LEAD_IN:]
