@@ -114,6 +114,30 @@ def test_use_cache_false_refused():
                        do_sample=False, pad_token_id=0)  # fmt: skip
 
 
+def test_gradient_checkpointing_in_training_mode_is_refused_by_name():
+    """transformers hands each checkpointed layer cache=None: the attention then said 'the cache seen by the
+    attention is not the one the press prepared; pass it by keyword', though none was passed. In eval mode the
+    press runs."""
+    with torch.inference_mode(False), torch.enable_grad():
+        model = tiny_model("llama", intermediate_size=80)  # (its own: checkpointing is switched off after)
+        model.gradient_checkpointing_enable()
+        model.train()
+        try:
+            ids = prompt(1, 30)
+            with pytest.raises(ValueError, match="gradient checkpointing in training mode"):
+                with SnapKVPress(compression_ratio=0.5, window_size=4)(model):
+                    model(ids, labels=ids)
+            model(ids, labels=ids).loss.backward()  # the model is as it was
+            model.eval()
+            cache = DynamicCache(config=model.config)
+            with SnapKVPress(compression_ratio=0.5, window_size=4)(model):
+                model(ids, cache=cache)
+            assert cache.layers[0].n == 15
+        finally:
+            model.gradient_checkpointing_disable()
+            model.eval()
+
+
 def test_presses_run_with_autograd_enabled():
     """A forward with gradients on (training code, a probe) compresses as under no_grad, and a decoding step over
     the compressed layers (head-wise ones too) runs; logits keep their grad."""
