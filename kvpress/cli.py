@@ -303,6 +303,20 @@ def _check_update(args: argparse.Namespace) -> None:
 
 def _check_generate(args: argparse.Namespace) -> None:
     """Refuse `kvpress generate` flags that cannot go together, before a model loads."""
+    for flag in ("press", "load_cache", "save_cache", "context_file"):  # (an empty one was taken as not given)
+        value = getattr(args, flag)
+        if value is not None and not value.strip():
+            raise ValueError(f"--{flag.replace('_', '-')} is empty: give a value or leave the option out")
+    if args.ratio is not None and args.max_tokens is not None:
+        raise ValueError("--ratio and --max-tokens: give one budget")
+    context = Path(args.context_file)
+    if context.exists() and not context.is_file():
+        raise ValueError(f"--context-file {context} is not a file")
+    if context.is_file():
+        try:
+            context.read_text()
+        except UnicodeDecodeError as err:
+            raise ValueError(f"--context-file {context} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     if args.save_cache and args.load_cache:
         raise ValueError("--save-cache and --load-cache: give one (a cache is saved once, then loaded)")
     if (args.save_cache or args.load_cache) and args.query_aware:

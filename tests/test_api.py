@@ -217,8 +217,18 @@ def test_cli_refuses_flags_it_would_ignore_before_the_model_loads(tmp_path, caps
              (ask + ["--press", "simlayerkv", "--prefill-chunk-size", "8"], "cannot prefill in chunks"),
              (["generate", "--context-file", str(tmp_path / "c.txt"), "--question", "  "], "--question is empty"),
              (["generate", "--context-file", str(tmp_path / "blank.txt"), "--question", "q"],
-              "holds no text")]  # fmt: skip
+              "holds no text"),
+             # an empty value was taken as not given (--load-cache "" beside --press ran the press; --press "" the
+             # default), a directory or a binary file as a context were "does not exist" or a bare codec error
+             (ask + ["--load-cache", "", "--press", "snapkv"], "--load-cache is empty"),
+             (ask + ["--press", ""], "--press is empty"),
+             (["generate", "--context-file", "", "--question", "q"], "--context-file is empty"),
+             (["generate", "--context-file", str(tmp_path), "--question", "q"], f"--context-file {tmp_path} is not "
+              "a file"),
+             (["generate", "--context-file", str(tmp_path / "bin.txt"), "--question", "q"], "is not UTF-8 text"),
+             (ask + ["--ratio", "0.5", "--max-tokens", "10"], "--ratio and --max-tokens: give one budget")]  # fmt: skip
     (tmp_path / "blank.txt").write_text(" \n")
+    (tmp_path / "bin.txt").write_bytes(b"\x00\x8a\xff\xfe")
     for argv, said in cases:
         assert main(argv) == 2
         assert said in capsys.readouterr().err
