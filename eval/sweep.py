@@ -142,6 +142,15 @@ def check_plan(presses: list[str], tasks: list[str], query_aware: bool, prefill_
         raise ValueError(f"{whole} score a context once it is all cached; the perplexity tasks {chunked} feed "
                          "documents in chunks through the press: sweep them separately")  # fmt: skip
     check_chunk_size(prefill_chunk_size)
+    rerotating = [name for name, press in built.items() if press.rerotate]
+    if rerotating and not prefill_chunk_size:  # (refused only once the model loaded and the first prefill ran)
+        raise ValueError(f"{rerotating} re-rotate keys (rerotate=True), which a press applied to the sweep's "
+                         "recorded prefill cannot: sweep them with --prefill-chunk-size (a live prefill), or without "
+                         "rerotate")  # fmt: skip
+    if prefill_chunk_size and all(press.refuses_chunks for press in built.values()):
+        raise ValueError(f"--prefill-chunk-size {prefill_chunk_size}: none of {presses} prefills in chunks (each "
+                         "scores the whole context: its rows use the recorded prefill), so the size would be recorded "
+                         "and ignored: drop it")  # fmt: skip
     if chunked and prefill_chunk_size:
         raise ValueError(f"the perplexity tasks {chunked} feed documents {CHUNK} tokens a forward already: sweep "
                          "them without --prefill-chunk-size")  # fmt: skip
@@ -759,8 +768,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model, tokenizer = kvpress.load_model(args.model)
     presses = [resolve_default(name, model) for name in presses]  # `default`: the model's own, named in the rows
-    summary = run_sweep(model, tokenizer, presses, ratios, tasks, args.out, args.examples, args.length, args.seed,
-                        args.query_aware, prefill_chunk_size=args.prefill_chunk_size)  # fmt: skip
+    try:  # (what only the loaded model or a task's text shows: said as the checks above, not as a traceback)
+        summary = run_sweep(model, tokenizer, presses, ratios, tasks, args.out, args.examples, args.length, args.seed,
+                            args.query_aware, prefill_chunk_size=args.prefill_chunk_size)  # fmt: skip
+    except (ValueError, TypeError) as err:
+        if os.environ.get("KVPRESS_TRACEBACK"):
+            raise
+        print(f"kvpress sweep: {err} (KVPRESS_TRACEBACK=1 shows the whole traceback)", file=sys.stderr)
+        return 2
     if summary:  # process 0 (or the only one)
         print(_table(summary))
         print(f"wrote {args.out}/results*.jsonl, summary.json, summary.csv, table.md, plot.png (+ heatmap.png)")

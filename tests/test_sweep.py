@@ -364,6 +364,10 @@ def test_a_sweep_refuses_what_its_tasks_cannot_take_before_its_model_loads(tmp_p
         (["--tasks", "needle_noise", "--out", str(tmp_path / "file")], "is a file: give a directory"),
         (["--tasks", "needle_noise,continuation_pydoc", "--presses", "lookahead", "--query-aware"],
          "['lookahead'] score by the question, and the tasks ['continuation_pydoc'] ask none"),
+        (["--tasks", "needle_noise", "--presses", "snapkv:rerotate=true"],  # (a traceback after the first prefill)
+         "['snapkv:rerotate=true'] re-rotate keys (rerotate=True), which a press applied to the sweep's recorded"),
+        (["--tasks", "needle_noise", "--presses", "simlayerkv,lookahead", "--query-aware",
+          "--prefill-chunk-size", "64"], "none of ['simlayerkv', 'lookahead'] prefills in chunks"),
         (["--tasks", "continuation_pydoc,perplexity_pydoc", "--query-aware"],  # (its rows were the same without it)
          "--query-aware prefills a question with the context, and the tasks ['continuation_pydoc', "
          "'perplexity_pydoc'] ask none"),
@@ -405,6 +409,23 @@ def test_a_sweep_given_its_directory_alone_goes_on_with_its_last_plan(tmp_path, 
     presses, ratios, tasks, out, examples, length, seed, query_aware = ran["args"]
     assert (ran["model"], presses, ratios, tasks, examples, length, seed, query_aware) == (
         "qwen2.5-0.5b", ["snapkv", "h2o"], [0.0, 0.5], ["needle_noise"], 8, 2048, 1, True)
+
+
+def test_what_a_sweep_refuses_after_its_model_loads_is_said_without_a_traceback(tmp_path, monkeypatch, capsys):
+    """A refusal only the loaded model or a task's text shows (ShotKV finding no shot marker in needle_noise) was a
+    traceback with exit status 1; it is said as the early checks are, exit status 2."""
+    from kvpress.eval import sweep
+
+    def refused(*args, **kwargs):
+        raise ValueError("ShotKVPress found no shot marker 'Question:'")
+
+    monkeypatch.setattr(sweep.kvpress, "load_model", lambda name: (None, None))
+    monkeypatch.setattr(sweep, "run_sweep", refused)
+    assert sweep.main(["--out", str(tmp_path / "s"), "--presses", "snapkv", "--tasks", "needle_noise"]) == 2
+    assert "kvpress sweep: ShotKVPress found no shot marker 'Question:' (KVPRESS_TRACEBACK=1" in capsys.readouterr().err
+    monkeypatch.setenv("KVPRESS_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="no shot marker"):
+        sweep.main(["--out", str(tmp_path / "s"), "--presses", "snapkv", "--tasks", "needle_noise"])
 
 
 def test_a_sweep_refuses_a_press_its_directory_holds_under_another_name(tmp_path, monkeypatch, capsys):
