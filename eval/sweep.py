@@ -4,8 +4,8 @@ Prefill attention is full: within the prefill forward a press only evicts after 
 so no layer's output depends on the press. One recorded prefill per example (the full cache plus
 each layer's queries) therefore serves every configuration: each press is applied to a copy of the
 recorded cache exactly as it would have been inside the forward, then the question is answered from
-that compressed cache (`kvpress.recording`). Presses with `rerotate=True` need a live prefill and are
-refused; KVzip's reconstruction pass runs once per example and serves every ratio.
+that compressed cache (`kvpress.recording`). Presses with `rerotate=True` need a live prefill
+(`--prefill-chunk-size`) and are refused without one; KVzip's reconstruction pass runs once per example and serves every ratio.
 
 Writes, under `--out`: `results.jsonl` (one line per example and configuration, appended as it goes:
 an interrupted sweep resumes where it stopped), `summary.json` / `summary.csv` (mean score, its
