@@ -213,7 +213,7 @@ def watershed(model, tokenizer, examples: list[ChatExample]) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="packaged model name or directory (default SmolLM2-135M)")
+    parser.add_argument("--model", default=None, help=kvpress.models.MODEL_HELP)
     parser.add_argument("--examples", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--top-k", type=int, default=1)

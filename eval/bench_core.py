@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model name or local directory (default: SmolLM2-135M)")
+    parser.add_argument("--model", default=None, help=kvpress.models.MODEL_HELP)
     parser.add_argument("--presses", default=",".join(PRESSES), type=lambda s: s.split(","))
     parser.add_argument("--generate-presses", default=f"default,{kvpress.DEFAULT_PRESS}", type=lambda s: s.split(","),
                         help="presses timed inside model.generate's prefill, whole-context ones included "

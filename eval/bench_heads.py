@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
+    parser.add_argument("--model", default=None, help=kvpress.models.MODEL_HELP)
     parser.add_argument("--examples", type=int, default=16)
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=1000)

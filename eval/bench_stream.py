@@ -120,7 +120,7 @@ def _ppl_of(nlls: list[float]) -> float | None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
+    parser.add_argument("--model", default=None, help=kvpress.models.MODEL_HELP)
     parser.add_argument("--cache", type=int, default=512, help="tokens the bounded cache holds (sinks included)")
     parser.add_argument("--n-sink", type=int, default=4)
     parser.add_argument("--chunk", type=int, default=64)

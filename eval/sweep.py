@@ -5,7 +5,8 @@ so no layer's output depends on the press. One recorded prefill per example (the
 each layer's queries) therefore serves every configuration: each press is applied to a copy of the
 recorded cache exactly as it would have been inside the forward, then the question is answered from
 that compressed cache (`kvpress.recording`). Presses with `rerotate=True` need a live prefill
-(`--prefill-chunk-size`) and are refused without one; KVzip's reconstruction pass runs once per example and serves every ratio.
+(`--prefill-chunk-size`) and are refused without one; KVzip's reconstruction pass runs once per example and
+serves every ratio.
 
 Writes, under `--out`: `results.jsonl` (one line per example and configuration, appended as it goes:
 an interrupted sweep resumes where it stopped), `summary.json` / `summary.csv` (mean score, its
@@ -702,13 +703,14 @@ def _table(summary: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvpress sweep", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--model", default=None, help="packaged model name or local directory (default SmolLM2-135M)")
+    parser.add_argument("--model", default=None, help=kvpress.models.MODEL_HELP)
     defaults = {"presses": "snapkv,adakv,sink-window,duo-attention,knorm,random,h2o", "ratios": "0,0.5,0.75,0.9",
                 "tasks": ",".join(DEFAULT_TASKS), "examples": 16, "length": 1024, "seed": 0}  # fmt: skip
     parser.add_argument("--presses", help=f"(default: {defaults['presses']})")
     parser.add_argument("--ratios", help=f"(default: {defaults['ratios']})")
     left_out = "; ".join(f"{task}: {why}" for task, why in UNAVAILABLE.items())
-    parser.add_argument("--tasks", help=f"(default: every task but those a fresh set-up cannot build; {left_out})")
+    parser.add_argument("--tasks", help=f"comma-separated, of {', '.join(TASKS)} (default: every task but those a "
+                                        f"fresh set-up cannot build; {left_out})")  # fmt: skip
     parser.add_argument("--examples", type=int, help=f"(default: {defaults['examples']})")
     parser.add_argument("--length", type=int, help=f"context tokens per example (default: {defaults['length']})")
     parser.add_argument("--seed", type=int, help=f"(default: {defaults['seed']})")

@@ -203,7 +203,7 @@ def cmd_calibrate_heads(args: argparse.Namespace) -> int:
 def cmd_train_scorer(args: argparse.Namespace) -> int:
     import kvpress
     from kvpress.scorers import load_scorer, save_scorer
-    from kvpress.train_scorer import PROFILE_RATIOS, PROFILE_TEXTS, profile_scorer, train_scorer
+    from kvpress.train_scorer import PROFILE_RATIOS, profile_scorer, train_scorer
     from kvpress.words import word_edges
 
     model, tokenizer = kvpress.load_model(args.model)
@@ -211,7 +211,8 @@ def cmd_train_scorer(args: argparse.Namespace) -> int:
     if args.update_profile:
         scorer = profile_scorer(model, tokenizer, load_scorer(args.out))
         save_scorer(scorer, args.out)
-        print(f"wrote {args.out}: layer profile at ratios {list(PROFILE_RATIOS)} on {PROFILE_TEXTS} training texts")
+        print(f"wrote {args.out}: layer profile at ratios {list(PROFILE_RATIOS)} on "
+              f"{scorer.training['profile_texts']} training texts")  # (what profile_scorer read)
         return 0
     if args.update_words:
         scorer = load_scorer(args.out)
@@ -262,9 +263,11 @@ _NOT_FLAGS = ("model", "tokenizer", "name", "log")  # a trainer's arguments that
 def _trainer(sub, command: str, fn, help: str, **helps: str) -> argparse.ArgumentParser:
     """The subcommand `command` that runs the trainer `fn`: `--model`, `--out`, and a flag per keyword of `fn`, its
     default and type from `fn`'s signature (`helps`: their help texts; texts and tokens have theirs)."""
+    from kvpress.models import MODEL_HELP
+
     helps = {"texts": "training texts", "tokens": "tokens per text", **helps}
     parser = sub.add_parser(command, help=help)
-    parser.add_argument("--model", default=None, help="packaged model name or local directory (default SmolLM2-135M)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--out", required=True, help="the safetensors file to write")
     for param in inspect.signature(fn).parameters.values():
         if param.name in _NOT_FLAGS:
@@ -385,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="answer a question about a long document with and without compression")
-    demo.add_argument("--model", default=None, help="packaged model name or local directory (default SmolLM2-135M)")
+    demo.add_argument("--model", default=None, help=kvpress.models.MODEL_HELP)
     shown = "default,snapkv,h2o,sink-window,knorm,random"
     demo.add_argument("--presses", default=shown,
                       help=f"comma-separated press names, `default` the model's own (default: {shown})")
@@ -405,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=None, help="a fixed token budget instead of --ratio")
     gen.add_argument("--context-file", required=True)
     gen.add_argument("--question", required=True)
-    gen.add_argument("--model", default=None)
+    gen.add_argument("--model", default=None, help=kvpress.models.MODEL_HELP)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--prefill-chunk-size", type=int, default=None,
                      help="prefill the context this many tokens a forward, evicting after each (default: one forward)")
@@ -420,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("lm-eval", help="run lm-eval with --model kvpress (all lm-eval flags; kvpress tasks included)")
     sub.add_parser("sweep", help="score vs kept KV memory for presses x ratios, one prefill per example")
     cal = sub.add_parser("calibrate-heads", help="find retrieval heads and write a head pattern for DuoAttention")
-    cal.add_argument("--model", default=None, help="packaged model name or local directory (default SmolLM2-135M)")
+    cal.add_argument("--model", default=None, help=kvpress.models.MODEL_HELP)
     cal.add_argument("--out", required=True, help="the JSON file to write")
     cal.add_argument("--examples", type=int, default=16)
     cal.add_argument("--length", type=int, default=1024, help="tokens per passkey prompt")

@@ -45,6 +45,8 @@ _SPLIT_GGUF = {
     ),
 }
 PACKAGED_MODELS = (*_GGUF_PACKAGES, *_SPLIT_GGUF)
+# the help of a command's --model (each command's default is the default model)
+MODEL_HELP = f"a packaged model ({', '.join(PACKAGED_MODELS)}; default {DEFAULT_MODEL}) or a local directory"
 
 
 def cache_dir() -> Path:

@@ -114,3 +114,17 @@ def test_press_names_must_be_text():
         press_from_name(None)
     with pytest.raises(TypeError, match="second argument is the model .* got 0.5: give the budget by name"):
         press_from_name("snapkv", 0.5, max_tokens=256)  # (the 0.5 is not a ratio: it was dropped)
+
+
+def test_command_help_lists_the_models_and_tasks_there_are(capsys):
+    """The --model help named 'SmolLM2-135M', which --model refuses, and no packaged name; --tasks named none."""
+    from kvpress.cli import main
+    from kvpress.eval.tasks import TASKS
+    from kvpress.models import DEFAULT_MODEL, PACKAGED_MODELS
+
+    for argv in (["generate", "--help"], ["sweep", "--help"], ["train-scorer", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        said = " ".join(capsys.readouterr().out.split())  # (argparse wraps its lines)
+        assert all(name in said for name in PACKAGED_MODELS) and f"default {DEFAULT_MODEL}" in said, argv
+        assert argv[0] != "sweep" or all(f"{task}," in said or f"{task} (" in said for task in TASKS)
