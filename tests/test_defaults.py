@@ -55,6 +55,9 @@ def test_parameters_after_default_replace_the_defaults_own_and_are_checked_as_th
     monkeypatch.setattr("kvpress.presses.defaults._table", lambda: table)
     assert default_before_loading("default:pool=max", None) == "adakv:inner=kvzap:n_sink=4:pool=max"
     assert default_before_loading("default:pool=max", "/some/directory") is None  # its default: once it loads
+    # a packaged model without its own entry (gemma-3-270m) takes any model's: it was left unchecked until it
+    # loaded (and converted), as a directory is
+    assert default_before_loading("default:window_size=4", "gemma-3-270m") == "snapkv:window_size=4"
     assert default_before_loading("knorm", None) == "knorm"
     _check_press("default:pool=max:kernel_size=3:n_sink=8", None, None, None)  # KVzap's, SmolLM2's default's
     with pytest.raises(ValueError, match="kernel_size=1 pools nothing"):  # (KVzap's kernel is 1 unless given)

@@ -7,7 +7,7 @@ import re
 
 from torch import nn
 
-from kvpress.models import DEFAULT_MODEL
+from kvpress.models import DEFAULT_MODEL, PACKAGED_MODELS
 from kvpress.presses.adakv import AdaKVPress
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.chunk import ChunkPress
@@ -276,12 +276,16 @@ def with_default(spec: str, default: str, keywords: dict | None = None) -> str:
 
 def default_before_loading(spec: str, model_name: str | None, keywords: dict | None = None) -> str | None:
     """`spec` resolved before the model `model_name` (a packaged name, a directory, None: the default model) loads,
-    to check it early: as that packaged model's default press (`keywords` as in `with_default`), or None for a
-    directory (whose default depends on its architecture, known once it loads); any spec but `default` unchanged."""
+    to check it early: as that packaged model's default press (its own entry's, else any model's; `keywords` as
+    in `with_default`), or None for a directory (whose default depends on its architecture, known once it loads);
+    any spec but `default` unchanged."""
     if not isinstance(spec, str) or spec.partition(":")[0] != DEFAULT_NAME:
         return spec
-    default = default_for(model_name or DEFAULT_MODEL)
-    return None if default is None else with_default(spec, default, keywords)
+    name = model_name or DEFAULT_MODEL
+    if name not in PACKAGED_MODELS:
+        return None
+    default = default_for(name) or default_press()  # (a packaged model without its own entry: any model's)
+    return with_default(spec, default, keywords)
 
 
 # the press classes of the registry, plus the API around them
