@@ -316,10 +316,11 @@ class Intercept:
         """Before an active caller's forward: find or make its cache and let the press drive its layers."""
         call.cache = call.ids = None  # ids: set by the input embedding's hook (none when embeddings are given)
         cache = kwargs.get(self.cache_key, kwargs.get("past_key_values"))
-        if getattr(self.model, "is_gradient_checkpointing", False) and self.model.training and torch.is_grad_enabled():
+        checkpointed = getattr(self.model, "is_activation_checkpointing", False)  # (transformers' name since 5.x)
+        if self.model.training and torch.is_grad_enabled() and checkpointed:
             raise ValueError("gradient checkpointing in training mode runs each layer without the cache (transformers "
                              "hands it cache=None), so a press has none to compress: call model.eval(), or "
-                             "model.gradient_checkpointing_disable()")  # fmt: skip
+                             "model.activation_checkpointing_disable()")  # fmt: skip
         if kwargs.get("use_cache") is False:  # (with a cache given too: generate re-fed the whole text each step and
             # the press compressed a cache no step read, its answer the uncompressed model's)
             raise ValueError("a press compresses the KV cache: call the model with use_cache=True (in "

@@ -120,7 +120,7 @@ def test_gradient_checkpointing_in_training_mode_is_refused_by_name():
     press runs."""
     with torch.inference_mode(False), torch.enable_grad():
         model = tiny_model("llama", intermediate_size=80)  # (its own: checkpointing is switched off after)
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
         model.train()
         try:
             ids = prompt(1, 30)
@@ -134,7 +134,7 @@ def test_gradient_checkpointing_in_training_mode_is_refused_by_name():
                 model(ids, cache=cache)
             assert cache.layers[0].n == 15
         finally:
-            model.gradient_checkpointing_disable()
+            model.activation_checkpointing_disable()
             model.eval()
 
 
