@@ -126,7 +126,7 @@ def load_cache(path: str | Path, model: nn.Module) -> DynamicCache:
     cache = DynamicCache(config=model.config)
     cache.layers = []
     for i, fields in enumerate(meta["layers"]):
-        device = next(modules[i].parameters()).device if i in modules else torch.device("cpu")
+        device = model_access.execution_device(model, i) if i in modules else torch.device("cpu")
         try:
             cache.layers.append(layer_from_state(tensors, fields, f"layer{i}", device))
         except KeyError as error:

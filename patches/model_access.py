@@ -253,6 +253,17 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def execution_device(model: nn.Module, layer_idx: int) -> torch.device:
+    """Where attention layer `layer_idx` computes, hence where its cache lies: the execution device of accelerate's
+    hook on its decoder layer where one is set (an offloaded layer's weights wait on `meta` between forwards), else
+    the device of its weights."""
+    layer = decoder_layers(model)[layer_idx]
+    device = getattr(getattr(layer, "_hf_hook", None), "execution_device", None)
+    if device is not None:
+        return torch.device(device)
+    return next(attention_modules(model)[layer_idx].parameters()).device
+
+
 @contextlib.contextmanager
 def skipped_layers(model: nn.Module, skip: Iterable[int]) -> Iterator[None]:
     """Inside this block the decoder layers `skip` pass their hidden states through untouched (no attention, no

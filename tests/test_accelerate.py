@@ -232,3 +232,25 @@ def test_padded_batch_on_split_model_equals_one_device(split):
     assert torch.equal(got.cpu(), want.cpu())
     assert cache_bytes(cache) == cache_bytes(want_cache)
     assert all("valid" in layer.slots for layer in cache.layers)
+
+
+def test_a_saved_cache_loads_onto_each_layers_execution_device(split, tmp_path):
+    """load_cache put a layer's keys and values beside its weights: an offloaded layer's wait on `meta`, so its cache
+    went there (its data lost) and the next forward failed on a device mismatch. Each layer's goes to its hook's
+    execution device, and the loaded cache continues as the one saved."""
+    import kvpress
+
+    model, _, places = split
+    ids = prompt(1, 40).to(model.device)
+    cache = DynamicCache(config=model.config)
+    with PRESSES["snapkv"]()(model):
+        model(ids[:, :-1], cache=cache)
+    kvpress.save_cache(cache, tmp_path / "c.safetensors", model, press="snapkv:compression_ratio=0.5:window_size=8")
+    loaded = kvpress.load_cache(tmp_path / "c.safetensors", model)
+    for i, layer in enumerate(loaded.layers):
+        assert all(t.device == _execution_device(places[i]) for t in layer_tensors(layer)), i
+    outs = []
+    for c in (cache, loaded):
+        with PRESSES["snapkv"]()(model):
+            outs.append(model.generate(ids, cache=c, **GREEDY))
+    assert torch.equal(outs[0], outs[1])
