@@ -16,6 +16,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from kvpress.engine import SCORING, QueryRecorder, Recording, compress_layers, observe
+from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.presses.base import BasePress
 
 __all__ = ["QueryRecorder", "Recording", "compress_recording", "record_prefill"]
@@ -48,6 +49,10 @@ def compress_recording(
     prompt of their own (KVzip's repeat request)."""
     if press.rerotate:
         raise ValueError("presses applied to a recorded prefill cannot re-rotate keys; rerotate=True needs a live one")
+    if any(isinstance(layer, HeadwiseLayer) or getattr(layer, "rewrites", 0) for layer in recording.cache.layers):
+        raise ValueError("this recording's cache was compressed in place (compress_recording(..., in_place=True)): it "
+                         "no longer holds the prefill its queries were recorded over, so a press applied to it again "
+                         "would not leave what a live prefill leaves; record the prefill again")  # fmt: skip
     press(model)  # validates the press for this model (a head pattern for another model is refused here)
     if press.needs_hidden and not recording.hidden:
         raise ValueError(f"{type(press).__name__} scores from the hidden states, which this recording did not keep: "

@@ -52,6 +52,11 @@ def test_recorded_prefill_equals_a_live_one(make):
     else:
         assert torch.equal(got, expected)
     assert torch.equal(_next_logits(model, again, press, token), got)
+    # compressed in place, the recording's cache no longer holds the prefill its queries saw: a press applied to it
+    # again was applied to the compressed cache without a word (held 24 where a live prefill holds 36)
+    compress_recording(model, recording, press, in_place=True)
+    with pytest.raises(ValueError, match="compressed in place"):
+        compress_recording(model, recording, press)
 
 
 @pytest.fixture(scope="module")
