@@ -359,6 +359,10 @@ class PressInstallation:
                              f"rerotate=True; {name} does not re-rotate, so its new tokens would run at their true "
                              "positions: continue it with a press that re-rotates (rerotate=True)")  # fmt: skip
         if self.press is not None and self.press.rerotate:
+            if any(getattr(layer, "kv_bits", None) is not None for layer in cache.layers):  # (a loaded 4-bit cache)
+                raise ValueError(f"this cache holds quantized keys (kv_bits), which {type(self.press).__name__} "
+                                 "(rerotate=True) would re-rotate in place, losing precision at every step: continue "
+                                 "it with a press that does not re-rotate")  # fmt: skip
             kwargs["position_ids"] = cache_positions(cache, args, kwargs)
 
     def run_forward(self, forward: Callable, cache: DynamicCache, args: tuple, kwargs: dict):

@@ -51,6 +51,13 @@ def test_bad_widths_are_refused():
         AdaKVPress(SnapKVPress(0.5), kv_bits=4)
     pyramid = kvpress.PyramidKVPress(0.5, kv_bits=4)  # no press given: its own SnapKV stores at that width
     assert pyramid.kv_bits == pyramid.press.kv_bits == 4
+    # a quantized cache (a loaded one, or left by another press) continued by a re-rotating press: it re-rotated the
+    # codes and failed on a raw size mismatch
+    model = tiny_model("llama")
+    cache = _prefilled(SnapKVPress(0.5, window_size=4, kv_bits=4), model, prompt(1, 40))
+    with pytest.raises(ValueError, match=r"holds quantized keys \(kv_bits\), which KnormPress \(rerotate=True\)"):
+        with kvpress.KnormPress(0.5, rerotate=True)(model):
+            model(prompt(1, 1), cache=cache)
 
 
 def _prefilled(press, model, ids) -> DynamicCache:
