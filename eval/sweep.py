@@ -213,7 +213,7 @@ def run_sweep(
     if rank == 0:
         _repair(out)
         plan = dict(zip(PLAN_KEYS, (presses, ratios, tasks, world), strict=True))
-        (out / "settings.json").write_text(json.dumps({**settings, **plan}))
+        write_text_whole(out / "settings.json", json.dumps({**settings, **plan}))  # (half written, no resume read it)
     done = {key for key, row in current_rows(out).items() if is_final(row)}
 
     def todo(task: str, i: int) -> list[tuple[str, float]]:
@@ -637,7 +637,7 @@ def write_summary(out: Path) -> list[dict]:
             "kept_bytes_ratio": round(sum(m["kept_bytes"] / m["full_bytes"] for m in members) / len(members), 4),
             "peak_rss_bytes": max((m.get("peak_rss_bytes", 0) for m in members), default=0),
         })  # fmt: skip
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_text_whole(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     with (out / "summary.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(summary[0]))
         writer.writeheader()

@@ -416,6 +416,34 @@ def test_a_sweep_given_its_directory_alone_goes_on_with_its_last_plan(tmp_path, 
         "qwen2.5-0.5b", ["snapkv", "h2o"], [0.0, 0.5], ["needle_noise"], 8, 2048, 1, True)
 
 
+def test_a_sweep_killed_as_it_writes_its_settings_leaves_them_readable(default_model, tmp_path, monkeypatch):
+    """settings.json was written in place: a kill part way left half a JSON file, and every later resume failed
+    reading it. It is written beside, then renamed (as summary.json)."""
+    from pathlib import Path
+
+    from kvpress.eval import sweep
+
+    model, tokenizer = default_model
+    kwargs = dict(examples=1, length=160, progress=False)
+    out = tmp_path / "s"
+    out.mkdir()
+    held = {"model": "smollm2-135m", "length": 160, "seed": 0, "query_aware": False}
+    (out / "settings.json").write_text(json.dumps(held))
+    real = Path.write_text
+
+    def killed(path, text, *args, **kw):
+        if path.name.endswith(".json") or ".json.partial" in path.name:
+            real(path, text[: len(text) // 2], *args, **kw)
+            raise KeyboardInterrupt
+        return real(path, text, *args, **kw)
+
+    monkeypatch.setattr(Path, "write_text", killed)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run_sweep(model, tokenizer, ["snapkv"], [0.5], ["needle_noise"], out, **kwargs)
+    monkeypatch.setattr(Path, "write_text", real)
+    assert json.loads((out / "settings.json").read_text()) == held  # whole: the resume reads it
+
+
 def test_what_a_sweep_refuses_after_its_model_loads_is_said_without_a_traceback(tmp_path, monkeypatch, capsys):
     """A refusal only the loaded model or a task's text shows (ShotKV finding no shot marker in needle_noise) was a
     traceback with exit status 1; it is said as the early checks are, exit status 2."""
