@@ -740,7 +740,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvpress sweep: --refresh takes --out and --model only, not {', '.join(chosen)}", file=sys.stderr)
             return 2
         return _refresh(args)
-    taken = _resume_plan(args, defaults)
+    try:
+        taken = _resume_plan(args, defaults)
+    except ValueError as err:  # (settings.json not JSON: JSONDecodeError is one)
+        print(f"kvpress sweep: {Path(args.out) / 'settings.json'} cannot be read ({err})", file=sys.stderr)
+        return 2
     if taken:
         print(f"kvpress sweep: {args.out} goes on with its last run's {', '.join(taken)}", file=sys.stderr)
     for name, value in defaults.items():

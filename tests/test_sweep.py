@@ -414,6 +414,9 @@ def test_a_sweep_given_its_directory_alone_goes_on_with_its_last_plan(tmp_path, 
     presses, ratios, tasks, out, examples, length, seed, query_aware = ran["args"]
     assert (ran["model"], presses, ratios, tasks, examples, length, seed, query_aware) == (
         "qwen2.5-0.5b", ["snapkv", "h2o"], [0.0, 0.5], ["needle_noise"], 8, 2048, 1, True)
+    (tmp_path / "settings.json").write_text('{"examples": 8, "len')  # (a file written in place before, then cut)
+    assert sweep.main(["--out", str(tmp_path)]) == 2
+    assert "settings.json cannot be read" in capsys.readouterr().err
 
 
 def test_a_sweep_killed_as_it_writes_its_settings_leaves_them_readable(default_model, tmp_path, monkeypatch):
