@@ -133,9 +133,6 @@ def check_plan(presses: list[str], tasks: list[str], query_aware: bool, prefill_
     if asking and not query_aware:
         raise ValueError(f"{asking} score by the question: sweep them with --query-aware")
     questionless = [task for task in tasks if task.startswith(("continuation", "perplexity"))]  # (text, no question)
-    if query_aware and len(questionless) == len(tasks):
-        raise ValueError(f"--query-aware prefills a question with the context, and the tasks {questionless} ask none "
-                         "(a text scored as it goes on): sweep them without it")  # fmt: skip
     if asking and questionless:
         raise ValueError(f"{asking} score by the question, and the tasks {questionless} ask none (a text scored as it "
                          "goes on): sweep them separately")  # fmt: skip
@@ -148,13 +145,24 @@ def check_plan(presses: list[str], tasks: list[str], query_aware: bool, prefill_
         raise ValueError(f"{rerotating} re-rotate keys (rerotate=True), which a press applied to the sweep's "
                          "recorded prefill cannot: sweep them with --prefill-chunk-size (a live prefill), or without "
                          "rerotate")  # fmt: skip
-    if prefill_chunk_size and all(press.refuses_chunks for press in built.values()):
-        raise ValueError(f"--prefill-chunk-size {prefill_chunk_size}: none of {presses} prefills in chunks (each "
-                         "scores the whole context: its rows use the recorded prefill), so the size would be recorded "
-                         "and ignored: drop it")  # fmt: skip
     if chunked and prefill_chunk_size:
         raise ValueError(f"the perplexity tasks {chunked} feed documents {CHUNK} tokens a forward already: sweep "
                          "them without --prefill-chunk-size")  # fmt: skip
+
+
+def check_settings_used(presses: list[str], tasks: list[str], query_aware: bool, prefill_chunk_size: int | None):
+    """For a new directory, refuse a setting no row of the plan would use, which settings.json would record and
+    every later run of the directory take: --query-aware with only question-free tasks (their rows are the same
+    without it), a --prefill-chunk-size no press prefills with (each scores the whole context)."""
+    questionless = [task for task in tasks if task.startswith(("continuation", "perplexity"))]
+    if query_aware and len(questionless) == len(tasks):
+        raise ValueError(f"--query-aware prefills a question with the context, and the tasks {questionless} ask none "
+                         "(a text scored as it goes on): sweep them without it")  # fmt: skip
+    built = [kvpress.press_from_name(name, compression_ratio=0.5) for name in presses]
+    if prefill_chunk_size and built and all(press.refuses_chunks for press in built):
+        raise ValueError(f"--prefill-chunk-size {prefill_chunk_size}: none of {presses} prefills in chunks (each "
+                         "scores the whole context: its rows use the recorded prefill), so the size would be recorded "
+                         "and ignored: drop it")  # fmt: skip
 
 
 MIN_LENGTH = 64  # context tokens: room for a task's fact and its filler
@@ -761,6 +769,8 @@ def main(argv: list[str] | None = None) -> int:
         check_sizes(args.examples, args.length, args.seed, tasks)
         early = [spec_before_loading(name, args.model) for name in presses]  # (None: a directory's default)
         check_plan([name for name in early if name is not None], tasks, args.query_aware, args.prefill_chunk_size)
+        if None not in early and not (Path(args.out) / "settings.json").exists():  # (a directory's own: bound)
+            check_settings_used(early, tasks, args.query_aware, args.prefill_chunk_size)
         if None not in early:  # (a directory's default is named once it loads: run_sweep checks it then)
             check_spellings(Path(args.out), early)
             check_older_rows(Path(args.out), configurations(early, ratios), tasks, args.examples)

@@ -175,6 +175,7 @@ class Recording:
     next_ids: torch.Tensor | None = None
     memo: dict = field(default_factory=dict)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer, the attention's input hidden states
+    compressed: bool = False  # its cache was compressed in place: it no longer holds the prefill its queries saw
 
     @property
     def tokens(self) -> int:
@@ -349,9 +350,10 @@ class PressInstallation:
             self._check_headwise(cache, args, kwargs)
         if (headwise or (self.press is not None and self.press.per_head)) and kwargs.get(
                 "output_attentions", getattr(self.model.config, "output_attentions", False)):  # fmt: skip
-            raise ValueError("output_attentions: a layer compressed head by head holds other tokens in each KV head, "
-                             "so it returns no attention weights (transformers' list of them skipped those layers "
-                             "without a word): read attentions under a dense press, or without one")  # fmt: skip
+            raise ValueError("output_attentions under a press that compresses head by head: once compressed, its "
+                             "layers hold other tokens in each KV head and return no attention weights "
+                             "(transformers' list skipped them without a word; refused from the first forward, not "
+                             "part way through a generation): read attentions under a dense press, or without one")
         if (self.press is None or not self.press.rerotate) and any(getattr(layer, "rotated", False)
                                                                    for layer in cache.layers):  # fmt: skip
             name = type(self.press).__name__ if self.press is not None else "an observer (a chat's round policy)"
@@ -700,12 +702,13 @@ def _check_press(model: nn.Module, press: Installable) -> None:
             f"{sorted(set(model_access.layer_types(model)))}), so nothing would be compressed"
         )
     press.check_model(model)
-    if getattr(press, "spreads_over_layers", False) and len(set(model_access.layer_types(model))) > 1:
+    kinds = sorted(set(model_access.layer_types(model)))
+    if getattr(press, "spreads_over_layers", False) and len(kinds) > 1:
         raise ValueError(f"{type(press).__name__} gives each layer a share of the budget set beforehand "
-                         f"(layer_scales, or KVzap's global_budget > 0); {type(model).__name__} has sliding-window "
-                         "layers beside others, which hold their window alone and cannot take a larger share, so the "
-                         "layers' total would not be the budget (a 3-layer Gemma 3 kept 77 tokens for 54): use the "
-                         "press without them")  # fmt: skip
+                         f"(layer_scales, or KVzap's global_budget > 0); {type(model).__name__} has layers of several "
+                         f"kinds ({', '.join(kinds)}): a sliding-window layer holds its window alone and cannot take a "
+                         "larger share, so the layers' total would not be the budget (a 3-layer Gemma 3 kept 77 tokens "
+                         "for 54): use the press without them")  # fmt: skip
     if press.kv_bits is not None:
         quant.check_bits(press.kv_bits, model_access.head_dim(model))
         if press.rerotate:

@@ -16,7 +16,6 @@ from torch import nn
 from transformers import DynamicCache
 
 from kvpress.engine import SCORING, QueryRecorder, Recording, compress_layers, observe
-from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.presses.base import BasePress
 
 __all__ = ["QueryRecorder", "Recording", "compress_recording", "record_prefill"]
@@ -49,7 +48,7 @@ def compress_recording(
     prompt of their own (KVzip's repeat request)."""
     if press.rerotate:
         raise ValueError("presses applied to a recorded prefill cannot re-rotate keys; rerotate=True needs a live one")
-    if any(isinstance(layer, HeadwiseLayer) or getattr(layer, "rewrites", 0) for layer in recording.cache.layers):
+    if recording.compressed:
         raise ValueError("this recording's cache was compressed in place (compress_recording(..., in_place=True)): it "
                          "no longer holds the prefill its queries were recorded over, so a press applied to it again "
                          "would not leave what a live prefill leaves; record the prefill again")  # fmt: skip
@@ -61,5 +60,6 @@ def compress_recording(
     with SCORING:  # the press holds the recording's scores until it has evicted by them
         press.prepare(model, recording, tokenizer)
         cache = recording.cache if in_place else copy.deepcopy(recording.cache)
+        recording.compressed = in_place
         compress_layers(press, cache, recording.queries, recording.hidden, ids)
     return cache

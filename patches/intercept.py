@@ -316,8 +316,8 @@ class Intercept:
         """Before an active caller's forward: find or make its cache and let the press drive its layers."""
         call.cache = call.ids = None  # ids: set by the input embedding's hook (none when embeddings are given)
         cache = kwargs.get(self.cache_key, kwargs.get("past_key_values"))
-        checkpointed = getattr(self.model, "is_activation_checkpointing", False)  # (transformers' name since 5.x)
-        if self.model.training and torch.is_grad_enabled() and checkpointed:
+        training = self.model.training and torch.is_grad_enabled()  # (only then: the property walks every module)
+        if training and getattr(self.model, "is_activation_checkpointing", False):
             raise ValueError("gradient checkpointing in training mode runs each layer without the cache (transformers "
                              "hands it cache=None), so a press has none to compress: call model.eval(), or "
                              "model.activation_checkpointing_disable()")  # fmt: skip

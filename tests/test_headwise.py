@@ -590,10 +590,11 @@ def test_duo_over_a_scorer(inner):
 
 def test_output_attentions_is_refused_where_layers_are_compressed_head_by_head():
     """Head-wise layers return no attention weights: transformers' list skipped them without a word (three layers
-    gave one entry, the third layer's). A dense press returns every layer's."""
+    gave one entry, the third layer's). Refused from the press's first forward (whose layers are still dense), not
+    part way through a generation. A dense press returns every layer's."""
     model = tiny_model("llama", "eager")
     ids = prompt(1, 40)
-    with pytest.raises(ValueError, match="output_attentions: a layer compressed head by head"):
+    with pytest.raises(ValueError, match="output_attentions under a press that compresses head by head"):
         with AdaKVPress(SnapKVPress(0.5, window_size=4))(model):
             model(ids, cache=DynamicCache(config=model.config), output_attentions=True)
     cache = DynamicCache(config=model.config)

@@ -57,6 +57,9 @@ def test_recorded_prefill_equals_a_live_one(make):
     compress_recording(model, recording, press, in_place=True)
     with pytest.raises(ValueError, match="compressed in place"):
         compress_recording(model, recording, press)
+    recording.cache.reset()  # (transformers' own API: the cache empty again) a new prefill recorded into it runs
+    again = compress_recording(model, record_prefill(model, ids, recording.cache), press, in_place=True)
+    assert again.get_seq_length() == ids.shape[1] and again.layers[0].__class__ is live.layers[0].__class__
 
 
 @pytest.fixture(scope="module")
@@ -414,6 +417,14 @@ def test_a_sweep_given_its_directory_alone_goes_on_with_its_last_plan(tmp_path, 
     presses, ratios, tasks, out, examples, length, seed, query_aware = ran["args"]
     assert (ran["model"], presses, ratios, tasks, examples, length, seed, query_aware) == (
         "qwen2.5-0.5b", ["snapkv", "h2o"], [0.0, 0.5], ["needle_noise"], 8, 2048, 1, True)
+    # a directory's own chunk size, taken for presses that score the whole context, binds it: not refused as
+    # "ignored" (it was, and giving it or not could not be satisfied); a new directory's is
+    (tmp_path / "settings.json").write_text(json.dumps({**held, "prefill_chunk_size": 64, "query_aware": False}))
+    assert sweep.main(["--out", str(tmp_path), "--presses", "simlayerkv"]) == 0
+    assert ran["kw"] == {"prefill_chunk_size": 64}
+    assert sweep.main(["--out", str(tmp_path / "new"), "--presses", "simlayerkv", "--tasks", "needle_noise",
+                       "--prefill-chunk-size", "64"]) == 2
+    assert "none of ['simlayerkv'] prefills in chunks" in capsys.readouterr().err
     (tmp_path / "settings.json").write_text('{"examples": 8, "len')  # (a file written in place before, then cut)
     assert sweep.main(["--out", str(tmp_path)]) == 2
     assert "settings.json cannot be read" in capsys.readouterr().err
