@@ -16,7 +16,7 @@ from kvpress.presses import kvzip
 from kvpress.presses.kvzip import LEAD_IN, reconstruction_scores
 from kvpress.presses.prepared import PromptAttention
 from kvpress.recording import compress_recording, record_prefill
-from tiny import prompt, tiny_model
+from tiny import left_padded, prompt, tiny_model
 
 REPEAT = torch.tensor([[5, 6, 7]])
 
@@ -203,6 +203,15 @@ def test_assisted_decoding_is_refused_by_name():
     with pytest.raises(ValueError, match="assisted or prompt-lookup decoding crops rejected draft tokens"):
         with KVzipPress(0.0)(model, tokenizer=_Tokenizer()):
             model.generate(ids, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=3, pad_token_id=0)
+
+
+def test_a_left_padded_batch_is_refused_naming_its_padding():
+    """The refusal read 'layer 0 holds 39 of 39 tokens', which names nothing wrong."""
+    model = tiny_model("llama")
+    ids, mask = left_padded([prompt(1, 40)[0], prompt(1, 20, seed=2)[0]])
+    with pytest.raises(ValueError, match="its rows are left-padded: give KVzip one prompt"):
+        with KVzipPress(0.5)(model, tokenizer=_Tokenizer()):
+            model(ids, attention_mask=mask, cache=DynamicCache(config=model.config))
 
 
 def test_a_prompt_repeated_in_a_batch_splits_its_layers_as_alone():

@@ -277,9 +277,11 @@ def reconstruction_scores(
             window = getattr(layer, "window", None)  # a sliding-window layer holds the last `window - 1` tokens
             held = n if window is None else min(n, window - 1)
             if getattr(layer, "n", held) != held or getattr(layer, "seen", n) != n or getattr(layer, "padded", False):
+                padded = "; its rows are left-padded: give KVzip one prompt, or prompts of one length" if getattr(
+                    layer, "padded", False) else ""  # fmt: skip
                 raise ValueError(
                     f"reconstruction scores need the whole context cached ({n} tokens, no padding, nothing evicted); "
-                    f"layer {idx} holds {getattr(layer, 'n', '?')} of {getattr(layer, 'seen', '?')} tokens"
+                    f"layer {idx} holds {getattr(layer, 'n', '?')} of {getattr(layer, 'seen', '?')} tokens{padded}"
                 )
     else:
         seen = max(getattr(layer, "seen", 0) for layer in cache.layers)
