@@ -65,10 +65,24 @@ def save_cache(cache: DynamicCache, path: str | Path, model: nn.Module, press: s
         layers.append(fields)
     meta = {"format": FORMAT, "config_hash": config_hash(model), "model": type(model).__name__, "press": press,
             "dtype": str(_dtype(model)), "layer_types": kinds, "sliding_window": model_access.sliding_window(model),
-            "layers": layers,
+            "layers": layers, "weights": weight_sample(model),
             "versions": {p: version(p) for p in ("kvpress", "torch", "transformers")}}  # fmt: skip
     tensors = {k: t.cpu() for k, t in tensors.items()}
     write_whole(path, lambda tmp: save_file(tensors, str(tmp), metadata={"kvpress": json.dumps(meta)}))
+
+
+def weight_sample(model: nn.Module, count: int = 8) -> dict[str, list[float]]:
+    """`count` values of each of `model`'s weights, evenly spaced in it, by name: what tells checkpoints of one
+    architecture apart (a fine-tune moves nearly every weight, a base and its instruct model all of them). Weights
+    waiting on `meta` (a layer accelerate offloads) are left out."""
+    out = {}
+    for name, weight in model.named_parameters():
+        if weight.device.type == "meta" or not weight.numel():
+            continue
+        flat = weight.detach().reshape(-1)
+        at = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)  # (whole numbers)
+        out[name] = flat[at].float().cpu().tolist()
+    return out
 
 
 def _kv_shape(layer, default: tuple[int, int]) -> tuple[int, int]:
@@ -118,6 +132,14 @@ def load_cache(path: str | Path, model: nn.Module) -> DynamicCache:
     if meta.get("dtype", dtype) != dtype:  # (files written before it was recorded: no check)
         raise ValueError(f"{path} holds a cache of a model in {meta['dtype']}; this one computes in {dtype}: "
                          f"load the model in {meta['dtype']} (its keys and values are kept as they were computed)")
+    saved, ours = meta.get("weights"), weight_sample(model)  # (None: a file written before weights were sampled)
+    if saved and ours:
+        common = sorted(set(saved) & set(ours))
+        other = next((name for name in common if saved[name] != ours[name]), None)
+        if not common or other is not None:
+            named = f"{other} differs" if other else "no weight is named alike"
+            raise ValueError(f"{path} holds a cache made with other weights than this {type(model).__name__}'s (the "
+                             f"same architecture; {named}): a cache only continues the weights that made it")
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError, RuntimeError) as error:

@@ -94,6 +94,14 @@ def test_another_architecture_or_a_damaged_file_is_refused(tmp_path):
     half = copy.deepcopy(model).to(torch.bfloat16)  # same architecture, another dtype: sdpa would refuse the keys
     with pytest.raises(ValueError, match="a model in torch.float32; this one computes in torch.bfloat16"):
         kvpress.load_cache(path, half)
+    # the same architecture with other weights (a base model and its instruct one, a fine-tune): loaded and
+    # continued without a word before (other tokens than either model's own)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.layers[1].mlp.down_proj.weight.mul_(1.5)
+    with pytest.raises(ValueError, match=r"made with other weights .* model.layers.1.mlp.down_proj.weight differs"):
+        kvpress.load_cache(path, other)
+    assert kvpress.load_cache(path, copy.deepcopy(model)).get_seq_length() == 40  # (a copy of the same weights)
     data = path.read_bytes()
     (tmp_path / "cut.safetensors").write_bytes(data[: len(data) - 100])
     with pytest.raises(ValueError, match="damaged"):
