@@ -132,7 +132,7 @@ def check_plan(presses: list[str], tasks: list[str], query_aware: bool, prefill_
     asking = [name for name, press in built.items() if press.needs_question]
     if asking and not query_aware:
         raise ValueError(f"{asking} score by the question: sweep them with --query-aware")
-    questionless = [task for task in tasks if task.startswith(("continuation", "perplexity"))]  # (text, no question)
+    questionless = _questionless(tasks)
     if asking and questionless:
         raise ValueError(f"{asking} score by the question, and the tasks {questionless} ask none (a text scored as it "
                          "goes on): sweep them separately")  # fmt: skip
@@ -150,11 +150,16 @@ def check_plan(presses: list[str], tasks: list[str], query_aware: bool, prefill_
                          "them without --prefill-chunk-size")  # fmt: skip
 
 
+def _questionless(tasks: list[str]) -> list[str]:
+    """The tasks of `tasks` that ask no question: a text scored as it goes on (continuation, perplexity)."""
+    return [task for task in tasks if task.startswith(("continuation", "perplexity"))]
+
+
 def check_settings_used(presses: list[str], tasks: list[str], query_aware: bool, prefill_chunk_size: int | None):
     """For a new directory, refuse a setting no row of the plan would use, which settings.json would record and
     every later run of the directory take: --query-aware with only question-free tasks (their rows are the same
     without it), a --prefill-chunk-size no press prefills with (each scores the whole context)."""
-    questionless = [task for task in tasks if task.startswith(("continuation", "perplexity"))]
+    questionless = _questionless(tasks)
     if query_aware and len(questionless) == len(tasks):
         raise ValueError(f"--query-aware prefills a question with the context, and the tasks {questionless} ask none "
                          "(a text scored as it goes on): sweep them without it")  # fmt: skip

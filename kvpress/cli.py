@@ -317,9 +317,11 @@ def _check_generate(args: argparse.Namespace) -> None:
         raise ValueError(f"--context-file {context} is not a file")
     if context.is_file():
         try:
-            context.read_text()
+            text = context.read_text()
         except UnicodeDecodeError as err:
             raise ValueError(f"--context-file {context} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+        if not text.strip():
+            raise ValueError(f"--context-file {context} holds no text")
     if args.save_cache and args.load_cache:
         raise ValueError("--save-cache and --load-cache: give one (a cache is saved once, then loaded)")
     if (args.save_cache or args.load_cache) and args.query_aware:
@@ -331,8 +333,6 @@ def _check_generate(args: argparse.Namespace) -> None:
         raise ValueError("--load-cache answers from a cache already prefilled: drop --prefill-chunk-size")
     if not args.question.strip():
         raise ValueError("--question is empty: ask something")
-    if Path(args.context_file).is_file() and not Path(args.context_file).read_text().strip():
-        raise ValueError(f"--context-file {args.context_file} holds no text")
     from kvpress.pipeline import check_chunk_size
 
     check_chunk_size(args.prefill_chunk_size)  # (a size no chunk can have, before the model loads)

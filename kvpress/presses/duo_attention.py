@@ -167,8 +167,7 @@ class DuoAttentionPress(HeadwisePress):
             spans = (windows - 1).clamp(max=n)  # what a retrieval head holds
             sinks = self.n_sink - (n - (windows - 1)).clamp(0, self.n_sink)  # (past a window the sinks leave it)
             streams = torch.minimum(spans, sinks + self.window)  # what a streaming head holds
-            evicted = torch.round(spans.double() * self.compression_ratio, decimals=9).floor()  # (floor_share's)
-            target = float((spans - evicted).sum())
+            target = float((spans - floor_share(spans, self.compression_ratio)).sum())
             kept = torch.cat([spans.new_zeros(1), (spans - streams).cumsum(0)]) + streams.sum()  # with 0, 1, ... pairs
             gap = (kept - target).abs()
             counts.append(len(windows) - int(gap.flip(0).argmin()))  # the last of the closest
