@@ -1,7 +1,7 @@
 """Core benchmark: prefill overhead, decode step time and kept bytes of each press on the default model.
 
-Every ratio is measured side by side in one run (runs alternate, medians taken), because the machine
-is shared and noisy. Writes `eval/results/core.json`:
+Every ratio is measured side by side in one run (runs alternate, each side first every other round, medians
+taken), because the machine is shared and noisy. Writes `eval/results/core.json`:
 
     {"prefill_overhead": {press: t_press / t_none}, "generate_prefill_overhead": {press: t / t_none of
      `model.generate` of one token inside the press, whole-context presses (KVzip's pass) included},
@@ -27,6 +27,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -81,18 +82,32 @@ def timed_generate(model, tokenizer, ids: torch.Tensor, press=None) -> float:
         return time.perf_counter() - start
 
 
+def side_by_side(rounds: int, first: Callable[[], float], second: Callable[[], float], warm_up: int = 0
+                 ) -> tuple[list[float], list[float]]:  # fmt: skip
+    """The seconds of `rounds` runs of `first` and of `second`, alternating, each run first every other round (a
+    fixed order would add its order's effect to the ratio); the first `warm_up` rounds are left out."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for round_ in range(rounds):
+        for side in (0, 1) if round_ % 2 == 0 else (1, 0):
+            t = (first, second)[side]()
+            if round_ >= warm_up:
+                times[side].append(t)
+    return times
+
+
 def kvzip_pass_ratio(model, tokenizer, ids: torch.Tensor, repeats: int) -> float:
     """Median seconds of KVzip's scoring of the context `ids` with the weights computed once, over the median with
     them computed a second time for the scores (the two alternate, each first every other round)."""
     recording = record_prefill(model, ids)
     request = tokenizer(kvpress.KVzipPress.prompt, add_special_tokens=False, return_tensors="pt").input_ids
-    times: dict = {True: [], False: []}
-    for round_ in range(repeats):
-        for once in (True, False) if round_ % 2 == 0 else (False, True):
-            start = time.perf_counter()
-            reconstruction_scores(model, recording.cache, ids, request, from_output=once)
-            times[once].append(time.perf_counter() - start)
-    return statistics.median(times[True]) / statistics.median(times[False])
+
+    def timed(once: bool) -> float:
+        start = time.perf_counter()
+        reconstruction_scores(model, recording.cache, ids, request, from_output=once)
+        return time.perf_counter() - start
+
+    once, twice = side_by_side(repeats, lambda: timed(True), lambda: timed(False))
+    return statistics.median(once) / statistics.median(twice)
 
 
 def kvzip_scoring_peak(model, tokenizer, ids: torch.Tensor) -> float:
@@ -132,10 +147,8 @@ def run(args: argparse.Namespace) -> dict:
     ids = long_ids(tokenizer, args.prefill_tokens)
     prefill(model, ids[:, :64])  # warm-up
     for name, press in presses.items() if "prefill" in args.measure else ():
-        base, pressed = [], []
-        for _ in range(args.repeats):
-            base.append(prefill(model, ids)[1])
-            pressed.append(prefill(model, ids, press)[1])
+        base, pressed = side_by_side(args.repeats, lambda: prefill(model, ids)[1],
+                                     lambda press=press: prefill(model, ids, press)[1])  # fmt: skip
         result["prefill_overhead"][name] = round(statistics.median(pressed) / statistics.median(base), 3)
         result["seconds"][f"prefill_{name}"] = round(statistics.median(pressed), 3)
         result["seconds"][f"prefill_none_vs_{name}"] = round(statistics.median(base), 3)
@@ -146,10 +159,8 @@ def run(args: argparse.Namespace) -> dict:
     for name in dict.fromkeys(kvpress.resolve_default(spec, model) for spec in generated):  # once each
         press = kvpress.press_from_name(name, compression_ratio=args.ratio)
         timed_generate(model, tokenizer, ids[:, :64], press)  # warm-up (a scorer's first load)
-        base, pressed = [], []
-        for _ in range(args.repeats):
-            base.append(timed_generate(model, tokenizer, ids))
-            pressed.append(timed_generate(model, tokenizer, ids, press))
+        base, pressed = side_by_side(args.repeats, lambda: timed_generate(model, tokenizer, ids),
+                                     lambda press=press: timed_generate(model, tokenizer, ids, press))  # fmt: skip
         ratio = round(statistics.median(pressed) / statistics.median(base), 3)
         result["generate_prefill_overhead"][name] = ratio
         print(f"model.generate, {args.prefill_tokens} tokens  {name} overhead x{ratio}")
@@ -163,12 +174,9 @@ def run(args: argparse.Namespace) -> dict:
     if "varlen" in args.measure:  # variable-length vs dense attention, side by side
         sides = {name: kvpress.press_from_name(name, compression_ratio=args.ratio) for name in ("snapkv", "adakv")}
         caches = {name: prefill(model, ids, press)[0] for name, press in sides.items()}
-        times: dict = {"snapkv": [], "adakv": []}
-        for step in range(args.varlen_steps + 2):
-            for name in sorted(caches, reverse=step % 2 == 1):  # each side first every other step
-                t = timed_forward(model, token, caches[name], sides[name])
-                if step >= 2:
-                    times[name].append(t)
+        dense, varlen = side_by_side(args.varlen_steps + 2, *(
+            lambda name=name: timed_forward(model, token, caches[name], sides[name]) for name in sides), warm_up=2)
+        times = {"snapkv": dense, "adakv": varlen}
         ratio = statistics.median(times["adakv"]) / statistics.median(times["snapkv"])
         result["varlen_vs_dense_decode"] = round(ratio, 3)
         for name, side in times.items():
@@ -183,13 +191,9 @@ def run(args: argparse.Namespace) -> dict:
     for name, press in presses.items() if "decode" in args.measure else ():
         cache, _ = prefill(model, ids, press)
         result["kept_bytes_ratio"][name] = round(kvpress.cache_bytes(cache) / full_bytes, 4)
-        base, pressed = [], []
-        for step in range(args.decode_steps + 2):
-            t_full = timed_forward(model, token, full)
-            t_press = timed_forward(model, token, cache, press)
-            if step >= 2:  # the first steps warm up
-                base.append(t_full)
-                pressed.append(t_press)
+        base, pressed = side_by_side(args.decode_steps + 2, lambda: timed_forward(model, token, full),
+                                     lambda cache=cache, press=press: timed_forward(model, token, cache, press),
+                                     warm_up=2)  # fmt: skip (the first steps warm up)
         full.crop(-(args.decode_steps + 2))  # the full cache goes back to the context
         result["decode_step_ratio"][name] = round(statistics.median(pressed) / statistics.median(base), 3)
         result["seconds"][f"decode_step_{name}"] = round(statistics.median(pressed), 4)

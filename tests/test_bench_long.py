@@ -212,6 +212,17 @@ def test_bench_core_runs_only_the_parts_asked(tokenized, tmp_path, monkeypatch):
     assert not {"full_bytes", "kvzip_pass_ratio", "kvzip_scoring_peak_ratio"} & set(result)
 
 
+def test_bench_core_runs_each_side_first_every_other_round():
+    """A fixed order (no press, then the press) adds its order's effect to every ratio: the sides take turns, and
+    the warm-up rounds are left out of both."""
+    from kvpress.eval.bench_core import side_by_side
+
+    order = []
+    a, b = side_by_side(5, lambda: order.append("a") or len(order), lambda: order.append("b") or len(order), warm_up=1)
+    assert "".join(order) == "abbaabbaab"
+    assert (a, b) == ([4, 5, 8, 9], [3, 6, 7, 10])
+
+
 def test_bench_stream_says_which_recompute_positions_each_run_reached(tokenized, tmp_path, monkeypatch):
     """Each run is scored on the recompute positions it reached: full_cache stops at the model's positions, and its
     perplexity there was set beside recompute_window's on all of them; now also beside recompute_window's on the
