@@ -16,7 +16,9 @@ where it stopped. A pair is measured whole (`pending`): a press still to run run
 again, never beside one of an earlier session. `long.json` holds, per (model, length, press, ratio): memory, cache,
 prefill and decode step as ratios to the paired no-press run, and the decode byte limit: a step reads the weights
 (all but an input embedding the output head does not share, of which it reads one row) and the kept cache, so
-(weights read + kept KV bytes) / (weights read + full KV bytes) is the smallest step ratio eviction can give.
+(weights read + kept KV bytes) / (weights read + full KV bytes) is the smallest step ratio eviction can give if a
+step only read bytes (a no-press step also copies its growing cache, and the CPU's attention is not bound by reads: a
+measured step ratio can fall below it).
 `long.png` plots the memory and decode ratios against the context length; `long.md` is the table of `long.json`.
 
 With chunks, each model also runs one chunk alone with no press (`pairs_with` "one-chunk", `ONE_CHUNK_RUNS`
