@@ -46,11 +46,13 @@ def _check_press(name: str, ratio: float | None, max_tokens: int | None, model_n
 def _budget(name: str, ratio: float | None, max_tokens: int | None) -> dict:
     """The budget keywords `--ratio` and `--max-tokens` give the press `name`: r = 0.5 when neither they nor
     `name`'s own parameters (`snapkv:max_tokens=100`, `sink-window:window=100`, `duo-attention:retrieval_fraction=0.3`
-    without an inner press, whose budget the ratio would be) set one."""
-    from kvpress.presses import parse_press_spec, press_class, resolve_default
+    without an inner press, whose budget the ratio would be; with one, the inner press's: `adakv:inner=sink-window:
+    window=8`) set one."""
+    from kvpress.presses import PRESSES, parse_press_spec, press_class, resolve_default
 
     base, params = parse_press_spec(resolve_default(name))
-    own = () if "inner" in params else press_class(base).budget_parameters
+    scorer = params.get("inner", base)  # (an unknown inner press: press_from_name names it)
+    own = press_class(scorer).budget_parameters if scorer in PRESSES else ()
     if ratio is None and max_tokens is None and not {"compression_ratio", "max_tokens", *own} & set(params):
         ratio = 0.5
     return {key: value for key, value in (("compression_ratio", ratio), ("max_tokens", max_tokens))

@@ -110,6 +110,18 @@ def scaled_to_peak(scores: torch.Tensor, valid: torch.Tensor | None = None) -> t
     return scores / peak.clamp_min(torch.finfo(scores.dtype).tiny)
 
 
+def _same(a, b) -> bool:
+    """Whether a press's field still holds what it was built with (tensors by identity)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # (a value whose == is not a truth value)
+        return False
+
+
 # the fields a press declares to protect tokens (see `sink_count`, `recent_count`): checked by BasePress
 PROTECTED_FIELDS = ("n_sink", "window_size")
 
@@ -177,6 +189,9 @@ class BasePress(Installable):
             if isinstance(self.layer_scales, (str, bytes)) or not hasattr(self.layer_scales, "__iter__"):
                 raise ValueError(f"layer_scales must be a list of positive numbers, one per layer, got "
                                  f"{self.layer_scales!r} (a press spec cannot give a list: pass it in Python)")
+            if isinstance(self.layer_scales, (dict, set, frozenset)):  # (a dict's keys, a set in no order)
+                raise ValueError(f"layer_scales must be a list of positive numbers in layer order, got "
+                                 f"{self.layer_scales!r}")  # fmt: skip
             self.layer_scales = tuple(self.layer_scales)
             if not self.layer_scales or any(isinstance(x, bool) or not isinstance(x, (int, float)) or
                                             not math.isfinite(x) or x <= 0 for x in self.layer_scales):  # fmt: skip
@@ -188,8 +203,38 @@ class BasePress(Installable):
             raise ValueError(f"{type(self).__name__} compresses the whole context once and keeps the tokens "
                              f"generated after it: decode_slack has nothing to cut, got {self.decode_slack!r} (a "
                              "press that scores while decoding, such as kvzap, bounds a long generation)")  # fmt: skip
+        if type(self).needs_whole_context is True and self.rerotate:
+            raise ValueError(f"{type(self).__name__} scores the whole context once it is cached, with a pass of its "
+                             "own: it cannot re-rotate keys (rerotate=True needs a press that evicts as the prefill "
+                             "runs, such as sink-window)")  # fmt: skip
         self._check_budget_values()
         check_field_types(self)  # after the checks above, whose messages name the allowed range
+        self.__dict__["_built_with"] = self._settings()  # (`check_budget`: what the checks above passed)
+
+    def _settings(self) -> dict:
+        """The init fields but the budget (and `budget_parameters`, checked with it by `_share_budget`): what
+        `__post_init__` checks once (`check_budget` checks them again where they moved)."""
+        budget = ("compression_ratio", "max_tokens", *type(self).budget_parameters)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init and f.name not in budget}
+
+    def _check_moved_settings(self) -> None:
+        """Check again the settings set since the press was built (`press.window_size = 8` between runs), as they
+        were checked then: a press of the same fields is built, and its refusal raised (a wrapper's budget and
+        what it takes from its press are left for it to take again)."""
+        built = self.__dict__.get("_built_with", {})
+        moved = [name for name, value in self._settings().items() if name in built and not _same(value, built[name])]
+        if not moved:
+            return
+        wrapper = "_press_settings" in self.__dict__  # (`wrapping.take_settings`)
+        taken = {f.name: f.default for f in dataclasses.fields(BasePress)} if wrapper else {}
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (a warning the first build gave already)
+                dataclasses.replace(self, **taken)
+        except (TypeError, ValueError) as error:
+            given = ", ".join(f"{name}={getattr(self, name)!r}" for name in moved)
+            raise type(error)(f"{type(self).__name__} was given {given} after it was built: {error}") from None
+        self.__dict__["_built_with"] = self._settings()
 
     def _check_budget_values(self) -> None:
         """Exactly one of compression_ratio (in [0, 1)) and max_tokens (a positive integer, at least the
@@ -218,6 +263,7 @@ class BasePress(Installable):
         refused as at construction (to switch between compression_ratio and max_tokens, build a new press:
         `dataclasses.replace(press, compression_ratio=None, max_tokens=256)`)."""
         with BUDGET_LOCK:
+            self._check_moved_settings()
             self._share_budget()
             self._check_budget_values()
 
