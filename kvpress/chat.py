@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpress.engine import maybe_installed, observe
+from kvpress.patches import model_access
 from kvpress.pipeline import check_no_outer_press, check_press, check_token_ids, greedy
 from kvpress.presses.base import BasePress
 from kvpress.round_store import RoundStore
@@ -39,6 +40,7 @@ class ChatSession:
 
     def __init__(self, model, tokenizer, press: BasePress | None = None, max_new_tokens: int = 256, system=None,
                  round_policy: RoundPolicy | None = None):  # fmt: skip
+        model_access.check_supported(model)
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"{type(tokenizer).__name__} has no chat template; ChatSession needs one")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -129,6 +131,9 @@ class ChatSession:
             raise ValueError("the reply is empty")
         if reply is not None and (streamer is not None or max_new_tokens is not None):
             raise ValueError("reply= records a given answer: streamer and max_new_tokens do not apply to it")
+        if streamer is not None and not all(callable(getattr(streamer, m, None)) for m in ("put", "end")):
+            raise TypeError(f"streamer must be a transformers streamer (with put() and end(), such as TextStreamer), "
+                            f"got {streamer!r:.60}")  # fmt: skip
         max_new_tokens = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")

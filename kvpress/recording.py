@@ -46,6 +46,14 @@ def compress_recording(
     """The cache `press` would have left after the recorded prefill: a copy (the recording is not
     changed), or `recording.cache` itself with `in_place=True`. `tokenizer` is for presses that write a
     prompt of their own (KVzip's repeat request)."""
+    if not isinstance(recording, Recording):
+        raise TypeError(f"recording must be a kvpress Recording (record_prefill(model, ids)), got "
+                        f"{type(recording).__name__}")  # fmt: skip
+    if not isinstance(press, BasePress):
+        raise TypeError(f"press must be a kvpress press (kvpress.press_from_name('snapkv', compression_ratio=0.5), "
+                        f"...), got {press!r}")  # fmt: skip
+    if not isinstance(in_place, bool):
+        raise TypeError(f"in_place must be True or False, got {in_place!r}")
     if press.rerotate:
         raise ValueError("presses applied to a recorded prefill cannot re-rotate keys; rerotate=True needs a live one")
     if recording.compressed:

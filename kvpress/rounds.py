@@ -113,24 +113,34 @@ class RoundPolicy:
                 "RoundPolicy keeps whole rounds: bound it with top_k_rounds / keep_recent_rounds, and compress "
                 "each round with inner=<a press> (compression_ratio and max_tokens are not its parameters)"
             )
-        if self.inner is not None:
-            if not isinstance(self.inner, BasePress) or self.inner.per_head:
-                kind = type(self.inner).__name__
-                raise TypeError(f"inner must be a token-level press (SnapKV, H2O, ...), got {kind}")
-            if self.inner.rerotate or self.inner.kv_bits is not None:
-                raise ValueError("inner presses compress a round in place: rerotate=True and kv_bits are not "
-                                 "supported there")  # fmt: skip
-            if self.inner.needs_whole_context or not self.inner.wrappable:
-                raise ValueError(f"inner={type(self.inner).__name__} decides its slots in a pass or a store of its own "
-                                 "(it cannot score a round's slots in place): use a press that scores from keys "
-                                 "and queries (SnapKV, H2O, Knorm, ...)")  # fmt: skip
-            if self.inner.needs_hidden:
-                raise ValueError(f"inner={type(self.inner).__name__} scores tokens from their hidden states, which a "
-                                 "round compressed at the end of its turn no longer has: use a press that scores "
-                                 "from keys and queries (SnapKV, H2O, ...)")  # fmt: skip
+        self._check_inner()
         self._turn: _Turn | None = None
         self._queries: dict[int, tuple[nn.Module, torch.Tensor]] = {}
         self.watershed: int | None = None
+
+    def _check_inner(self) -> None:
+        """Refuse an `inner` press that cannot compress a finished round in place (as the policy is built, and at
+        each turn: a caller may set it between turns)."""
+        if self.inner is None:
+            return
+        if not isinstance(self.inner, BasePress) or self.inner.per_head:
+            kind = type(self.inner).__name__
+            raise TypeError(f"inner must be a token-level press (SnapKV, H2O, ...), got {kind}")
+        if self.inner.rerotate or self.inner.kv_bits is not None:
+            raise ValueError("inner presses compress a round in place: rerotate=True and kv_bits are not "
+                             "supported there")  # fmt: skip
+        if self.inner.needs_whole_context or not self.inner.wrappable:
+            raise ValueError(f"inner={type(self.inner).__name__} decides its slots in a pass or a store of its own "
+                             "(it cannot score a round's slots in place): use a press that scores from keys "
+                             "and queries (SnapKV, H2O, Knorm, ...)")  # fmt: skip
+        if self.inner.needs_hidden:
+            raise ValueError(f"inner={type(self.inner).__name__} scores tokens from their hidden states, which a "
+                             "round compressed at the end of its turn no longer has: use a press that scores "
+                             "from keys and queries (SnapKV, H2O, ...)")  # fmt: skip
+        if self.inner.decode_slack != BasePress.decode_slack:
+            raise ValueError(f"inner={type(self.inner).__name__} compresses each round once, at the end of its turn: "
+                             f"decode_slack does not apply there, got {self.inner.decode_slack!r} (leave it at "
+                             f"{BasePress.decode_slack})")  # fmt: skip
 
     def __call__(self, model: nn.Module):
         raise RuntimeError("RoundPolicy is a chat policy, not a press: use it through "
@@ -151,8 +161,9 @@ class RoundPolicy:
                 f"watershed_layer={self.watershed_layer} is not a full-attention layer of {type(model).__name__} "
                 f"with layers after it (its full-attention layers: {full}, the last one excluded)"
             )
+        self._check_inner()  # (set since it was built: checked each turn, as an installed press is)
         if self.inner is not None:
-            self.inner.check_budget()  # (set since it was built: checked each turn, as an installed press is)
+            self.inner.check_budget()
             self.inner.check_model(model)
 
     def begin_turn(self, cache, rounds: list[tuple[int, int]], store: RoundStore | None,

@@ -32,6 +32,8 @@ def save_cache(cache: DynamicCache, path: str | Path, model: nn.Module, press: s
     recorded as the press it names for `model`) to the safetensors file `path`."""
     if not isinstance(cache, DynamicCache):
         raise TypeError(f"save_cache saves a DynamicCache, got {type(cache).__name__}")
+    _check_path(path)
+    model_access.check_supported(model)
     if press is not None and press != "none":  # a spec the loaded cache can be continued with, budget included
         if not isinstance(press, str):
             raise TypeError(f"press= is the spec of the press that compressed the cache, such as "
@@ -96,9 +98,15 @@ def _kv_shape(layer, default: tuple[int, int]) -> tuple[int, int]:
     return values.shape[1], values.shape[-1]
 
 
+def _check_path(path) -> str | Path:
+    if not isinstance(path, (str, Path)) or not str(path):
+        raise TypeError(f"path must name a .safetensors file (a str or pathlib.Path), got {path!r}")
+    return path
+
+
 def read_metadata(path: str | Path) -> dict:
     """The metadata of a saved cache (architecture hash, press spec, versions, layers)."""
-    path = Path(path)
+    path = Path(_check_path(path))
     if path.is_dir():
         raise ValueError(f"saved cache {path} is a directory: name the .safetensors file save_cache wrote")
     if not path.is_file():
@@ -116,6 +124,7 @@ def read_metadata(path: str | Path) -> dict:
 def load_cache(path: str | Path, model: nn.Module) -> DynamicCache:
     """The cache saved in `path`, for `model` (refused unless `model` has the architecture it was made with);
     each layer on the device of its attention module. Continue it inside the press that made it."""
+    model_access.check_supported(model)
     meta = read_metadata(path)
     if meta["config_hash"] != config_hash(model):
         raise ValueError(

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from kvpress.patches import model_access
 from kvpress.pipeline import check_no_outer_press, check_press, check_token_ids
 from kvpress.presses.base import BasePress
 
@@ -67,6 +68,7 @@ def stream(
     copy them into one preallocated tensor (or floats) rather than keeping every small tensor: those
     between the large per-chunk logits fragment the heap and the process memory creeps up.
     """
+    model_access.check_supported(model)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
     check_press(press)

@@ -261,6 +261,8 @@ def test_cli_budget_in_the_press_name_is_the_budget():
     assert _press("duo-attention:retrieval_fraction=0.3", None, None).compression_ratio is None
     duo = _press("duo-attention:retrieval_fraction=0.3:inner=snapkv", None, None)  # the ratio is the inner press's
     assert duo.retrieval_fraction == 0.3 and duo.press.compression_ratio == 0.5
+    for wrapper in ("adakv", "pyramidkv"):  # the inner press's window is the budget (r = 0.5 was added: refused)
+        assert _press(f"{wrapper}:inner=sink-window:window=8", None, None).max_tokens == 12
 
 
 def test_protected_tokens_over_the_budget_are_said_once():
@@ -292,6 +294,33 @@ def test_cli_saves_a_cache_and_a_new_process_answers_from_it(tmp_path, monkeypat
                         (("--save-cache", str(saved)), "give one")):  # fmt: skip
         assert said in _refused(monkeypatch, capsys, *ask, "--load-cache", str(saved), *extra)
     assert "does not exist" in _refused(monkeypatch, capsys, *ask, "--load-cache", str(tmp_path / "none.safetensors"))
+
+
+def test_a_setting_moved_after_the_press_was_built_is_checked_again_as_it_installs():
+    """`press.kernel_size = 4` (even) failed deep inside torch, `decode_slack = 5.0` or a negative layer scale ran
+    without a word: each is refused as at construction, naming what moved; a valid move runs (a wrapper's too)."""
+    from kvpress import AdaKVPress
+    from tiny import prompt, tiny_model
+
+    model = tiny_model("llama", num_hidden_layers=3)
+    for name, value, said in (("kernel_size", 4, "kernel_size must be a positive odd integer"),
+                              ("decode_slack", 5.0, r"decode_slack must be a fraction in \[0, 1\)"),
+                              ("layer_scales", (1.0, -1.0, 1.0), "layer_scales must be positive numbers")):  # fmt: skip
+        press = SnapKVPress(compression_ratio=0.5, window_size=4)
+        setattr(press, name, value)
+        with pytest.raises(ValueError, match=f"SnapKVPress was given {name}=.* after it was built: {said}"):
+            with press(model):
+                pass
+    wrapper = AdaKVPress(SnapKVPress(compression_ratio=0.5, window_size=4))
+    wrapper.alpha_safeguard = 3
+    with pytest.raises(ValueError, match="alpha_safeguard must be a fraction in"):
+        with wrapper(model):
+            pass
+    wrapper.alpha_safeguard, wrapper.press.window_size = 0.5, 8
+    with wrapper(model):
+        model.generate(prompt(1, 40), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    with pytest.raises(ValueError, match="layer_scales must be a list of positive numbers in layer order"):
+        SnapKVPress(compression_ratio=0.5, layer_scales={0: 1.0, 1: 2.0})
 
 
 def test_a_budget_set_after_the_press_was_built_is_checked_and_shared_with_what_it_wraps():
@@ -523,3 +552,39 @@ def test_small_public_calls_name_their_bad_input():
     for system in (123, ["a"], " "):
         with pytest.raises(ValueError, match="system must be a system prompt with some text"):
             kvpress.ChatSession(model, tokenizer, system=system)
+
+
+def test_public_functions_name_a_bad_argument(tokenized, tmp_path):
+    """Each refused where it was given, naming it and what is allowed (they raised AttributeErrors from deep inside,
+    ran a wrapper's string as 'None', or ran a setting that does nothing without a word)."""
+    from kvpress import AdaKVPress, ChatSession, RoundPolicy, ThinKPress, load_cache, save_cache, stream
+    from kvpress.presses import KVzipPress
+    from kvpress.recording import compress_recording, record_prefill
+    from tiny import prompt
+
+    model, tokenizer = tokenized
+    recording = record_prefill(model, prompt(1, 40))
+    press = SnapKVPress(compression_ratio=0.5, window_size=4)
+    refused = [
+        (lambda: compress_recording(model, recording, "snapkv"), "press must be a kvpress press"),
+        (lambda: compress_recording(model, recording, None), "press must be a kvpress press"),
+        (lambda: compress_recording(model, "rec", press), "recording must be a kvpress Recording"),
+        (lambda: compress_recording(model, recording, press, in_place="no"), "in_place must be True or False"),
+        (lambda: AdaKVPress("snapkv"), "AdaKVPress wraps a press object, got the name 'snapkv'"),
+        (lambda: save_cache(recording.cache, tmp_path / "c.safetensors", "model"), "needs a transformers Pre"),
+        (lambda: load_cache(tmp_path / "c.safetensors", "model"), "needs a transformers PreTrainedModel, got str"),
+        (lambda: load_cache(123, model), "path must name a .safetensors file"),
+        (lambda: stream("model", tokenizer, "some text here"), "needs a transformers PreTrainedModel, got str"),
+        (lambda: ChatSession("model", tokenizer), "needs a transformers PreTrainedModel, got str"),
+        (lambda: ChatSession(model, tokenizer).send("hi", max_new_tokens=2, streamer="x"), "streamer must be a"),
+        (lambda: RoundPolicy(inner=SnapKVPress(compression_ratio=0.5, decode_slack=0.5)), "decode_slack does not "),
+        (lambda: KVzipPress(compression_ratio=0.5, rerotate=True), "KVzipPress scores the whole context once"),
+        (lambda: ThinKPress(press, key_channel_ratio=0.05)(model), r"key_channel_ratio=0.05 prunes none of the 16"),
+    ]  # fmt: skip
+    for call, said in refused:
+        with pytest.raises((TypeError, ValueError), match=said):
+            call()
+    policy = RoundPolicy(inner=SnapKVPress(compression_ratio=0.5))
+    policy.inner.decode_slack = 0.5  # set between turns: refused at the next
+    with pytest.raises(ValueError, match="decode_slack does not apply there"):
+        policy.check_model(model)

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from torch import nn
 
 from kvpress.counts import floor_share
+from kvpress.patches import model_access
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.head_budget import HeadwisePress
 from kvpress.presses.wrapping import WrapsPress, wrapped_chain
@@ -70,6 +72,14 @@ class ThinKPress(WrapsPress, BasePress):
             raise ValueError("ThinKPress stores keys with fewer channels: the wrapped press cannot also set kv_bits "
                              "or rerotate")  # fmt: skip
         super().__post_init__()
+
+    def check_model(self, model: nn.Module) -> None:
+        super().check_model(model)
+        dim = model_access.head_dim(model)
+        if self.key_channel_ratio > 0 and floor_share(dim, self.key_channel_ratio) == 0:
+            raise ValueError(f"key_channel_ratio={self.key_channel_ratio} prunes none of the {dim} key channels of "
+                             f"{type(model).__name__}'s heads (floor({dim} x {self.key_channel_ratio}) = 0): use at "
+                             f"least 1/{dim} = {1 / dim:.4g}, or the wrapped press alone")  # fmt: skip
 
     def score(self, obs: Observation) -> torch.Tensor:
         return self.press.score(obs)

@@ -54,6 +54,10 @@ class WrapsPress:
         name = type(self).__name__
         if self.press is None and isinstance(self.compression_ratio, BasePress):  # Wrapper(SnapKVPress(...))
             self.press, self.compression_ratio = self.compression_ratio, None
+        given = self.compression_ratio if self.press is None else self.press  # (`Wrapper("snapkv")`: positional)
+        if isinstance(given, str):
+            raise TypeError(f"{name} wraps a press object, got the name {given!r}: build it first, "
+                            f"{name}(kvpress.press_from_name({given!r}, compression_ratio=0.5))")  # fmt: skip
         deep = next((p for p in wrapped_chain(self.press)[1:] if isinstance(p, refused)), None)
         if not isinstance(self.press, BasePress) or isinstance(self.press, refused) or deep is not None:
             inside = "" if deep is None else f" (it wraps a {type(deep).__name__}, which {name} cannot wrap either)"
