@@ -18,14 +18,16 @@ from tiny import attention_inputs, prompt, tiny_gates, tiny_model
 
 
 def _expected_scores(gates, idx, hidden):
-    """`[H, n]` -log P(a token's role no longer holds it after the last token), computed directly in float64."""
+    """`[H, n]` -log P(a token's role no longer holds it for the next query), computed directly in float64: a window
+    token j is seen by query i while i - j < window (`role_mask`), so the next one, n, no longer sees it from n - j =
+    window on (it was counted held one step longer)."""
     logits = (hidden.double() @ gates.weight[idx].double().flatten(1)).view(hidden.shape[0], -1, 3)
     p = (logits + gates.bias[idx].double()).softmax(-1)
     n = hidden.shape[0]
     scores = torch.zeros(p.shape[1], n, dtype=torch.float64)
     for j in range(n):
         no_global_after = torch.prod(p[j + 1 :, :, 1] + p[j + 1 :, :, 2], dim=0)
-        gone = float(n - 1 - j >= gates.window)
+        gone = float(n - j >= gates.window)
         scores[:, j] = -(p[j, :, 1] * (1 - no_global_after) + p[j, :, 2] * gone).clamp_min(1e-30).log()
     return scores
 

@@ -40,9 +40,10 @@ class NAtSPress(BasePress):
         n_sink: leading tokens always kept (default 0: the gates learn the sinks).
         window_size: last tokens always kept (default 16).
 
-    A token is still held with probability p_global + p_local x P(no global token since it) + p_window x [it is
-    within the gates' window of the newest token], from its role probabilities (fixed when it is cached) and
-    those of every token after it (accumulated as they arrive); the score is -log of the complement (same order).
+    A token is still held with probability p_global + p_local x P(no global token since it) + p_window x [the next
+    query is within the gates' window of it, as in the mask they were trained with], from its role probabilities
+    (fixed when it is cached) and those of every token after it (accumulated as they arrive); the score is -log of
+    the complement (same order).
     """
 
     needs_hidden: ClassVar[bool] = True
@@ -93,7 +94,7 @@ class NAtSPress(BasePress):
         the rounding of that probability to 1 that would tie the confident global tokens."""
         layer = obs.layer
         gates, _ = self._gates[obs.module]
-        newest = layer.real_seen.to(layer.pos.device)[:, None, None] - 1
-        gone = (newest - layer.pos.long() >= gates.window).float()
+        # the next query (position real_seen) sees a window token j while real_seen - j < window (the trained mask)
+        gone = (layer.real_seen.to(layer.pos.device)[:, None, None] - layer.pos.long() >= gates.window).float()
         dropped = layer.slot(_LOCAL) * -torch.expm1(layer.slot(_SURVIVE)) + layer.slot(_WINDOW) * gone
         return -dropped.clamp_min(1e-30).log()
