@@ -125,6 +125,19 @@ def test_check_pattern_refuses_another_architecture_or_a_malformed_dict():
         check_pattern(_good(scores=...), model)
 
 
+def test_the_architecture_hash_tells_sliding_window_layers_apart():
+    """A pattern, scorer, gates or saved cache made on a model whose layers all attend to the whole context was taken
+    by one of the same shape with sliding-window layers (and one Gemma 3 arrangement by another): the hash now names
+    each layer's kind and the window where a model has such layers."""
+    full, windowed = tiny_model("mistral"), tiny_model("mistral-window")
+    assert config_hash(full) != config_hash(windowed)
+    with pytest.raises(ValueError, match="made for 'tiny'"):
+        check_pattern({**_good(), "config_hash": config_hash(full)}, windowed)
+    other = ["full_attention", "sliding_attention", "sliding_attention"]
+    assert config_hash(tiny_model("gemma3")) != config_hash(tiny_model("gemma3", layer_types=other))
+    assert config_hash(tiny_model("gemma3", sliding_window=8)) != config_hash(tiny_model("gemma3", sliding_window=12))
+
+
 def test_a_write_killed_half_way_leaves_the_file_it_replaces(tmp_path, monkeypatch):
     """save_pattern truncated the file first: a calibration killed as it wrote (a full disk) left half a pattern in
     place of the good one. Patterns, scorers, gates and saved caches are now written beside and renamed."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from torch import nn
 
 from kvpress.files import packaged_or_path, write_text_whole
+from kvpress.patches import model_access
 
 _HERE = Path(__file__).parent
 _HASHED = (
@@ -34,9 +35,14 @@ _HASHED = (
 
 
 def config_hash(model: nn.Module) -> str:
-    """A short hash of the architecture fields of `model`'s text config (what a head pattern depends on)."""
+    """A short hash of the architecture fields of `model`'s text config (what a head pattern depends on), and where
+    some layer attends over a sliding window, each layer's kind and the window (a pattern, scorer or cache of the
+    same shape with every layer over the whole context was taken without a word; models without such layers hash
+    as before)."""
     config = model.config.get_text_config(decoder=True).to_dict()
     fields = {key: config.get(key) for key in _HASHED}
+    if model_access.has_sliding_layers(model):
+        fields |= {"layer_types": model_access.layer_types(model), "sliding_window": model_access.sliding_window(model)}
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
