@@ -28,6 +28,7 @@ from torch import nn
 
 from kvpress import shipped
 from kvpress.counts import check_whole, floor_share
+from kvpress.patches import model_access
 from kvpress.patterns import config_hash
 from kvpress.pipeline import split_prompt
 from kvpress.presses.base import Observation
@@ -71,6 +72,14 @@ def check_arguments(texts: int, held_out: int, tokens: int, **_) -> None:
     check_tokens(tokens)
 
 
+def check_full_attention(model: nn.Module) -> None:
+    """Refuse a model with sliding-window layers: KVzip's scores there are 0 for every token that left the window,
+    so a fit would learn a token's age, not what its hidden state says."""
+    if model_access.has_sliding_layers(model):
+        raise ValueError("train-scorer fits models whose layers all attend to the whole context; this "
+                         f"{type(model).__name__} has sliding-window layers")  # fmt: skip
+
+
 def check_tokens(tokens: int) -> None:
     """Refuse windows longer than the corpus can give: each is drawn from 8 x `tokens` characters of its source."""
     most = (min(len(source) for source in corpus()) - 1) // 8  # (a start is drawn below len - 8 x tokens)
@@ -85,6 +94,8 @@ def training_texts(tokenizer, count: int, tokens: int, seed: int,
     windows from index `apart_from` on (the held-out ones) share no character of their source with a window drawn
     before them: a start that would is drawn again, so no held-out text was learned from (a draw with no overlap is
     what it was before)."""
+    check_whole(count=(count, 0), tokens=(tokens, 1), seed=(seed, 0))  # (seed None drew other texts each time)
+    check_tokens(tokens)
     rng = random.Random(seed)
     sources = corpus()
     texts, spans = [], []  # spans: (source, first character, end) of each window
@@ -171,6 +182,7 @@ def profile_scorer(model: nn.Module, tokenizer, scorer: Scorer, log=print) -> Sc
     """`scorer` with its layer profile measured again on the first `PROFILE_TEXTS` of its training texts (what
     `train_scorer` measures while it trains; `kvpress train-scorer --update-profile`)."""
     scorer.check(model)  # (a profile measured on another model's layers would be written as the scorer's)
+    check_full_attention(model)
     t = scorer.training or {}
     missing = [key for key in ("texts", "held_out", "tokens", "seed") if key not in t]
     if missing:
@@ -236,6 +248,7 @@ def train_scorer(
     `attention_mass` each KV head's model also reads the attention its token received in the prefill and how many
     queries saw it (`Scorer.mass_weight`)."""
     check_arguments(texts=texts, held_out=held_out, tokens=tokens)
+    check_full_attention(model)
     windows = training_texts(tokenizer, texts + 2 * held_out, tokens, seed, apart_from=texts)
     train, val, test = windows[:texts], windows[texts : texts + held_out], windows[texts + held_out :]
     gram: dict[int, list] = {}

@@ -208,6 +208,32 @@ def test_training_fits_kvzip_scores_better_than_chance(tokenized):
         scorer.check(model)
 
 
+def test_training_refuses_sliding_window_models_and_bad_settings_by_name(tokenized):
+    """On a sliding-window layer KVzip scores every token that left the window 0: train-scorer fitted a token's age
+    without a word (train-gates refused such models already). seed=None drew other texts at every profile; a window
+    of 0 tokens, a layer share at a negative ratio and a scorer named by a number failed deep inside."""
+    from kvpress.calibrate_heads import calibrate_heads
+    from kvpress.gates import load_gates
+    from kvpress.train_scorer import training_texts
+
+    model, tokenizer = tokenized
+    windowed = tiny_model("mistral-window", vocab_size=len(tokenizer))
+    refused = [
+        (lambda: train_scorer(windowed, tokenizer, "tiny", texts=1, held_out=1, tokens=64), "sliding-window layers"),
+        (lambda: train_scorer(model, tokenizer, "tiny", texts=1, held_out=1, tokens=64, seed=None), "seed must be an "),
+        (lambda: calibrate_heads(model, tokenizer, "tiny", examples=1, length=128, seed=1.5), "seed must be an "),
+        (lambda: training_texts(tokenizer, 1, 0, 0), "tokens must be an integer >= 1, got 0"),
+        (lambda: training_texts(tokenizer, -3, 64, 0), "count must be an integer >= 0, got -3"),
+        (lambda: training_texts(tokenizer, 1, 10**7, 0), "tokens must be at most"),
+        (lambda: tiny_scorer(model).layer_shares(-0.1), r"ratio must be a compression ratio in \[0, 1\), got -0.1"),
+        (lambda: load_scorer(123), "scorer must be the name of a packaged scorer or a path to its file, got 123"),
+        (lambda: load_gates(None), "gates must be the name of a packaged gates or a path to its file, got None"),
+    ]  # fmt: skip
+    for call, said in refused:
+        with pytest.raises((TypeError, ValueError), match=said):
+            call()
+
+
 def test_held_out_training_windows_share_no_text_with_the_windows_before_them(tokenized, monkeypatch):
     """Windows are drawn at random offsets: a held-out one that overlapped an earlier one is drawn again (on a
     corpus of numbered words, where which words a window holds says where it was cut)."""

@@ -73,6 +73,8 @@ class Scorer:
         its ratios (every layer 1 at r = 0; the last ratio's profile beyond it)."""
         if self.layer_profile is None:
             raise ValueError(f"scorer {self.model!r} has no layer profile; {_HOW}")
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
+            raise ValueError(f"ratio must be a compression ratio in [0, 1), got {ratio!r}")
         ratios = [0.0, *self.profile_ratios.tolist()]
         rows = torch.cat([torch.ones(1, self.layer_profile.shape[1]), self.layer_profile.float()])
         if ratio >= ratios[-1]:
