@@ -43,7 +43,7 @@ def packaged_or_path(source: str | Path, packaged: Path | None, what: str) -> Pa
     """The file `source` names: `packaged` (the file shipped under that name, None when it names none) or the path
     `source`. A name that is both (a file `smollm2-135m` written here, beside the packaged scorer) is refused: the
     packaged one was read in its place without a word."""
-    if not isinstance(source, (str, Path)) or not str(source):
+    if not isinstance(source, (str, os.PathLike)) or not str(source):
         raise TypeError(f"{what} must be the name of a packaged {what} or a path to its file, got {source!r}")
     if packaged is None:
         return Path(source)

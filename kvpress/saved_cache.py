@@ -9,6 +9,7 @@ the versions of kvpress, torch and transformers that wrote it. Nothing is pickle
 from __future__ import annotations
 
 import json
+import os
 from importlib.metadata import version
 from pathlib import Path
 
@@ -99,8 +100,8 @@ def _kv_shape(layer, default: tuple[int, int]) -> tuple[int, int]:
 
 
 def _check_path(path) -> str | Path:
-    if not isinstance(path, (str, Path)) or not str(path):
-        raise TypeError(f"path must name a .safetensors file (a str or pathlib.Path), got {path!r}")
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise TypeError(f"path must name a .safetensors file (a str or a path), got {path!r}")
     return path
 
 
@@ -133,7 +134,7 @@ def load_cache(path: str | Path, model: nn.Module) -> DynamicCache:
         )
     made = {"layer_types": meta.get("layer_types"), "sliding_window": meta.get("sliding_window")}
     here = {"layer_types": model_access.layer_types(model), "sliding_window": model_access.sliding_window(model)}
-    if "layer_types" in meta and made != here:  # (outside the architecture hash; files written before: no check)
+    if "layer_types" in meta and made != here:  # (files written before the hash named layer kinds)
         raise ValueError(f"{path} holds a cache of a model whose layers attend as {_layers(made)}; this "
                          f"{type(model).__name__}'s attend as {_layers(here)}: a cache only continues the model "
                          "that made it")  # fmt: skip
