@@ -213,8 +213,8 @@ def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float, mass: to
                softcap: float | None = None) -> torch.Tensor:  # fmt: skip
     """A decoding step: per (row, KV head), its `g` queries over the head's segment of the packed storage as two
     matrix products written into the output (a sdpa call per head, or one product over every head's slots, costs
-    more than this work); `[B, 1, Hq, Dv]`. The logits are in the model's dtype before the softmax (as transformers'
-    eager attention; sdpa keeps them in fp32 inside its kernel): in bf16 its error is eager's, above sdpa's.
+    more than this work); `[B, 1, Hq, Dv]`. The logits are in the model's dtype, the softmax in fp32 (as transformers'
+    eager attention; sdpa keeps the logits in fp32 too inside its kernel): in bf16 its error is eager's, above sdpa's.
     Quantized layers read each head decoded (`pair`). `mass`: the packed attention mass to fill (see
     `headwise_attention`), or None; `softcap`: the logits capped as `softcap * tanh(logits / softcap)`."""
     b, hq, _, d = query.shape
@@ -234,13 +234,14 @@ def _one_query(query: torch.Tensor, layer: HeadwiseLayer, scale: float, mass: to
             logits = torch.mm(scaled[row, head], k.T)
             if softcap:  # (Gemma-2 style: the scaled logits capped)
                 logits = torch.tanh(logits / softcap) * softcap
-            weights = torch.softmax(logits, dim=-1)
+            exact = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (as eager: fp32, then the model's dtype)
+            weights = exact if v.dtype == torch.float32 else exact.to(v.dtype)
             if grad:  # autograd takes no out=: the product is copied in (training code, a probe)
                 out[row, head] = torch.mm(weights, v)
             else:
                 torch.mm(weights, v, out=out[row, head])
-            if mass is not None:  # (one op where the weights are fp32, as on the CPU)
-                torch.sum(weights.float(), dim=0, out=mass[layer.bounds[i] : layer.bounds[i] + layer.lengths[i]])
+            if mass is not None:  # (from the fp32 weights: a bf16 model's mass is not rounded to its dtype)
+                torch.sum(exact, dim=0, out=mass[layer.bounds[i] : layer.bounds[i] + layer.lengths[i]])
     return out.view(b, 1, hq, -1)
 
 

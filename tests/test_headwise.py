@@ -106,6 +106,34 @@ def test_varlen_attention_equals_masked_dense(q_len, softcap, mass_block, gpu_pa
         assert torch.allclose(got, received[row, head][held[row, head]], atol=1e-5)
 
 
+def test_a_half_precision_decoding_step_takes_its_softmax_in_fp32_as_eager_does():
+    """A bf16 step's softmax ran in bf16 (transformers' eager attention runs it in fp32, then casts): the output
+    matches eager's bf16 computation, and the mass H2O accumulates is the fp32 weights', not their bf16 rounding."""
+    torch.manual_seed(0)
+    b, hkv, g, n, d = 1, 2, 2, 300, 16
+    dense = PressedLayer()
+    keys, values = torch.randn(b, hkv, n, d).bfloat16(), torch.randn(b, hkv, n, d).bfloat16()
+    dense.update(keys, values)
+    layer = HeadwiseLayer.from_dense(dense, torch.ones(b, hkv, n, dtype=torch.bool))
+    new_k, new_v = torch.randn(b, hkv, 1, d).bfloat16(), torch.randn(b, hkv, 1, d).bfloat16()
+    query = torch.randn(b, hkv * g, 1, d).bfloat16()
+    layer.driven = True
+    layer.update(new_k, new_v)
+    layer.commit()
+    module = torch.nn.Module()
+    module.scaling, module.attn_logit_softcapping = d**-0.5, None
+    out, mass = headwise_attention(module, query, layer, mass_block=1)
+    all_k = torch.cat([keys, new_k], 2).repeat_interleave(g, 1)
+    all_v = torch.cat([values, new_v], 2).repeat_interleave(g, 1)
+    logits = (query * d**-0.5) @ all_k.transpose(-1, -2)  # bf16, as eager
+    exact = logits.softmax(-1, dtype=torch.float32)
+    assert torch.equal(out.transpose(1, 2), exact.bfloat16() @ all_v)
+    received = exact.view(b, hkv, g, n + 1).sum(2)[0]
+    for head in range(hkv):
+        got = mass[layer.bounds[head] : layer.bounds[head] + layer.lengths[head]]
+        assert torch.allclose(got, received[head], atol=1e-6), (got - received[head]).abs().max()
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral-window", "gemma3"])
 @pytest.mark.parametrize("make", ["adakv", "duo", "adakv-h2o"])
 def test_one_varlen_call_gives_the_logits_of_the_loop(family, make, request):
