@@ -302,6 +302,20 @@ def test_suspended_stream_leaves_the_caller_alone():
         model(other, cache=DynamicCache(config=model.config))
 
 
+def test_a_frozen_block_inside_another_leaves_eviction_paused():
+    """The inner block restores what it found (paused), not eviction: the outer block's forwards still keep all."""
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    with SnapKVPress(compression_ratio=0.5, window_size=4)(model) as installation:
+        with installation.frozen():
+            with installation.frozen():
+                pass
+            model(prompt(1, 40), cache=cache)
+        assert cache.layers[0].n == 40
+        model(prompt(1, 4), cache=cache)  # out of both: evicts again
+        assert cache.layers[0].n == 22
+
+
 def test_frozen_needs_the_caller_that_entered():
     model = tiny_model("llama")
     installation = SnapKVPress(compression_ratio=0.5)(model)

@@ -33,6 +33,7 @@ def test_a_mean_interval_widens_with_few_examples():
     assert mean_half_width(values) == pytest.approx(2.3646 * sd / math.sqrt(8), abs=1e-4)
     assert math.isnan(mean_half_width([0.5]))
     assert wilson(3, 4) == pytest.approx((0.3006, 0.9544), abs=1e-4)
+    assert all(wilson(0, n)[0] == 0.0 and wilson(n, n)[1] == 1.0 for n in range(1, 80))  # (0 of 11 gave 2.8e-17)
 
 
 def test_a_mean_of_means_pools_standard_errors_at_welch_satterthwaite_df():
@@ -45,6 +46,9 @@ def test_a_mean_of_means_pools_standard_errors_at_welch_satterthwaite_df():
     assert pooled_half_width(two) == pytest.approx(t_quantile(14) * math.sqrt(2 * se**2) / 2)  # df = 7 + 7
     wide = pooled_half_width([[{0: 0.0, 1: 0.1}], [dict(enumerate(values * 4))]])
     assert wide < t_quantile(1) * math.sqrt(0.005 / 2 + (mean_half_width(values * 4) / t_quantile(31)) ** 2) / 2
+    v1, v2 = 0.005 / 2, (mean_half_width(values * 4) / t_quantile(31)) ** 2  # the two means' variances
+    df = (v1 + v2) ** 2 / (v1**2 / 1 + v2**2 / 31)  # Welch-Satterthwaite, not whole: rounded down
+    assert df % 1 > 0.01 and wide == pytest.approx(t_quantile(math.floor(df)) * math.sqrt(v1 + v2) / 2)
     assert pooled_half_width([[{0: 0.5, 1: 0.5}], [{0: 1.0, 1: 1.0}]]) == 0.0
     assert math.isnan(pooled_half_width([[{0: 0.1}], [{0: 0.1, 1: 0.2}]]))
     assert math.isnan(pooled_half_width([[{0: math.nan, 1: 0.2}], [{0: 0.1, 1: 0.2}]]))

@@ -106,6 +106,17 @@ def test_varlen_attention_equals_masked_dense(q_len, softcap, mass_block, gpu_pa
         assert torch.allclose(got, received[row, head][held[row, head]], atol=1e-5)
 
 
+def test_a_chunks_window_rows_see_exactly_the_window():
+    """A query at position p of a sliding-window layer of window w sees positions p - w + 1 .. p (transformers'
+    sliding mask), on the CPU's blocked path too."""
+    from kvpress.patches.headwise_attention import _window_rows
+
+    rows = _window_rows(torch.arange(10), 4, 3, (0, 6))  # 4 held slots, a chunk of 6, window 3
+    assert rows.shape == (6, 10)
+    for r in range(6):
+        assert rows[r].nonzero().flatten().tolist() == [p for p in range(10) if 4 + r - 3 < p <= 4 + r]
+
+
 def test_a_half_precision_decoding_step_takes_its_softmax_in_fp32_as_eager_does():
     """A bf16 step's softmax ran in bf16 (transformers' eager attention runs it in fp32, then casts): the output
     matches eager's bf16 computation, and the mass H2O accumulates is the fp32 weights', not their bf16 rounding."""

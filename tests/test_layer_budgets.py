@@ -91,6 +91,17 @@ def test_a_whole_layer_after_a_compressed_one_gets_its_own_mask(attn):
     assert logits.shape == (1, 5, 128) and torch.isfinite(logits).all()  # was a mask size mismatch
 
 
+def test_ratio_zero_keeps_every_layer_whole_whatever_its_share():
+    """r = 0 is the identity in every layer: a share below 1 (PyramidKV's top layers) must not cut a layer."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    for press in (PyramidKVPress(SnapKVPress(compression_ratio=0.0, window_size=4), beta=4),
+                  KnormPress(compression_ratio=0.0, layer_scales=(4, 2, 1, 1))):  # fmt: skip
+        cache = DynamicCache(config=model.config)
+        with press(model):
+            model(prompt(1, 40), cache=cache)
+        assert [layer.n for layer in cache.layers] == [40] * 4
+
+
 def test_pyramid_total_bytes_match_uniform():
     model = tiny_model("llama", num_hidden_layers=4)
     ids = prompt(1, 128)

@@ -121,11 +121,20 @@ def test_ratio_budget_grows_with_decoding(slack):
         assert budget - int(budget * slack) - 1 <= size <= budget
     if slack == 0:
         assert record.sizes == [40 + s - (40 + s) // 2 for s in range(60)]
+    else:  # a row over its budget is cut to budget - floor(budget x slack) at once, then grows: few cuts
+        cuts = [step for step in range(1, 60) if record.sizes[step] <= record.sizes[step - 1]]
+        assert 0 < len(cuts) < 20
+        for step in cuts:
+            budget = (40 + step) - (40 + step) // 2
+            assert record.sizes[step] == budget - int(budget * slack), step
 
 
 def test_decode_slack_validated():
     with pytest.raises(ValueError, match=r"decode_slack must be a fraction in \[0, 1\)"):
         SnapKVPress(compression_ratio=0.5, decode_slack=1.5)
+    # a large slack cuts to the protected tokens at most (8 of a budget of 10), and a prefill to the budget itself
+    press = SnapKVPress(compression_ratio=0.5, window_size=8, decode_slack=0.9)
+    assert press.target(torch.tensor([10]), 1).tolist() == [8] and press.target(torch.tensor([10]), 5).tolist() == [10]
 
 
 @pytest.mark.parametrize(

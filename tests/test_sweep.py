@@ -523,6 +523,9 @@ def test_the_benchmarks_resume_past_a_torn_last_row(tmp_path, capsys):
     path.write_text('{"a": 1}\n{torn\n{"a": 2}\n')
     with pytest.raises(ValueError, match=r"long.jsonl, line 2, is not a result row"):
         read_rows(path, "kvpress bench-long")
+    path.write_text('{"a": 1}\n{"a": 2}')  # whole JSON but no end of line: the write was cut before it, so the next
+    assert read_rows(path, "kvpress bench-long") == [{"a": 1}]  # row would have landed on it; measured again
+    assert path.read_text() == '{"a": 1}\n'
 
 
 def test_plots_give_each_press_its_own_style_and_write_both_pngs(tmp_path):
