@@ -40,7 +40,7 @@ class ChatSession:
 
     def __init__(self, model, tokenizer, press: BasePress | None = None, max_new_tokens: int = 256, system=None,
                  round_policy: RoundPolicy | None = None):  # fmt: skip
-        model_access.check_supported(model)
+        model_access.check_is_model(model)
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"{type(tokenizer).__name__} has no chat template; ChatSession needs one")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:

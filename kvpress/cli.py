@@ -51,8 +51,12 @@ def _budget(name: str, ratio: float | None, max_tokens: int | None) -> dict:
     from kvpress.presses import PRESSES, parse_press_spec, press_class, resolve_default
 
     base, params = parse_press_spec(resolve_default(name))
-    scorer = params.get("inner", base)  # (an unknown inner press: press_from_name names it)
-    own = press_class(scorer).budget_parameters if scorer in PRESSES else ()
+    inner = params.get("inner")
+    if inner is None:
+        own = press_class(base).budget_parameters
+    else:  # the inner press's, where they reach it: duo-attention's factory keeps `window` for its streaming heads
+        outer = {p.name for p in inspect.signature(PRESSES[base]).parameters.values() if p.kind is not p.VAR_KEYWORD}
+        own = [p for p in press_class(inner).budget_parameters if p not in outer] if inner in PRESSES else ()
     if ratio is None and max_tokens is None and not {"compression_ratio", "max_tokens", *own} & set(params):
         ratio = 0.5
     return {key: value for key, value in (("compression_ratio", ratio), ("max_tokens", max_tokens))

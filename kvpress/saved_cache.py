@@ -34,7 +34,7 @@ def save_cache(cache: DynamicCache, path: str | Path, model: nn.Module, press: s
     if not isinstance(cache, DynamicCache):
         raise TypeError(f"save_cache saves a DynamicCache, got {type(cache).__name__}")
     _check_path(path)
-    model_access.check_supported(model)
+    model_access.check_is_model(model)
     if press is not None and press != "none":  # a spec the loaded cache can be continued with, budget included
         if not isinstance(press, str):
             raise TypeError(f"press= is the spec of the press that compressed the cache, such as "
@@ -125,12 +125,15 @@ def read_metadata(path: str | Path) -> dict:
 def load_cache(path: str | Path, model: nn.Module) -> DynamicCache:
     """The cache saved in `path`, for `model` (refused unless `model` has the architecture it was made with);
     each layer on the device of its attention module. Continue it inside the press that made it."""
-    model_access.check_supported(model)
+    model_access.check_is_model(model)
     meta = read_metadata(path)
     if meta["config_hash"] != config_hash(model):
+        since = (" (or the file was saved before 2026-12-07, when the hash of a model with other layers than "
+                 "full-attention ones came to name them: save it again)") if model_access.has_sliding_layers(model) \
+            else ""  # fmt: skip
         raise ValueError(
             f"{path} holds a cache of a {meta['model']} with architecture hash {meta['config_hash']}; this "
-            f"{type(model).__name__} has {config_hash(model)}: a cache only continues the model that made it"
+            f"{type(model).__name__} has {config_hash(model)}: a cache only continues the model that made it{since}"
         )
     made = {"layer_types": meta.get("layer_types"), "sliding_window": meta.get("sliding_window")}
     here = {"layer_types": model_access.layer_types(model), "sliding_window": model_access.sliding_window(model)}

@@ -68,7 +68,7 @@ def stream(
     copy them into one preallocated tensor (or floats) rather than keeping every small tensor: those
     between the large per-chunk logits fragment the heap and the process memory creeps up.
     """
-    model_access.check_supported(model)
+    model_access.check_is_model(model)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
     check_press(press)

@@ -31,11 +31,16 @@ def drop_quantizer(model: nn.Module) -> None:
         del model.config.quantization_config
 
 
+def check_is_model(model: nn.Module) -> None:
+    """Raise TypeError unless `model` is a transformers PreTrainedModel (what a function given no press reads)."""
+    if getattr(model, "config", None) is None or not hasattr(model, "_can_set_attn_implementation"):
+        raise TypeError(f"kvpress needs a transformers PreTrainedModel, got {type(model).__name__}")
+
+
 def check_supported(model: nn.Module) -> None:
     """Raise TypeError unless `model` is a decoder-only transformers model using `AttentionInterface`."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "_can_set_attn_implementation"):
-        raise TypeError(f"kvpress needs a transformers PreTrainedModel, got {type(model).__name__}")
+    check_is_model(model)
+    config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise TypeError(f"{type(model).__name__} is an encoder-decoder model; kvpress supports decoder-only models")
     towers = [key for key in getattr(config, "sub_configs", {}) if key not in ("text_config", "decoder")

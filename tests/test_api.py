@@ -263,6 +263,8 @@ def test_cli_budget_in_the_press_name_is_the_budget():
     assert duo.retrieval_fraction == 0.3 and duo.press.compression_ratio == 0.5
     for wrapper in ("adakv", "pyramidkv"):  # the inner press's window is the budget (r = 0.5 was added: refused)
         assert _press(f"{wrapper}:inner=sink-window:window=8", None, None).max_tokens == 12
+    duo = _press("duo-attention:retrieval_fraction=0.3:inner=sink-window:window=8", None, None)  # the streaming heads'
+    assert duo.window == 8 and duo.press.compression_ratio == 0.5  # window: the inner press's budget is r = 0.5
 
 
 def test_protected_tokens_over_the_budget_are_said_once():
@@ -319,6 +321,27 @@ def test_a_setting_moved_after_the_press_was_built_is_checked_again_as_it_instal
     wrapper.alpha_safeguard, wrapper.press.window_size = 0.5, 8
     with wrapper(model):
         model.generate(prompt(1, 40), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    wrapper.decode_slack = 0.5  # a setting the wrapper takes from its press, moved on the wrapper: said so
+    with pytest.raises(ValueError, match="AdaKVPress takes decode_slack from the wrapped press; set it there"):
+        with wrapper(model):
+            pass
+    window = kvpress.SinkWindowPress(window=8)  # a budget taken from a setting: moving another one keeps it
+    window.n_sink, window.rerotate = 2, True
+    with window(model):
+        pass
+    assert window.max_tokens == 10
+    knorm = kvpress.KnormPress(compression_ratio=0.5)
+    knorm.layer_scales = (s for s in (1.0, 2.0, 1.0))  # taken as the press built of it holds it
+    with knorm(model):
+        pass
+    assert knorm.layer_scales == (1.0, 2.0, 1.0)
+    from tiny import tiny_pattern
+
+    duo = kvpress.DuoAttentionPress(compression_ratio=0.5, head_pattern=tiny_pattern(model), window=4)
+    duo.window = 0
+    with pytest.raises(ValueError, match="DuoAttentionPress was given window=0 after it was built: window must be a"):
+        with duo(model):
+            pass
     with pytest.raises(ValueError, match="layer_scales must be a list of positive numbers in layer order"):
         SnapKVPress(compression_ratio=0.5, layer_scales={0: 1.0, 1: 2.0})
 

@@ -19,6 +19,15 @@ def test_load_model_errors(tmp_path):
         kvpress.load_model(str(tmp_path / "nothing"))
 
 
+def test_the_default_models_architecture_hash_stays_what_its_files_were_made_with(default_model):
+    """Its packaged scorers, gates, pattern, default press and watershed are found by this hash: a change to
+    `config_hash` that moved it (naming layer kinds, 2026-12-07, left full-attention models alone) loses them all."""
+    from kvpress.patterns import config_hash
+    from kvpress.rounds import MEASURED_WATERSHEDS
+
+    assert config_hash(default_model[0]) == "59ba6691c8489e2a" and "59ba6691c8489e2a" in MEASURED_WATERSHEDS
+
+
 def test_demo_fact_is_answered_with_the_full_cache(default_model):
     model, tokenizer = default_model
     answer = kvpress.generate(model, tokenizer, demo_document(), DEMO_QUESTION, max_new_tokens=12)

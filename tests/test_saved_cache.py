@@ -139,6 +139,23 @@ def test_a_cache_of_another_window_another_model_or_a_half_updated_forward_is_re
     with pytest.raises(ValueError, match=rf"architecture hash {config_hash(windowed)}; this MistralForCausalLM has "
                                          rf"{config_hash(full)}: a cache only continues"):  # fmt: skip
         kvpress.load_cache(path, full)
+    # a file saved before the hash named layer kinds (the windowed model's hash then was the full one's): its layer
+    # kinds, recorded since before, still refuse it
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    old = tmp_path / "old.safetensors"
+    save_file(load_file(path), old, metadata={**meta, "kvpress": json.dumps({**json.loads(meta["kvpress"]),
+                                                                           "config_hash": config_hash(full)})})
+    with pytest.raises(ValueError, match=r"attend as sliding_attention x 2 \(window 16\); this MistralForCausalLM's "
+                                         r"attend as full_attention x 2: a cache only continues"):  # fmt: skip
+        kvpress.load_cache(old, full)
+    with pytest.raises(ValueError, match="or the file was saved before 2026-12-07"):  # (the windowed model's, moved)
+        kvpress.load_cache(old, windowed)
     with pytest.raises(ValueError, match="this cache has 2 layers and this LlamaForCausalLM 3: save a cache with"):
         kvpress.save_cache(cache, path, tiny_model("llama", num_hidden_layers=3))
     with pytest.raises(ValueError, match="hold 2 KV heads of size 16 and this LlamaForCausalLM 4 of size 16: save"):

@@ -36,9 +36,9 @@ _HASHED = (
 
 def config_hash(model: nn.Module) -> str:
     """A short hash of the architecture fields of `model`'s text config (what a head pattern depends on), and where
-    some layer attends over a sliding window, each layer's kind and the window (a pattern, scorer or cache of the
-    same shape with every layer over the whole context was taken without a word; models without such layers hash
-    as before)."""
+    some layer is not a full-attention one (a sliding window, chunked attention, ...), each layer's kind and the
+    sliding window (a pattern, scorer or cache of the same shape with every layer over the whole context was taken
+    without a word; models whose layers are all full-attention ones hash as before 2026-12-07, the others not)."""
     config = model.config.get_text_config(decoder=True).to_dict()
     fields = {key: config.get(key) for key in _HASHED}
     if model_access.has_sliding_layers(model):

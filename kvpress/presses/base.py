@@ -219,22 +219,31 @@ class BasePress(Installable):
 
     def _check_moved_settings(self) -> None:
         """Check again the settings set since the press was built (`press.window_size = 8` between runs), as they
-        were checked then: a press of the same fields is built, and its refusal raised (a wrapper's budget and
-        what it takes from its press are left for it to take again)."""
+        were checked then: a press of the same fields is built, its refusal raised, and what it made of them taken
+        (`_take_rebuilt`). Its budget is the press's where the press took it from a setting (SinkWindow's window) or
+        from the press it wraps, which also gives it the settings it takes from that press but those moved on it."""
         built = self.__dict__.get("_built_with", {})
         moved = [name for name, value in self._settings().items() if name in built and not _same(value, built[name])]
         if not moved:
             return
-        wrapper = "_press_settings" in self.__dict__  # (`wrapping.take_settings`)
-        taken = {f.name: f.default for f in dataclasses.fields(BasePress)} if wrapper else {}
+        derived = {"compression_ratio": None, "max_tokens": None}  # (a budget the rebuilt press sets itself)
+        if "_press_settings" in self.__dict__:  # a wrapper (`wrapping.take_settings`)
+            derived |= {f.name: f.default for f in dataclasses.fields(BasePress) if f.name not in moved}
+        elif not any(getattr(self, name) is not None for name in type(self).budget_parameters):
+            derived = {}
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # (a warning the first build gave already)
-                dataclasses.replace(self, **taken)
+            rebuilt = dataclasses.replace(self, **derived)
         except (TypeError, ValueError) as error:
             given = ", ".join(f"{name}={getattr(self, name)!r}" for name in moved)
             raise type(error)(f"{type(self).__name__} was given {given} after it was built: {error}") from None
+        self._take_rebuilt(rebuilt, moved)
         self.__dict__["_built_with"] = self._settings()
+
+    def _take_rebuilt(self, rebuilt: BasePress, moved: list[str]) -> None:
+        """Take the moved settings as the press built of them holds them (`layer_scales` given as a generator: a
+        tuple); a press that derives state of its own from a setting takes that too."""
+        for name in moved:
+            setattr(self, name, getattr(rebuilt, name))
 
     def _check_budget_values(self) -> None:
         """Exactly one of compression_ratio (in [0, 1)) and max_tokens (a positive integer, at least the

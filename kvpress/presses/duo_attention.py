@@ -102,6 +102,11 @@ class DuoAttentionPress(HeadwisePress):
         self.pattern = None if self.head_pattern == "auto" else load_pattern(self.head_pattern)
         # per model (by its attention modules): each head's rank and the (layer, KV head) pairs ranked
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.__dict__["_built_with"] = self._settings()  # (`BasePress.check_budget`: checked again where they move)
+
+    def _take_rebuilt(self, rebuilt: BasePress, moved: list[str]) -> None:
+        super()._take_rebuilt(rebuilt, moved)
+        self.pattern = rebuilt.pattern  # (a head_pattern moved: its file read again)
 
     def _check_budget_values(self) -> None:
         """Exactly one of compression_ratio (in [0, 1)) and retrieval_fraction (in [0, 1]), no max_tokens (when built,
