@@ -76,8 +76,9 @@ def check_full_attention(model: nn.Module) -> None:
     """Refuse a model with sliding-window layers: KVzip's scores there are 0 for every token that left the window,
     so a fit would learn a token's age, not what its hidden state says."""
     if model_access.has_sliding_layers(model):
+        kinds = sorted(set(model_access.layer_types(model)) - {"full_attention"})
         raise ValueError("train-scorer fits models whose layers all attend to the whole context; this "
-                         f"{type(model).__name__} has sliding-window layers")  # fmt: skip
+                         f"{type(model).__name__} has sliding-window layers or others: {kinds}")  # fmt: skip
 
 
 def check_tokens(tokens: int) -> None:
