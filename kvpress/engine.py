@@ -365,6 +365,11 @@ class PressInstallation:
                 raise ValueError(f"this cache holds quantized keys (kv_bits), which {type(self.press).__name__} "
                                  "(rerotate=True) would re-rotate in place, losing precision at every step: continue "
                                  "it with a press that does not re-rotate")  # fmt: skip
+            for layer in cache.layers:  # compressed by a press that did not re-rotate: its keys move to their ranks
+                # first (its new tokens run at their ranks; its held keys stayed at their true positions)
+                if isinstance(layer, PressedLayer) and not layer.rotated and layer.n and layer.shift is not None \
+                        and bool(layer.shift.any()):  # fmt: skip
+                    self._rerank(layer)
             kwargs["position_ids"] = cache_positions(cache, args, kwargs)
 
     def run_forward(self, forward: Callable, cache: DynamicCache, args: tuple, kwargs: dict):

@@ -100,6 +100,24 @@ def test_rerotated_sink_window_step_equals_fresh_forward_positions():
     assert (logits - fresh).abs().max() < 1e-4
 
 
+def test_a_cache_compressed_without_rerotation_is_moved_to_its_ranks_when_a_rerotating_press_continues_it():
+    """Its held keys stayed at their true positions while the new token ran at its rank (the logits 2e-3 off both
+    readings, and every later step read that token's key rotated wrong): the keys move to their ranks first. (One
+    layer: its keys are projections of the embeddings, so a fresh run of the held tokens is the reference.)"""
+    model = tiny_model("llama", num_hidden_layers=1)
+    ids = prompt(1, 32)
+    cache = DynamicCache(config=model.config)
+    with SinkWindowPress(n_sink=4, window=12)(model):  # keys at their true positions 0..3, 18..29
+        model(ids[:, :30], cache=cache)
+    with SinkWindowPress(n_sink=4, window=12, rerotate=True)(model):
+        first = model(ids[:, 30:31], cache=cache).logits[0, -1]
+        second = model(ids[:, 31:32], cache=cache).logits[0, -1]
+    held = [0, 1, 2, 3, *range(18, 30)]
+    assert (first - model(ids[:, [*held, 30]]).logits[0, -1]).abs().max() < 1e-5  # at 0..15, the new one at 16
+    now = [0, 1, 2, 3, *range(19, 31)]  # after the step's eviction
+    assert (second - model(ids[:, [*now, 31]]).logits[0, -1]).abs().max() < 1e-5
+
+
 def test_a_rerotated_cache_refuses_a_forward_outside_its_press():
     model = tiny_model("llama")
     cache = DynamicCache(config=model.config)
