@@ -279,10 +279,12 @@ class PressInstallation:
             raise TypeError(f"an observer is a callable taking an Observation, got {', '.join(wrong)}")
         self.intercept = Intercept(model, self)  # refuses models kvpress cannot intercept
         self.model, self.press, self.observers, self.tokenizer = model, press, tuple(observers), tokenizer
-        self._inv_freq = None
+        self._inv_freq, self._dynamic_length = None, None
         if press is not None:
             _check_press(model, press)
-            self._inv_freq = model_access.inv_freq(model) if press.rerotate else None
+            if press.rerotate:
+                self._inv_freq = model_access.rerotation_inv_freq(model)
+                self._dynamic_length = model_access.dynamic_rope_length(model)
         self._activation = None
         self._unscored: _Unscored | None = None  # (`scores_later_chunks`) the cache scored last, the ids fed since
 
@@ -365,6 +367,15 @@ class PressInstallation:
                 raise ValueError(f"this cache holds quantized keys (kv_bits), which {type(self.press).__name__} "
                                  "(rerotate=True) would re-rotate in place, losing precision at every step: continue "
                                  "it with a press that does not re-rotate")  # fmt: skip
+            if self._dynamic_length is not None:  # (host integers: no device read a step)
+                reach = max((layer.n for layer in cache.layers if isinstance(layer, PressedLayer)), default=0) + \
+                    new_tokens(args, kwargs).shape[1]  # fmt: skip
+                if reach > self._dynamic_length:
+                    raise ValueError(f"{type(self.press).__name__} (rerotate=True) on a dynamic RoPE: this forward "
+                                     f"reaches position {reach - 1}, past the {self._dynamic_length} the model rotates "
+                                     "with its own frequencies (it would stretch them for these keys, and the cache's "
+                                     "re-rotation would move them with the others): prefill in chunks "
+                                     "(prefill_chunk_size) with a budget plus a chunk within that length")  # fmt: skip
             for layer in cache.layers:  # compressed by a press that did not re-rotate: its keys move to their ranks
                 # first (its new tokens run at their ranks; its held keys stayed at their true positions)
                 if isinstance(layer, PressedLayer) and not layer.rotated and layer.n and layer.shift is not None \

@@ -140,6 +140,20 @@ def inv_freq(model: nn.Module) -> torch.Tensor:
     return rotary_embedding(model).inv_freq
 
 
+def dynamic_rope_length(model: nn.Module) -> int | None:
+    """The positions a dynamic RoPE rotates with its own frequencies (a forward past them stretches them, and one
+    below them sets them back); None for any other RoPE."""
+    rotary = rotary_embedding(model)
+    return int(rotary.original_max_seq_len) if getattr(rotary, "rope_type", None) == "dynamic" else None
+
+
+def rerotation_inv_freq(model: nn.Module) -> torch.Tensor:
+    """The frequencies re-rotated keys move with: a dynamic RoPE's own (its stretched ones, left by a forward past
+    its length before the press was installed, are not what the positions inside a cache rotate with)."""
+    rotary = rotary_embedding(model)
+    return rotary.original_inv_freq if dynamic_rope_length(model) is not None else rotary.inv_freq
+
+
 def check_half_split_rope(model: nn.Module, layer_idx: int = 0) -> None:
     """Raise TypeError unless `model` rotates its keys as `rope.rerotate` and `rope.average_rotation` do
     (transformers' half-split layout, as Llama): a random key its own `apply_rotary_pos_emb` rotates to position 12,

@@ -183,6 +183,26 @@ def test_the_layout_check_leaves_a_dynamic_rope_alone():
     assert torch.equal(model.model.rotary_emb.inv_freq, stretched)
 
 
+def test_a_dynamic_rope_streams_in_chunks_and_refuses_a_forward_past_its_length():
+    """A one-piece prefill past a dynamic RoPE's length rotated its keys with stretched frequencies and the cache
+    moved them with the original ones (keys 0.8 off, logits 2.6e-3): refused; in chunks within it, exact (one layer:
+    a fresh run of the held tokens at 0..n is the reference), also after a forward past it stretched them first."""
+    model = tiny_model("llama", num_hidden_layers=1, max_position_embeddings=128,
+                       rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})  # fmt: skip
+    ids = prompt(1, 201)
+    with pytest.raises(ValueError, match="reaches position 199, past the 128 the model rotates with its own"):
+        with SinkWindowPress(n_sink=4, window=28, rerotate=True)(model):
+            model(ids[:, :200], cache=DynamicCache(config=model.config))
+    model(prompt(1, 300))  # stretched before the press is installed
+    cache = DynamicCache(config=model.config)
+    with SinkWindowPress(n_sink=4, window=28, rerotate=True, decode_slack=0.0)(model):
+        for start in range(0, 200, 32):
+            model(ids[:, start : min(start + 32, 200)], cache=cache)
+        logits = model(ids[:, 200:], cache=cache).logits[0, -1]
+    fresh = model(ids[:, [0, 1, 2, 3, *range(200 - 28, 201)]]).logits[0, -1]
+    assert (logits - fresh).abs().max() < 1e-5
+
+
 def test_latent_keys_are_refused_where_they_would_be_moved():
     """DeepSeek-V3 (MLA) caches latents, not rotated keys, and rotates interleaved pairs (`rope_interleave`)."""
     from transformers import AutoModelForCausalLM, DeepseekV3Config
