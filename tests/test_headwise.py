@@ -696,6 +696,19 @@ def test_duo_fed_in_chunks_splits_heads_once_the_budget_allows():
     assert 0.25 < kept <= 0.5 + 1 / 8, kept  # not every head streaming (the split waited for a real budget)
 
 
+def test_duo_keeping_a_whole_context_its_budget_cannot_split_says_so_once():
+    """At r = 0.9 a 250-token row's budget (25) is not more than a streaming head's 68: it keeps everything (1.0 of
+    the bytes where r = 0.9 promises 0.1), which it did without a word."""
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    with pytest.warns(UserWarning, match=r"DuoAttentionPress keeps all 250 tokens of a row: its budget at "
+                                         r"compression_ratio=0.9 \(25\) is not more than a streaming head's") as said:
+        with DuoAttentionPress(compression_ratio=0.9, head_pattern=tiny_pattern(model))(model):
+            model.generate(prompt(1, 250), cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert len([w for w in said if "keeps all" in str(w.message)]) == 1
+    assert all(layer.n == 252 for layer in cache.layers)  # (the last token is generated, not cached)
+
+
 def test_head_pattern_for_another_model_is_refused():
     llama, qwen = tiny_model("llama"), tiny_model("qwen2", num_hidden_layers=3)
     press = DuoAttentionPress(compression_ratio=0.5, head_pattern=tiny_pattern(qwen))

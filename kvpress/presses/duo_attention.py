@@ -14,6 +14,7 @@ retrieval heads keep what that press keeps of them at its own budget, instead of
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import ClassVar
@@ -206,7 +207,15 @@ class DuoAttentionPress(HeadwisePress):
         its budget holds more than a streaming head's `n_sink + window`; with `retrieval_fraction`, always)."""
         if self.compression_ratio is None:
             return [True] * len(seen)
-        return [n - floor_share(n, self.compression_ratio) > self.n_sink + self.window for n in seen]
+        ready = [n - floor_share(n, self.compression_ratio) > self.n_sink + self.window for n in seen]
+        if not all(ready) and not self.__dict__.get("_said_whole"):
+            self.__dict__["_said_whole"] = True  # once per press, as BasePress says its protected tokens
+            n = seen[ready.index(False)]
+            warnings.warn(f"DuoAttentionPress keeps all {n} tokens of a row: its budget at compression_ratio="
+                          f"{self.compression_ratio} ({n - floor_share(n, self.compression_ratio)}) is not more than a "
+                          f"streaming head's n_sink + window ({self.n_sink + self.window}); its heads split once the "
+                          "row's budget holds more (a longer context, or a smaller window)", stacklevel=2)  # fmt: skip
+        return ready
 
     def _targets(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
         """`[B]` on the host: the press's budget for each row of `obs`, and what a head over it is cut to."""
