@@ -377,9 +377,10 @@ class PressInstallation:
                                      "re-rotation would move them with the others): prefill in chunks "
                                      "(prefill_chunk_size) with a budget plus a chunk within that length")  # fmt: skip
             for layer in cache.layers:  # compressed by a press that did not re-rotate: its keys move to their ranks
-                # first (its new tokens run at their ranks; its held keys stayed at their true positions)
-                if isinstance(layer, PressedLayer) and not layer.rotated and layer.n and layer.shift is not None \
-                        and bool(layer.shift.any()):  # fmt: skip
+                # first (its new tokens run at their ranks; its held keys stayed at their true positions). Host
+                # integers: nothing evicted leaves every rank at its position, and no step reads the device
+                if isinstance(layer, PressedLayer) and not layer.rotated and layer.n != layer.seen \
+                        and layer.shift is not None:  # fmt: skip
                     self._rerank(layer)
             kwargs["position_ids"] = cache_positions(cache, args, kwargs)
 
