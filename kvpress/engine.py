@@ -370,18 +370,24 @@ class PressInstallation:
             if self._dynamic_length is not None:  # (host integers: no device read a step)
                 reach = max((layer.n for layer in cache.layers if isinstance(layer, PressedLayer)), default=0) + \
                     new_tokens(args, kwargs).shape[1]  # fmt: skip
-                if reach > self._dynamic_length:
+                if reach >= self._dynamic_length:  # (at the length itself transformers keeps stretched ones)
                     raise ValueError(f"{type(self.press).__name__} (rerotate=True) on a dynamic RoPE: this forward "
-                                     f"reaches position {reach - 1}, past the {self._dynamic_length} the model rotates "
-                                     "with its own frequencies (it would stretch them for these keys, and the cache's "
-                                     "re-rotation would move them with the others): prefill in chunks "
-                                     "(prefill_chunk_size) with a budget plus a chunk within that length")  # fmt: skip
-            for layer in cache.layers:  # compressed by a press that did not re-rotate: its keys move to their ranks
-                # first (its new tokens run at their ranks; its held keys stayed at their true positions). Host
-                # integers: nothing evicted leaves every rank at its position, and no step reads the device
-                if isinstance(layer, PressedLayer) and not layer.rotated and layer.n != layer.seen \
-                        and layer.shift is not None:  # fmt: skip
-                    self._rerank(layer)
+                                     f"reaches position {reach - 1}; the model keeps its own frequencies only while a "
+                                     f"forward stays below position {self._dynamic_length - 1} (past it they stretch "
+                                     "for these keys, and the cache's re-rotation would move them with the others): "
+                                     "prefill in chunks (prefill_chunk_size) with a budget plus a chunk within "
+                                     "that")  # fmt: skip
+            # compressed by a press that did not re-rotate: its keys move to their ranks first (its new tokens run
+            # at their ranks; its held keys stayed at their true positions). Host integers: nothing evicted leaves
+            # every rank at its position, and no step reads the device
+            moved = [layer for layer in cache.layers if isinstance(layer, PressedLayer) and not layer.rotated
+                     and layer.n != layer.seen and layer.shift is not None]  # fmt: skip
+            if len({layer.n for layer in moved}) > 1:
+                raise ValueError(f"this cache's layers hold different numbers of tokens (a press with per-layer "
+                                 f"budgets compressed it): {type(self.press).__name__} (rerotate=True) feeds its new "
+                                 "tokens at one position in every layer, so it cannot continue it")  # fmt: skip
+            for layer in moved:
+                self._rerank(layer)
             kwargs["position_ids"] = cache_positions(cache, args, kwargs)
 
     def run_forward(self, forward: Callable, cache: DynamicCache, args: tuple, kwargs: dict):

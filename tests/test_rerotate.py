@@ -116,6 +116,15 @@ def test_a_cache_compressed_without_rerotation_is_moved_to_its_ranks_when_a_rero
     assert (first - model(ids[:, [*held, 30]]).logits[0, -1]).abs().max() < 1e-5  # at 0..15, the new one at 16
     now = [0, 1, 2, 3, *range(19, 31)]  # after the step's eviction
     assert (second - model(ids[:, [*now, 31]]).logits[0, -1]).abs().max() < 1e-5
+    from kvpress import KnormPress
+
+    two = tiny_model("llama")  # layers of other budgets: one position for every layer's new token fits none
+    cache = DynamicCache(config=two.config)
+    with KnormPress(compression_ratio=0.5, layer_scales=(1.0, 1.5))(two):
+        two(ids[:, :30], cache=cache)
+    with pytest.raises(ValueError, match="layers hold different numbers of tokens .* cannot continue it"):
+        with SinkWindowPress(n_sink=4, window=12, rerotate=True)(two):
+            two(ids[:, 30:31], cache=cache)
 
 
 def test_a_rerotated_cache_refuses_a_forward_outside_its_press():
@@ -190,7 +199,8 @@ def test_a_dynamic_rope_streams_in_chunks_and_refuses_a_forward_past_its_length(
     model = tiny_model("llama", num_hidden_layers=1, max_position_embeddings=128,
                        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})  # fmt: skip
     ids = prompt(1, 201)
-    with pytest.raises(ValueError, match="reaches position 199, past the 128 the model rotates with its own"):
+    with pytest.raises(ValueError, match="reaches position 199; the model keeps its own frequencies only while a "
+                                         "forward stays below position 127"):  # fmt: skip
         with SinkWindowPress(n_sink=4, window=28, rerotate=True)(model):
             model(ids[:, :200], cache=DynamicCache(config=model.config))
     model(prompt(1, 300))  # stretched before the press is installed

@@ -186,6 +186,8 @@ class DuoAttentionPress(HeadwisePress):
         if self.press is None and not bool((held > stream).any()):
             return None
         seen = layer.seen_list()
+        if obs.q_len == 1:
+            self._say_whole(seen)
         ready = torch.tensor(self._ready(seen))
         if not bool(ready.any()):
             return None  # the split is decided once per row: wait until a row's budget holds more than a stream
@@ -207,15 +209,19 @@ class DuoAttentionPress(HeadwisePress):
         its budget holds more than a streaming head's `n_sink + window`; with `retrieval_fraction`, always)."""
         if self.compression_ratio is None:
             return [True] * len(seen)
-        ready = [n - floor_share(n, self.compression_ratio) > self.n_sink + self.window for n in seen]
+        return [n - floor_share(n, self.compression_ratio) > self.n_sink + self.window for n in seen]
+
+    def _say_whole(self, seen: list[int]) -> None:
+        """Say once per press that a row decodes unsplit, keeping everything (a chunk's row that splits at a later
+        chunk is not said: only a decoding step's)."""
+        ready = self._ready(seen)
         if not all(ready) and not self.__dict__.get("_said_whole"):
-            self.__dict__["_said_whole"] = True  # once per press, as BasePress says its protected tokens
+            self.__dict__["_said_whole"] = True  # as BasePress says its protected tokens over the budget
             n = seen[ready.index(False)]
             warnings.warn(f"DuoAttentionPress keeps all {n} tokens of a row: its budget at compression_ratio="
                           f"{self.compression_ratio} ({n - floor_share(n, self.compression_ratio)}) is not more than a "
                           f"streaming head's n_sink + window ({self.n_sink + self.window}); its heads split once the "
-                          "row's budget holds more (a longer context, or a smaller window)", stacklevel=2)  # fmt: skip
-        return ready
+                          "row's budget holds more (a longer context, or a smaller window)", stacklevel=3)  # fmt: skip
 
     def _targets(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
         """`[B]` on the host: the press's budget for each row of `obs`, and what a head over it is cut to."""
