@@ -183,11 +183,11 @@ class DuoAttentionPress(HeadwisePress):
         layer = obs.layer
         stream = self.n_sink + self.window
         held = layer.held()  # on the host, as every count below: a step that changes nothing reads nothing back
+        if obs.q_len == 1 and not self.__dict__.get("_said_whole"):
+            self._say_whole(layer.seen_list())
         if self.press is None and not bool((held > stream).any()):
             return None
         seen = layer.seen_list()
-        if obs.q_len == 1:
-            self._say_whole(seen)
         ready = torch.tensor(self._ready(seen))
         if not bool(ready.any()):
             return None  # the split is decided once per row: wait until a row's budget holds more than a stream
@@ -215,7 +215,7 @@ class DuoAttentionPress(HeadwisePress):
         """Say once per press that a row decodes unsplit, keeping everything (a chunk's row that splits at a later
         chunk is not said: only a decoding step's)."""
         ready = self._ready(seen)
-        if not all(ready) and not self.__dict__.get("_said_whole"):
+        if not all(ready):
             self.__dict__["_said_whole"] = True  # as BasePress says its protected tokens over the budget
             n = seen[ready.index(False)]
             warnings.warn(f"DuoAttentionPress keeps all {n} tokens of a row: its budget at compression_ratio="
