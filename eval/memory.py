@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 from kvpress.patches import blocked_attention
-from kvpress.patches.model_access import layer_types
+from kvpress.patches.model_access import head_dim, kv_heads, layer_types
 
 
 def page_in(model: nn.Module) -> None:
@@ -78,8 +78,7 @@ def full_cache_bytes(model, tokens: int) -> int:
     """Bytes a plain `DynamicCache` of `model` would hold after `tokens` tokens (a sliding layer holds the last
     `sliding_window - 1`, what the next token can see, as transformers' `DynamicSlidingWindowLayer` keeps)."""
     config = model.config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.num_key_value_heads * head_dim * torch.finfo(model.dtype).bits // 8
+    per_token = 2 * kv_heads(model) * head_dim(model) * torch.finfo(model.dtype).bits // 8
     types = layer_types(model)
     window = getattr(config, "sliding_window", None)
     held = tokens if window is None else min(tokens, window - 1)

@@ -20,6 +20,7 @@ from torch import nn
 
 from kvpress.counts import check_whole
 from kvpress.engine import Observation, observe
+from kvpress.patches import model_access
 from kvpress.patterns import config_hash
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -79,8 +80,7 @@ def calibrate_heads(
             logits = model(ids, use_cache=True).logits
         predicted = logits[0, -probe.answer - 1 : -1].argmax(-1)
         correct += bool((predicted == ids[0, -probe.answer :]).all())
-    config = model.config.get_text_config(decoder=True)
-    layers, heads = config.num_hidden_layers, config.num_key_value_heads
+    layers, heads = model_access.text_config(model).num_hidden_layers, model_access.kv_heads(model)
     # layers the press leaves alone (chunked attention, ...) are never observed: score 0
     scores = [(probe.mass[i] / examples).tolist() if i in probe.mass else [0.0] * heads for i in range(layers)]
     return {

@@ -115,7 +115,8 @@ class ChatSession:
 
         A refused input (empty message, a turn past the model's positions) leaves the session unchanged,
         and so does an error inside the model when there is no press (the cache is cropped back); with a
-        press, an error after the cache changed makes every later `send` raise (start a new session).
+        press, or a model with recurrent layers (Jamba: their states cannot be cropped), an error after the cache
+        changed makes every later `send` raise (start a new session).
 
         `reply=` records the given assistant answer instead of generating one (a known history, or a
         benchmark's scripted turns); it is fed to the model, not generated, and returned.
@@ -170,9 +171,11 @@ class ChatSession:
             if policy is not None:
                 policy.end_turn((max(start, prefix), end))
         except BaseException as err:
-            advanced = [layer for layer in self.cache.layers if layer.get_seq_length() > start]
+            seen = [model_access.seen_tokens(layer) for layer in self.cache.layers]  # (None: recurrent states)
+            advanced = [layer for layer, n in zip(self.cache.layers, seen, strict=True) if n is None or n > start]
             unchanged = self.press is None and policy is None  # nothing but appends: the turn can be undone
-            if advanced and unchanged and all(getattr(layer, "is_croppable", False) for layer in advanced):
+            if advanced and unchanged and None not in seen and all(getattr(layer, "is_croppable", False)
+                                                                   for layer in advanced):  # fmt: skip
                 try:  # a full cache goes back to the history before this turn
                     for layer in advanced:
                         layer.crop(start - layer.get_seq_length())

@@ -9,6 +9,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from kvpress.engine import maybe_installed
+from kvpress.patches import model_access
 from kvpress.patches.intercept import active_handler
 from kvpress.presses.base import BasePress
 from kvpress.recording import compress_recording, record_prefill
@@ -143,7 +144,7 @@ def generate(
     if cache is not None and not isinstance(cache, DynamicCache):
         raise TypeError(f"cache must be None or an empty transformers DynamicCache (DynamicCache(config="
                         f"model.config)), got {type(cache).__name__}")  # fmt: skip
-    held = max((layer.get_seq_length() for layer in cache.layers), default=0) if cache is not None else 0
+    held = 0 if cache is None else max((model_access.seen_tokens(layer) or 0 for layer in cache.layers), default=0)
     if held:  # the context would land after them, and the answer be read from both
         raise ValueError(
             f"cache= already holds {held} tokens (from an earlier call, or one that raised); kvpress.generate "

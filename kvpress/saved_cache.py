@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from kvpress.files import write_whole
 from kvpress.patches import model_access
-from kvpress.patches.cache_io import layer_from_state, layer_state
+from kvpress.patches.cache_io import check_savable, layer_from_state, layer_state
 from kvpress.patterns import config_hash
 from kvpress.presses import press_from_name, resolve_default
 
@@ -48,7 +48,9 @@ def save_cache(cache: DynamicCache, path: str | Path, model: nn.Module, press: s
     if len(cache.layers) != len(kinds):
         raise ValueError(f"this cache has {len(cache.layers)} layers and this {type(model).__name__} {len(kinds)}: "
                          "save a cache with the model that made it")  # fmt: skip
-    shape = (model_access.text_config(model).num_key_value_heads, model_access.head_dim(model))
+    for layer in cache.layers:  # (before reading their shapes: a linear-attention layer holds no keys)
+        check_savable(layer)
+    shape = model_access.cached_value_shape(model)
     held = {_kv_shape(layer, shape) for layer in cache.layers}
     if held != {shape}:  # (it was written, loaded, and its next forward failed on a raw size mismatch)
         holds = " and ".join(f"{h} KV heads of size {d}" for h, d in sorted(held))

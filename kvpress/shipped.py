@@ -63,7 +63,7 @@ def find(model: nn.Module, folder: Path, load, what: str, how: str):
 def architecture(model: nn.Module) -> tuple[int, int, int]:
     """`(layers, hidden size, KV heads)` of `model`: the leading dimensions of a learned per-model weight."""
     config = model_access.text_config(model)
-    return config.num_hidden_layers, config.hidden_size, config.num_key_value_heads
+    return config.num_hidden_layers, config.hidden_size, model_access.kv_heads(model)
 
 
 def check_fits(model: nn.Module, what: str, trained_for: str, trained_hash: str, shape: tuple, how: str,

@@ -17,11 +17,17 @@ LAYER_CLASSES = {cls.__name__: cls for cls in (PressedLayer, HeadwiseLayer, Dyna
 _PLAIN = (int, float, bool, str, type(None))
 
 
-def layer_state(layer, prefix: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """(`tensors` named under `prefix`, `fields`) of `layer`; raises ValueError for what cannot be saved."""
+def check_savable(layer) -> None:
+    """Raise ValueError unless `layer` is of a class a saved cache holds."""
     name = type(layer).__name__
     if name not in LAYER_CLASSES:
         raise ValueError(f"a {name} cache layer cannot be saved (kvpress saves {', '.join(LAYER_CLASSES)})")
+
+
+def layer_state(layer, prefix: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(`tensors` named under `prefix`, `fields`) of `layer`; raises ValueError for what cannot be saved."""
+    check_savable(layer)
+    name = type(layer).__name__
     if getattr(layer, "pending", 0) or getattr(layer, "torn", False):
         raise ValueError(
             "this cache was left half-updated by a forward that raised (or by `scratch`, which cannot undo an "

@@ -43,6 +43,18 @@ def check_supported(model: nn.Module) -> None:
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise TypeError(f"{type(model).__name__} is an encoder-decoder model; kvpress supports decoder-only models")
+    own_cache = getattr(model, "_supports_default_dynamic_cache", None)
+    if own_cache is not None and not own_cache():  # (MiniMax: its forward refuses any other cache class)
+        raise TypeError(f"{type(model).__name__} keeps its keys and values in a cache class of its own, not in "
+                        "transformers' DynamicCache, whose layers kvpress compresses: not supported")  # fmt: skip
+    if not model._can_set_attn_implementation():
+        raise TypeError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
+            "so kvpress cannot intercept it"
+        )
+    if not attention_modules(model):
+        raise TypeError(f"{type(model).__name__} has no attention module kvpress recognizes (a `self_attn` or "
+                        "`attention` module with an integer `layer_idx`, as Llama's): not supported")  # fmt: skip
     towers = [key for key in getattr(config, "sub_configs", {}) if key not in ("text_config", "decoder")
               and getattr(config, key, None) is not None]  # fmt: skip
     if towers:  # its attention implementation is set for every sub-model: the tower's attention would be routed too
@@ -55,13 +67,6 @@ def check_supported(model: nn.Module) -> None:
                         "(kv_sharing_modes): kvpress compresses each layer's own cache, and a reusing layer "
                         "would attend over another layer's compressed slots with a mask made for the whole cache: "
                         "not supported")  # fmt: skip
-    if not model._can_set_attn_implementation():
-        raise TypeError(
-            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
-            "so kvpress cannot intercept it"
-        )
-    if not attention_modules(model):
-        raise TypeError(f"{type(model).__name__} has no attention module with a `layer_idx`; not supported")
 
 
 def _kv_reusing_layers(config) -> int:
@@ -87,6 +92,27 @@ def text_config(model: nn.Module):
     return model.config.get_text_config(decoder=True)
 
 
+def kv_heads(model: nn.Module) -> int:
+    """The KV heads of each attention layer (the attention heads where the config names none: GPT-NeoX, OPT)."""
+    config = text_config(model)
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def caches_latents(model: nn.Module) -> bool:
+    """Whether `model`'s cache holds multi-head latent attention's latents (DeepSeek-V2/V3, MiniCPM3: one compressed
+    "head" a layer, expanded to its attention heads after the cache) instead of each KV head's keys and values."""
+    return any(hasattr(module, "kv_lora_rank") for module in attention_modules(model).values())
+
+
+def cached_value_shape(model: nn.Module) -> tuple[int, int]:
+    """(heads, size) of what each attention layer caches as values: its KV heads and head size, or where the cache
+    holds latents, the one head of each token's rotated key part (DeepSeek-V3 caches its latent as keys and that
+    part as values)."""
+    if caches_latents(model):
+        return 1, next(iter(attention_modules(model).values())).qk_rope_head_dim
+    return kv_heads(model), head_dim(model)
+
+
 def head_dim(model: nn.Module) -> int:
     """The size of one attention head's keys."""
     config = text_config(model)
@@ -108,6 +134,13 @@ def complete_layers(cache: DynamicCache, model: nn.Module) -> None:
     n_layers = text_config(model).num_hidden_layers
     if len(cache.layers) < n_layers:
         cache.layers.extend(new_cache(model).layers[len(cache.layers) : n_layers])
+
+
+def seen_tokens(layer) -> int | None:
+    """Tokens a cache layer has taken, or None for a layer that keeps no count of them (transformers 5.24's
+    linear-attention layers: recurrent and convolution states)."""
+    count = getattr(layer, "get_seq_length", None)
+    return None if count is None else count()
 
 
 def is_plain_layer(layer) -> bool:

@@ -135,8 +135,7 @@ def find_pattern(model: nn.Module) -> dict:
 def check_pattern(pattern: dict, model: nn.Module) -> None:
     """Raise ValueError unless `pattern` is well formed and was made for a model with `model`'s architecture."""
     _check(pattern, f"{pattern.get('model')!r}" if isinstance(pattern, dict) else "(not a dict)")
-    config = model.config.get_text_config(decoder=True)
-    shape = (config.num_hidden_layers, config.num_key_value_heads)
+    shape = (model_access.text_config(model).num_hidden_layers, model_access.kv_heads(model))
     scores = pattern["scores"]
     found = (len(scores), len(scores[0]))
     if pattern["config_hash"] != config_hash(model) or found != shape:

@@ -7,6 +7,7 @@ alone or inside a padded batch, and runs repeat exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -18,6 +19,8 @@ _MASK = (1 << 31) - 1
 @dataclass
 class RandomPress(BasePress):
     """Evict uniformly at random. Parameters: the budget (see `BasePress`); `seed` (default 0)."""
+
+    chooses_by_position: ClassVar[bool] = True
 
     seed: int = 0
 

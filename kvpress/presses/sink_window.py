@@ -28,6 +28,7 @@ class SinkWindowPress(BasePress):
     """
 
     budget_parameters: ClassVar[tuple[str, ...]] = ("window",)
+    chooses_by_position: ClassVar[bool] = True
 
     n_sink: int = 4
     window: int | None = None
