@@ -107,7 +107,8 @@ def test_a_hybrid_cache_is_given_to_generate_chats_and_is_refused_a_save_by_its_
 
 @pytest.mark.parametrize(("model_type", "kw", "reason"), [
     ("minimax", dict(num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
-                     num_local_experts=2, num_experts_per_tok=1), "keeps its keys and values in a cache class of its own"),
+                     num_local_experts=2, num_experts_per_tok=1),
+     "keeps its keys and values in a cache class of its own"),
     ("mpt", dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=512, expansion_ratio=2),
      "does not route attention through transformers' AttentionInterface"),
     ("dbrx", dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=512, attn_config={"kv_n_heads": 2, "rope_theta": 1e4},
