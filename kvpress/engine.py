@@ -566,7 +566,7 @@ class PressInstallation:
         layer.set_rotation(rank)
 
 
-def observe(model: nn.Module, *observers: Observer):
+def observe(model: nn.Module, *observers: Observer) -> contextlib.AbstractContextManager:
     """`with observe(model, fn):` calls `fn(observation)` after every compressible layer's attention of the
     caller's forwards inside the block; nothing is evicted (also when a press is active on the model for this
     caller: its eviction pauses inside the block). An observer that reads the attention weights has a method

@@ -26,6 +26,7 @@ import zipfile
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvpress.patches.model_access import drop_quantizer
 
@@ -224,7 +225,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sdpa",
     device_map: str | dict | None = None,
-):
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load `(model, tokenizer)` offline. Default: SmolLM2-135M-Instruct, fp32 with sdpa (fast on CPUs).
 
     A damaged file (truncated weights, a config or tokenizer that does not parse) is named in a ValueError; a

@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 from torch import nn
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from kvpress.engine import maybe_installed
 from kvpress.patches import model_access
@@ -104,8 +104,8 @@ def check_compresses(press: BasePress | None, context_tokens: int) -> None:
 
 @torch.no_grad()  # not inference_mode: the cache it fills stays usable outside it (a plain model.generate)
 def generate(
-    model,
-    tokenizer,
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
     context: str,
     question: str,
     press: BasePress | None = None,

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
+from torch import nn
+from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from kvpress.patches import model_access
 from kvpress.pipeline import check_no_outer_press, check_press, check_token_ids
@@ -40,9 +41,9 @@ def stream_ids(tokenizer, text_or_ids) -> torch.Tensor:
 
 
 def stream(
-    model,
-    tokenizer,
-    text_or_ids,
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase | None,
+    text_or_ids: str | torch.Tensor | Sequence[int],
     press: BasePress | None = None,
     chunk: int = 64,
     limit: int | None = None,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from transformers import DynamicCache
 
 from kvpress.patches.cache import PressedLayer
 from kvpress.presses.base import BasePress, Observation
@@ -174,7 +175,7 @@ def _attention_over(obs: Observation, keys: torch.Tensor) -> torch.Tensor:
     return obs.grouped_logits(keys).softmax(dim=-1).mean(dim=2)
 
 
-def offloaded_bytes(cache) -> int:
+def offloaded_bytes(cache: DynamicCache) -> int:
     """Bytes a recalling press keeps outside the working cache (its stores), over every layer of `cache`."""
     return sum(layer.offloaded.nbytes() for layer in cache.layers
                if isinstance(layer, PressedLayer) and layer.offloaded is not None)  # fmt: skip
