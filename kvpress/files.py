@@ -8,6 +8,9 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+
 
 def write_whole(path: str | Path, write: Callable[[Path], None]) -> None:
     """`write(tmp)` to a temporary file beside `path`, then that file in place of `path` (one rename). A symlink's
@@ -57,3 +60,10 @@ def packaged_or_path(source: str | Path, packaged: Path | None, what: str) -> Pa
 def write_text_whole(path: str | Path, text: str) -> None:
     """`text` written to `path` whole (`write_whole`)."""
     write_whole(path, lambda tmp: tmp.write_text(text))
+
+
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file `path`, read into memory: safetensors' default memory map keeps about
+    70 bytes a tensor after the tensors are gone (0.7 and 0.8: 14 MB over 10,000 loads of a 20-tensor file; read
+    with `pread`, none)."""
+    return load_file(str(path), backend="pread")

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import DynamicCache
 
-from kvpress.files import write_whole
+from kvpress.files import read_tensors, write_whole
 from kvpress.patches import model_access
 from kvpress.patches.cache_io import check_savable, layer_from_state, layer_state
 from kvpress.patterns import config_hash
@@ -156,7 +156,7 @@ def load_cache(path: str | Path, model: nn.Module) -> DynamicCache:
             raise ValueError(f"{path} holds a cache made with other weights than this {type(model).__name__}'s (the "
                              f"same architecture; {named}): a cache only continues the weights that made it")
     try:
-        tensors = load_file(str(path))
+        tensors = read_tensors(path)
     except (SafetensorError, OSError, RuntimeError) as error:
         raise ValueError(f"saved cache {path} is damaged: {error}") from error
     modules = model_access.attention_modules(model)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, safe_open, save_file
+from safetensors.torch import safe_open, save_file
 from torch import nn
 
-from kvpress.files import packaged_or_path, write_whole
+from kvpress.files import packaged_or_path, read_tensors, write_whole
 from kvpress.patches import model_access
 from kvpress.patterns import config_hash
 
@@ -34,7 +34,7 @@ def read(source: str | Path, folder: Path, what: str, how: str,
         raise FileNotFoundError(f"{what} {str(source)!r} is neither a safetensors file nor a packaged {what} "
                                 f"({', '.join(names)}); {how}")  # fmt: skip
     try:
-        found = load_file(path)
+        found = read_tensors(path)
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}
         training = json.loads(meta.get("training", "{}"))
