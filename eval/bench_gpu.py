@@ -75,11 +75,11 @@ def load(name: str, config_dir: str | None, attn: str, dtype: torch.dtype, devic
     if config_dir is None:
         model, tokenizer = kvpress.load_model(name, dtype=dtype, attn_implementation=attn)
         return model.to(device).eval(), tokenizer
-    config = AutoConfig.from_pretrained(config_dir)
+    config = AutoConfig.from_pretrained(config_dir, local_files_only=True)  # (a name not a directory: no hub)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
-    return model.eval(), AutoTokenizer.from_pretrained(config_dir)
+    return model.eval(), AutoTokenizer.from_pretrained(config_dir, local_files_only=True)
 
 
 def measure(model, tokenizer, config: dict, profiled: bool = False) -> dict:
@@ -198,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--no-cudnn is a CUDA switch: a --cpu-stand-in run has no cuDNN to leave out")
         if args.cpu_stand_in and args.no_varlen:
             raise ValueError("--no-varlen is a CUDA switch: a --cpu-stand-in run attends pair by pair already")
+        if args.config is not None and not (Path(args.config) / "config.json").is_file():
+            raise ValueError(f"--config {args.config} is not a directory with a config.json (and a tokenizer)")
         if args.decode_steps < 2 or args.chunk < 0:
             raise ValueError("--decode-steps must be >= 2 and --chunk >= 0")
         if not all(n.isdigit() for n in args.lengths.split(",")):

