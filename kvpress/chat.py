@@ -115,8 +115,9 @@ class ChatSession:
 
         A refused input (empty message, a turn past the model's positions) leaves the session unchanged,
         and so does an error inside the model when there is no press (the cache is cropped back); with a
-        press, or a model with recurrent layers (Jamba: their states cannot be cropped), an error after the cache
-        changed makes every later `send` raise (start a new session).
+        press, an error after the cache changed makes every later `send` raise (start a new session), and so does
+        any error inside a turn on a model with recurrent layers (Qwen3-Next: their states can be neither cropped
+        back nor told unchanged).
 
         `reply=` records the given assistant answer instead of generating one (a known history, or a
         benchmark's scripted turns); it is fed to the model, not generated, and returned.

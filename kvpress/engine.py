@@ -725,12 +725,8 @@ def _check_press(model: nn.Module, press: Installable) -> None:
             f"{sorted(set(model_access.layer_types(model)))}), so nothing would be compressed"
         )
     press.check_model(model)
-    if model_access.caches_latents(model) and not getattr(press, "chooses_by_position", False):
-        raise TypeError(f"{type(model).__name__} caches multi-head latent attention's latents (one compressed head a "
-                        "layer, expanded to its attention heads after the cache), not each head's keys and values: "
-                        f"{type(press).__name__} reads each head's keys, values or queries (or budgets each KV head), "
-                        "which it cannot there; only presses that choose by position alone run on it (SinkWindowPress, "
-                        "RandomPress)")  # fmt: skip
+    if not getattr(press, "chooses_by_position", False):
+        model_access.check_reads_keys(model, type(press).__name__)
     kinds = sorted(set(model_access.layer_types(model)))
     if getattr(press, "spreads_over_layers", False) and len(kinds) > 1:
         raise ValueError(f"{type(press).__name__} gives each layer a share of the budget set beforehand "

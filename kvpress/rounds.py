@@ -148,6 +148,7 @@ class RoundPolicy:
 
     # ----- set-up ------------------------------------------------------------------------------------
     def check_model(self, model: nn.Module) -> None:
+        model_access.check_reads_keys(model, "RoundPolicy")  # (it ranks rounds by the queries' attention, too)
         types = model_access.layer_types(model)
         n_layers = len(types)
         full = [i for i, kind in enumerate(types) if kind == "full_attention"]

@@ -82,6 +82,8 @@ UNPRESSED = (
     "block with its context: `threading.Thread(target=contextvars.copy_context().run, args=(model.generate,), "
     "kwargs=...)`"
 )
+
+
 def _warn_unregistered(message: str) -> None:
     """`warnings.warn(message, stacklevel=3)` (the caller of the caller) without an entry in Python's registry of
     warnings said: a message naming a thread is said once a thread by its own bookkeeping, and the registry kept one

@@ -113,6 +113,16 @@ def cached_value_shape(model: nn.Module) -> tuple[int, int]:
     return kv_heads(model), head_dim(model)
 
 
+def check_reads_keys(model: nn.Module, who: str) -> None:
+    """Raise TypeError where `model`'s cache holds latents (`caches_latents`): `who` reads each head's keys, values or
+    queries (or budgets each KV head), which such a cache does not hold."""
+    if caches_latents(model):
+        raise TypeError(f"{type(model).__name__} caches multi-head latent attention's latents (one compressed head a "
+                        "layer, expanded to its attention heads after the cache), not each head's keys and values: "
+                        f"{who} reads each head's keys, values or queries (or budgets each KV head), which it cannot "
+                        "there; only presses that choose by position alone run on it (SinkWindowPress, RandomPress)")
+
+
 def head_dim(model: nn.Module) -> int:
     """The size of one attention head's keys."""
     config = text_config(model)
@@ -203,7 +213,7 @@ def check_half_split_rope(model: nn.Module, layer_idx: int = 0) -> None:
         return apply(key, key, angles.cos(), angles.sin())[1]
 
     # DeepSeek-V3's rotation is another function (`rope_interleave`), and its cache holds latents (MLA), not keys
-    latent = getattr(text_config(model), "rope_interleave", False) or hasattr(module, "kv_lora_rank")
+    latent = getattr(text_config(model), "rope_interleave", False) or caches_latents(model)
     try:
         moved = None if apply is None else rope.rerotate(at(5), torch.full((1, 1, 1), 7, device=key.device), freqs)
         same = not latent and moved is not None and torch.allclose(moved, at(12), rtol=1e-3, atol=1e-4)

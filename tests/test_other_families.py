@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import kvpress
-from kvpress import AdaKVPress, DuoAttentionPress, KnormPress, RandomPress, SinkWindowPress, SnapKVPress
+from kvpress import AdaKVPress, DuoAttentionPress, KnormPress, RandomPress, RoundPolicy, SinkWindowPress, SnapKVPress
 from kvpress.patterns import config_hash
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -40,6 +40,8 @@ def test_a_latent_cache_takes_presses_that_choose_by_position_and_refuses_the_ot
         with pytest.raises(TypeError, match=rf"caches multi-head latent attention's latents.*{type(press).__name__}"):
             with press(model):
                 pass
+    with pytest.raises(TypeError, match="caches multi-head latent attention's latents.*RoundPolicy reads"):
+        RoundPolicy(inner=SnapKVPress(compression_ratio=0.5, window_size=4)).check_model(model)  # (a chat's)
     plain = model.generate(IDS, max_new_tokens=6, do_sample=False, pad_token_id=0)
     for press in (SinkWindowPress(compression_ratio=0.0), RandomPress(compression_ratio=0.0)):
         with press(model):
@@ -67,12 +69,17 @@ def test_a_config_without_num_key_value_heads_has_as_many_as_attention_heads(tmp
 
 
 def test_a_hybrid_cache_is_given_to_generate_chats_and_is_refused_a_save_by_its_layer_class(tmp_path):
-    """Jamba's cache holds a linear-attention layer (Mamba states) beside the attention one: kvpress.generate given
-    `cache=` and save_cache failed on its missing `get_seq_length`, and a chat turn interrupted without a press lost
-    its exception to that AttributeError (now: the session ends, its recurrent states cannot be cropped back)."""
-    model = build("jamba", num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-                  expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_dt_rank=8, mamba_expand=2,
-                  use_mamba_kernels=False, vocab_size=49152)  # fmt: skip
+    """Qwen3-Next's cache holds a linear-attention layer (recurrent states) beside the attention one: kvpress.generate
+    given `cache=` and save_cache failed on its missing `get_seq_length`, and a chat turn interrupted without a press
+    lost its exception to that AttributeError (now: the session ends, its recurrent states cannot be cropped back)."""
+    model = build("qwen3_next", num_key_value_heads=2, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
+                  linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                  layer_types=["linear_attention", "full_attention"], vocab_size=49152)  # fmt: skip
+    with torch.no_grad():  # (a context fed in two forwards carries its recurrent state: as in one)
+        cache = DynamicCache(config=model.config)
+        model(IDS[:, :30], cache=cache)
+        assert torch.allclose(model(IDS[:, 30:], cache=cache).logits[:, -1], model(IDS).logits[:, -1], atol=1e-5)
     from transformers import AutoTokenizer
 
     from kvpress.models import resolve_model_path
@@ -80,7 +87,7 @@ def test_a_hybrid_cache_is_given_to_generate_chats_and_is_refused_a_save_by_its_
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(), local_files_only=True)
     press = SnapKVPress(compression_ratio=0.5, window_size=2)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (transformers says its Mamba kernels fall back to PyTorch)
+        warnings.simplefilter("ignore")  # (transformers says its linear-attention kernels fall back to PyTorch)
         answer = kvpress.generate(model, tokenizer, "The bicycle is in the blue shed. " * 4, "Where?", press=press,
                                   max_new_tokens=3, cache=DynamicCache(config=model.config))  # fmt: skip
         assert isinstance(answer, str)

@@ -81,8 +81,9 @@ def test_a_saved_dense_layer_holds_its_slots_not_the_room_after_them(tmp_path):
         assert all(t.shape[-1] == layer.n for t in saved.slots.values())
         assert torch.equal(saved.keys, layer.keys[:, :, : layer.n]) and torch.equal(saved.pos, layer.pos)
     # read into memory, not mapped from the file: safetensors' memory map kept ~70 bytes a tensor after each load
-    # (3,000 loads of a 24 KB cache: 16 MB of RSS), and a loaded cache held the file mapped while it lived
-    assert str(path) not in Path("/proc/self/maps").read_text()
+    # (3,000 loads of a 24 KB cache: RSS up 16 MB), and a loaded cache held the file mapped while it lived
+    maps = Path("/proc/self/maps")  # (Linux)
+    assert not maps.exists() or str(path) not in maps.read_text()
 
 
 def test_another_architecture_or_a_damaged_file_is_refused(tmp_path):
