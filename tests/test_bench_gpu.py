@@ -35,6 +35,7 @@ def test_without_cuda_the_rows_already_measured_are_summarised(tmp_path, capsys,
              "peak_above_model_bytes": 50},
             {**config, "press": "adakv", "spec": "adakv", "pairs_with": None, "error": "RuntimeError: broken"}]
     (tmp_path / "gpu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "config.json").write_text("{}")  # (--config names a model directory)
     assert bench_gpu.main(["--out", str(tmp_path), "--config", str(tmp_path)]) == 2
     assert "configurations are not measured" in capsys.readouterr().err
     result = json.loads((tmp_path / "gpu.json").read_text())
@@ -133,6 +134,7 @@ def test_no_press_without_cudnn_is_its_own_table_and_configuration(tmp_path, cap
     one = {**pair[0], "length": 32, "pairs_with": "one-chunk"}
     (tmp_path / "gpu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [one, *pair]))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "config.json").write_text("{}")
     argv = ["--out", str(tmp_path), "--config", str(tmp_path), "--model", "m", "--lengths", "64", "--presses",
             "snapkv", "--ratios", "0.5", "--chunk", "32", "--decode-steps", "2", "--attn", "sdpa"]  # fmt: skip
     assert bench_gpu.main(argv) == 0  # every configuration measured: nothing to do
