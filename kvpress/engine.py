@@ -746,8 +746,9 @@ def _check_press(model: nn.Module, press: Installable) -> None:
         model_access.check_half_split_rope(model)
     if press.rerotate and model_access.has_sliding_layers(model):
         raise ValueError(
-            f"rerotate=True is not supported on {type(model).__name__}: its sliding-window layers "
-            "keep their own positions, so in-cache positions cannot be shared by all layers"
+            f"rerotate=True is not supported on {type(model).__name__}: its layers of other kinds than full "
+            f"attention ({model_access.other_layer_kinds(model)}) keep their own positions or states, so in-cache "
+            "positions cannot be shared by all layers"
         )
     n_layers = model_access.text_config(model).num_hidden_layers
     scales = [press.layer_scale(i, n_layers) for i in range(n_layers)]  # raises on a length mismatch

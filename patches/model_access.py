@@ -197,28 +197,44 @@ def rerotation_inv_freq(model: nn.Module) -> torch.Tensor:
     return rotary.original_inv_freq if dynamic_rope_length(model) is not None else rotary.inv_freq
 
 
-def check_half_split_rope(model: nn.Module, layer_idx: int = 0) -> None:
+def check_half_split_rope(model: nn.Module, layer_idx: int | None = None) -> None:
     """Raise TypeError unless `model` rotates its keys as `rope.rerotate` and `rope.average_rotation` do
     (transformers' half-split layout, as Llama): a random key its own `apply_rotary_pos_emb` rotates to position 12,
     against the one it rotates to 5 moved on by 7, both with the layer's `inv_freq` (the model's rotary module is
     not called: a dynamic one would change its frequencies). Interleaved pairs (Cohere, GLM) differ, and moving
-    their keys as half-split ones would corrupt them."""
+    their keys as half-split ones would corrupt them. The rotation is called as the families call it: over the whole
+    head (Llama, GPT-NeoX), over the rotated features alone (Phi, StableLM, Persimmon split them off first), or with
+    cos and sin of half the width (GPT-OSS). `layer_idx`: default the first attention layer."""
+    modules = attention_modules(model)
+    layer_idx = min(modules) if layer_idx is None else layer_idx  # (Qwen3-Next's layer 0 is a linear one)
     freqs = layer_inv_freq(model, layer_idx).float()  # refuses a model without RoPE
-    module = attention_modules(model)[layer_idx]
-    apply = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
+    apply = getattr(sys.modules[type(modules[layer_idx]).__module__], "apply_rotary_pos_emb", None)
     key = torch.randn(1, 1, 1, head_dim(model), generator=torch.Generator().manual_seed(0)).to(freqs.device)
+    rotated = 2 * freqs.numel()
 
-    def at(position: int) -> torch.Tensor:
+    def whole(position: int) -> torch.Tensor:
         angles = torch.cat([position * freqs, position * freqs])[None, None]  # [1, 1, rotated features]
+        return apply(key, key, angles.cos(), angles.sin())[1]
+
+    def split_first(position: int) -> torch.Tensor:
+        angles = torch.cat([position * freqs, position * freqs])[None, None]
+        part = key[..., :rotated]
+        return torch.cat([apply(part, part, angles.cos(), angles.sin())[1], key[..., rotated:]], dim=-1)
+
+    def half_width(position: int) -> torch.Tensor:
+        angles = (position * freqs)[None, None]
         return apply(key, key, angles.cos(), angles.sin())[1]
 
     # DeepSeek-V3's rotation is another function (`rope_interleave`), and its cache holds latents (MLA), not keys
     latent = getattr(text_config(model), "rope_interleave", False) or caches_latents(model)
-    try:
-        moved = None if apply is None else rope.rerotate(at(5), torch.full((1, 1, 1), 7, device=key.device), freqs)
-        same = not latent and moved is not None and torch.allclose(moved, at(12), rtol=1e-3, atol=1e-4)
-    except (RuntimeError, TypeError):  # (its rotation does not take transformers' cos and sin)
-        same = False
+    same = False
+    for at in (whole, split_first, half_width) if apply is not None and not latent else ():
+        try:
+            moved = rope.rerotate(at(5), torch.full((1, 1, 1), 7, device=key.device), freqs)
+            same = torch.allclose(moved, at(12), rtol=1e-3, atol=1e-4)
+        except (RuntimeError, TypeError, IndexError):  # (its rotation does not take cos and sin of that width)
+            continue
+        break  # (the first call it takes decides)
     if not same:
         raise TypeError(f"{type(model).__name__} does not rotate its keys in transformers' half-split RoPE layout "
                         "(as Llama, Qwen2, Mistral do), which kvpress re-rotates keys in: rerotate=True and "
@@ -256,7 +272,13 @@ def layer_types(model: nn.Module) -> list[str]:
 
 
 def has_sliding_layers(model: nn.Module) -> bool:
+    """Whether some layer of `model` is not a full-attention one (a sliding window, chunked or linear attention)."""
     return any(t != "full_attention" for t in layer_types(model))
+
+
+def other_layer_kinds(model: nn.Module) -> str:
+    """The kinds of `model`'s layers other than full-attention ones, for a message ("sliding_attention, ...")."""
+    return ", ".join(sorted({t for t in layer_types(model) if t != "full_attention"}))
 
 
 def sliding_window(model: nn.Module) -> int | None:
@@ -301,9 +323,19 @@ def layer_count(module: nn.Module) -> int:
 
 
 def output_projection(module: nn.Module) -> tuple[torch.Tensor, int]:
-    """An attention module's output projection weight `[hidden, query heads x head dim]` (its `o_proj`, in every
-    supported family) and how many query heads share a KV head."""
-    return module.o_proj.weight, module.num_key_value_groups
+    """An attention module's output projection weight `[hidden, query heads x head dim]` (its `o_proj`; `dense` in
+    Phi, Persimmon and GPT-NeoX, `out_proj` in OPT) and how many query heads share a KV head."""
+    projection = next((p for name in ("o_proj", "dense", "out_proj") if isinstance(p := getattr(module, name, None),
+                                                                               nn.Linear)), None)  # fmt: skip
+    if projection is None:
+        raise TypeError(f"{type(module).__name__} has no output projection kvpress knows (o_proj, dense, out_proj): "
+                        "a press that weighs values by it cannot run on it")  # fmt: skip
+    groups = getattr(module, "num_key_value_groups", None)
+    if groups is None:  # (GPT-NeoX, OPT: every head its own keys and values)
+        config = module.config
+        groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None)
+                                                or config.num_attention_heads)  # fmt: skip
+    return projection.weight, groups
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -23,7 +23,7 @@ MLA = dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_d
 def build(model_type: str, **kw) -> torch.nn.Module:
     torch.manual_seed(0)
     config = AutoConfig.for_model(model_type, **{**SMALL, **kw})
-    attn = "eager" if model_type == "mpt" else "sdpa"  # (MPT has no sdpa path)
+    attn = "eager" if model_type in ("mpt", "gpt_oss") else "sdpa"  # (they have no sdpa path)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32).eval()
 
 
@@ -132,3 +132,60 @@ def test_unsupported_families_are_refused_for_their_own_reason(model_type, kw, r
         with SnapKVPress(compression_ratio=0.5)(model):
             pass
     assert model.config._attn_implementation in ("sdpa", "eager")
+
+
+def test_partial_and_half_width_rotations_are_re_rotated_and_their_output_projections_found():
+    """Phi, StableLM and Persimmon rotate the first features alone (split off before the rotation), GPT-OSS with cos
+    and sin half the head wide: the half-split check fed them a whole head and refused rerotate=True and
+    ExpectedAttention for a layout they have. CriticalKV read `o_proj` (Phi's is `dense`, OPT's `out_proj`)."""
+    phi = build("phi", num_key_value_heads=2, num_hidden_layers=1)
+    nxt = torch.tensor([[7]])
+    cache = DynamicCache(config=phi.config)
+    with torch.no_grad(), SinkWindowPress(n_sink=4, window=12, rerotate=True)(phi):
+        phi(IDS, cache=cache)
+        pressed = phi(nxt, cache=cache).logits[:, -1]
+    with torch.no_grad():  # (one layer: the held keys are those a run of the held tokens alone makes, at their ranks)
+        fresh = phi(torch.cat([IDS[:, :4], IDS[:, -12:], nxt], dim=-1)).logits[:, -1]
+    assert (pressed - fresh).abs().max() < 1e-5
+    from kvpress.patches import model_access
+
+    model_access.check_half_split_rope(build("gpt_oss", num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                             num_experts_per_tok=2, layer_types=["full_attention"] * 2))  # fmt: skip
+    from kvpress.presses import press_from_name
+
+    for family, kw in (("phi", {"num_key_value_heads": 2}), ("opt", {"ffn_dim": 128, "word_embed_proj_dim": 64}),
+                       ("gpt_neox", {"rotary_pct": 0.25})):  # fmt: skip
+        model = build(family, **kw)
+        plain = model.generate(IDS, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        for spec in ("criticalkv:window_size=4", "expected-attention"):
+            if family == "opt" and spec == "expected-attention":
+                continue  # (learned positions: no RoPE to model the queries with, refused)
+            with press_from_name(f"{spec}:compression_ratio=0.0")(model):
+                assert torch.equal(model.generate(IDS, max_new_tokens=4, do_sample=False, pad_token_id=0), plain)
+            cache = DynamicCache(config=model.config)
+            with press_from_name(f"{spec}:compression_ratio=0.5")(model):
+                model(IDS, cache=cache)
+            assert cache.layers[0].n == 20
+
+
+def test_a_hybrid_models_other_layer_kinds_are_named_in_refusals():
+    """Qwen3-Next's layer 0 is a linear-attention one: the half-split check looked at layer 0 (a bare KeyError: 0
+    for ExpectedAttention and every rerotate=True), and the refusals said "sliding-window layers"."""
+    model = build("qwen3_next", num_key_value_heads=2, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
+                  linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                  layer_types=["linear_attention", "full_attention"])  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (its linear-attention kernels fall back to PyTorch)
+        with pytest.raises(ValueError, match=r"layers of other kinds than full attention \(linear_attention\)"):
+            with SinkWindowPress(compression_ratio=0.5, rerotate=True)(model):
+                pass
+        from kvpress.presses import ExpectedAttentionPress, PyramidKVPress
+
+        with pytest.raises(ValueError, match=r"has layers of other kinds \(linear_attention\)"):
+            with PyramidKVPress(SnapKVPress(compression_ratio=0.5))(model):
+                pass
+        cache = DynamicCache(config=model.config)
+        with ExpectedAttentionPress(compression_ratio=0.5)(model):
+            model(IDS, cache=cache)
+        assert cache.layers[1].n == 20

@@ -73,7 +73,8 @@ class PyramidKVPress(WrapsPress, BasePress):
         the only ones that reach far back, would keep a small share of theirs (1/beta at the top)."""
         if model_access.has_sliding_layers(model):
             raise ValueError(f"PyramidKVPress spreads one budget over layers that hold the whole context; "
-                             f"{type(model).__name__} has sliding-window layers, which cannot take a larger share: "
+                             f"{type(model).__name__} has layers of other kinds "
+                             f"({model_access.other_layer_kinds(model)}), which cannot take a larger share: "
                              "use its press without the pyramid")  # fmt: skip
         super().check_model(model)
 

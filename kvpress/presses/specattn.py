@@ -82,7 +82,8 @@ class SpecAttnPress(BasePress):
     def check_model(self, model: nn.Module) -> None:
         if model_access.has_sliding_layers(model):
             raise ValueError(f"SpecAttnPress pairs layers by their attention over the whole context; "
-                             f"{type(model).__name__} has layers that attend to a window or less")  # fmt: skip
+                             f"{type(model).__name__} has layers of other kinds "
+                             f"({model_access.other_layer_kinds(model)})")  # fmt: skip
         n_layers = len(model_access.decoder_layers(model))  # refuses a decoder whose layers it cannot skip
         if self.skip_every and not layers_to_skip(n_layers, self.skip_every):
             fits = f"give 2 to {n_layers - 1}, or 0" if n_layers > 2 else "give 0"
