@@ -148,9 +148,14 @@ _SOURCE_FILE = "kvpress_source.json"
 
 def _made_from_source(out: Path, name: str) -> bool:
     """Whether the converted copy `out` was made from `name`'s source as installed now (a split model's copy made
-    before copies named their source is taken: its hash is fixed in this file)."""
+    before copies named their source is taken: its hash is fixed in this file; so is any copy where the wheel it
+    came from is no longer installed: nothing to tell it from)."""
     try:
-        return json.loads((out / _SOURCE_FILE).read_text())["source"] == _source(name)
+        source = _source(name)
+    except (FileNotFoundError, importlib.metadata.PackageNotFoundError):
+        return True
+    try:
+        return json.loads((out / _SOURCE_FILE).read_text())["source"] == source
     except FileNotFoundError:
         return name in _SPLIT_GGUF
     except (ValueError, KeyError, TypeError):
@@ -285,8 +290,9 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load `(model, tokenizer)` offline. Default: SmolLM2-135M-Instruct, fp32 with sdpa (fast on CPUs).
 
-    A damaged file (truncated weights, a config or tokenizer that does not parse) is named in a ValueError; a
-    packaged model's converted copy is converted again once, with a warning, before that error is raised.
+    A damaged or missing file (truncated weights, a config or tokenizer that does not parse, no weights or no
+    tokenizer file) is named in a ValueError; a packaged model's converted copy is converted again once, with a
+    warning, before that error is raised. A bad `dtype`, `attn_implementation` or `device_map` is refused first.
     """
     if dtype not in _DTYPES:  # (before a damaged file is looked for, and before a first conversion)
         raise ValueError(f"dtype must be one of {', '.join(map(str, _DTYPES))}, got {dtype!r}")

