@@ -206,6 +206,11 @@ def check_half_split_rope(model: nn.Module, layer_idx: int | None = None) -> Non
     head (Llama, GPT-NeoX), over the rotated features alone (Phi, StableLM, Persimmon split them off first), or with
     cos and sin of half the width (GPT-OSS). `layer_idx`: default the first attention layer."""
     modules = attention_modules(model)
+    unrotated = sorted(i for i, module in modules.items() if not getattr(module, "use_rope", True))
+    if unrotated:  # (SmolLM3's every 4th layer: its held keys re-rotated as the others' were 0.67 off)
+        raise TypeError(f"{type(model).__name__} rotates no key in its layers {unrotated} (no RoPE there), and its "
+                        "other layers' keys with RoPE: kvpress moves every layer's keys alike, so rerotate=True and "
+                        "ExpectedAttentionPress are not supported on it")  # fmt: skip
     layer_idx = min(modules) if layer_idx is None else layer_idx  # (Qwen3-Next's layer 0 is a linear one)
     freqs = layer_inv_freq(model, layer_idx).float()  # refuses a model without RoPE
     apply = getattr(sys.modules[type(modules[layer_idx]).__module__], "apply_rotary_pos_emb", None)

@@ -149,6 +149,10 @@ def test_partial_and_half_width_rotations_are_re_rotated_and_their_output_projec
     assert (pressed - fresh).abs().max() < 1e-5
     from kvpress.patches import model_access
 
+    smol = build("smollm3", num_key_value_heads=2, num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])
+    with pytest.raises(TypeError, match=r"rotates no key in its layers \[3\]"):  # (its keys there were moved too)
+        with SinkWindowPress(compression_ratio=0.5, rerotate=True)(smol):
+            pass
     model_access.check_half_split_rope(build("gpt_oss", num_key_value_heads=2, head_dim=16, num_local_experts=4,
                                              num_experts_per_tok=2, layer_types=["full_attention"] * 2))  # fmt: skip
     from kvpress.presses import press_from_name
