@@ -330,8 +330,9 @@ def layer_count(module: nn.Module) -> int:
 def output_projection(module: nn.Module) -> tuple[torch.Tensor, int]:
     """An attention module's output projection weight `[hidden, query heads x head dim]` (its `o_proj`; `dense` in
     Phi, Persimmon and GPT-NeoX, `out_proj` in OPT) and how many query heads share a KV head."""
-    projection = next((p for name in ("o_proj", "dense", "out_proj") if isinstance(p := getattr(module, name, None),
-                                                                               nn.Linear)), None)  # fmt: skip
+    projection = next((p for name in ("o_proj", "dense", "out_proj")
+                       if isinstance(getattr(p := getattr(module, name, None), "weight", None), torch.Tensor)),
+                      None)  # fmt: skip  (a Linear, or a wrapper of one that shows its weight: PEFT's)
     if projection is None:
         raise TypeError(f"{type(module).__name__} has no output projection kvpress knows (o_proj, dense, out_proj): "
                         "a press that weighs values by it cannot run on it")  # fmt: skip
