@@ -94,7 +94,10 @@ def text_config(model: nn.Module):
 
 def kv_heads(model: nn.Module) -> int:
     """The KV heads of each attention layer (the attention heads where the config names none: GPT-NeoX, OPT)."""
-    config = text_config(model)
+    return _kv_heads_of(text_config(model))
+
+
+def _kv_heads_of(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
@@ -202,9 +205,10 @@ def check_half_split_rope(model: nn.Module, layer_idx: int | None = None) -> Non
     (transformers' half-split layout, as Llama): a random key its own `apply_rotary_pos_emb` rotates to position 12,
     against the one it rotates to 5 moved on by 7, both with the layer's `inv_freq` (the model's rotary module is
     not called: a dynamic one would change its frequencies). Interleaved pairs (Cohere, GLM) differ, and moving
-    their keys as half-split ones would corrupt them. The rotation is called as the families call it: over the whole
-    head (Llama, GPT-NeoX), over the rotated features alone (Phi, StableLM, Persimmon split them off first), or with
-    cos and sin of half the width (GPT-OSS). `layer_idx`: default the first attention layer."""
+    their keys as half-split ones would corrupt them. The rotation is called as the families call it: over the rotated
+    features, the rest of the head kept (the whole head in Llama; Phi, StableLM, Persimmon split them off before
+    calling it, GPT-NeoX's own rotation does), or with cos and sin of half the width (GPT-OSS). `layer_idx`: default
+    the first attention layer."""
     modules = attention_modules(model)
     unrotated = sorted(i for i, module in modules.items() if not getattr(module, "use_rope", True))
     if unrotated:  # (SmolLM3's every 4th layer: its held keys re-rotated as the others' were 0.67 off)
@@ -217,12 +221,8 @@ def check_half_split_rope(model: nn.Module, layer_idx: int | None = None) -> Non
     key = torch.randn(1, 1, 1, head_dim(model), generator=torch.Generator().manual_seed(0)).to(freqs.device)
     rotated = 2 * freqs.numel()
 
-    def whole(position: int) -> torch.Tensor:
+    def split_first(position: int) -> torch.Tensor:  # (the whole head where every feature is rotated)
         angles = torch.cat([position * freqs, position * freqs])[None, None]  # [1, 1, rotated features]
-        return apply(key, key, angles.cos(), angles.sin())[1]
-
-    def split_first(position: int) -> torch.Tensor:
-        angles = torch.cat([position * freqs, position * freqs])[None, None]
         part = key[..., :rotated]
         return torch.cat([apply(part, part, angles.cos(), angles.sin())[1], key[..., rotated:]], dim=-1)
 
@@ -233,7 +233,7 @@ def check_half_split_rope(model: nn.Module, layer_idx: int | None = None) -> Non
     # DeepSeek-V3's rotation is another function (`rope_interleave`), and its cache holds latents (MLA), not keys
     latent = getattr(text_config(model), "rope_interleave", False) or caches_latents(model)
     same = False
-    for at in (whole, split_first, half_width) if apply is not None and not latent else ():
+    for at in (split_first, half_width) if apply is not None and not latent else ():
         try:
             moved = rope.rerotate(at(5), torch.full((1, 1, 1), 7, device=key.device), freqs)
             same = torch.allclose(moved, at(12), rtol=1e-3, atol=1e-4)
@@ -338,9 +338,7 @@ def output_projection(module: nn.Module) -> tuple[torch.Tensor, int]:
                         "a press that weighs values by it cannot run on it")  # fmt: skip
     groups = getattr(module, "num_key_value_groups", None)
     if groups is None:  # (GPT-NeoX, OPT: every head its own keys and values)
-        config = module.config
-        groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None)
-                                                or config.num_attention_heads)  # fmt: skip
+        groups = module.config.num_attention_heads // _kv_heads_of(module.config)
     return projection.weight, groups
 
 
