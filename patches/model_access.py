@@ -31,6 +31,12 @@ def drop_quantizer(model: nn.Module) -> None:
         del model.config.quantization_config
 
 
+def runs_attention(implementation) -> bool:
+    """Whether a press runs on the attention implementation named `implementation`: sdpa, eager, flash-attn's."""
+    return implementation in ("sdpa", "eager") or (isinstance(implementation, str)
+                                                   and implementation.startswith("flash_attention"))  # fmt: skip
+
+
 def check_is_model(model: nn.Module) -> None:
     """Raise TypeError unless `model` is a transformers PreTrainedModel (what a function given no press reads)."""
     if getattr(model, "config", None) is None or not hasattr(model, "_can_set_attn_implementation"):
