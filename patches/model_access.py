@@ -179,10 +179,17 @@ def inner_attention(model: nn.Module, implementation: str, module: nn.Module):
     return ALL_ATTENTION_FUNCTIONS[implementation]  # (sdpa too: a user's own registration of it is what runs)
 
 
+def decoder(model: nn.Module) -> nn.Module:
+    """The decoder: `model.get_decoder()`, or `model.model` where that returns the model itself (Llama 4's text
+    model names a `base_model_prefix` it has no attribute for)."""
+    found = model.get_decoder() if hasattr(model, "get_decoder") else model
+    inner = getattr(model, "model", None)
+    return inner if found is model and isinstance(inner, nn.Module) else found
+
+
 def rotary_embedding(model: nn.Module) -> nn.Module:
     """The rotary embedding module of the decoder (shared by all layers)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    rotary = getattr(decoder, "rotary_emb", None)
+    rotary = getattr(decoder(model), "rotary_emb", None)
     if rotary is None or not hasattr(rotary, "inv_freq"):
         raise TypeError(f"{type(model).__name__} has no rotary embedding kvpress can re-rotate keys with")
     return rotary
@@ -216,7 +223,7 @@ def check_half_split_rope(model: nn.Module, layer_idx: int | None = None) -> Non
     calling it, GPT-NeoX's own rotation does), or with cos and sin of half the width (GPT-OSS). `layer_idx`: default
     the first attention layer."""
     modules = attention_modules(model)
-    unrotated = sorted(i for i, module in modules.items() if not getattr(module, "use_rope", True))
+    unrotated = unrotated_layers(model)
     if unrotated:  # (SmolLM3's every 4th layer: its held keys re-rotated as the others' were 0.67 off)
         raise TypeError(f"{type(model).__name__} rotates no key in its layers {unrotated} (no RoPE there), and its "
                         "other layers' keys with RoPE: kvpress moves every layer's keys alike, so rerotate=True and "
@@ -252,11 +259,63 @@ def check_half_split_rope(model: nn.Module, layer_idx: int | None = None) -> Non
                         "ExpectedAttentionPress are not supported on it")  # fmt: skip
 
 
+class _KeysSeen(Exception):
+    def __init__(self, keys: torch.Tensor):
+        super().__init__("the probe's keys")
+        self.keys = keys
+
+
+class _KeyProbe:
+    """Stands in for the cache in one attention module's forward: what it is given to cache is raised back."""
+
+    def update(self, keys: torch.Tensor, *args, **kwargs):
+        raise _KeysSeen(keys)
+
+
+def unrotated_layers(model: nn.Module) -> list[int]:
+    """The attention layers that rotate no key: those whose `use_rope` is off (SmolLM3, Llama 4), and those whose
+    keys the layer caches the same at two positions (EXAONE 4's, Afmoe's, Flint's full-attention layers beside
+    sliding ones skip RoPE on a condition of their own): each module's own forward is run on one token, with the
+    cos and sin of positions 0 and 7, up to its cache's update, which hands the keys back (its attention is not
+    run; a module whose forward takes neither width, or cannot run alone, is taken as rotating)."""
+    modules = attention_modules(model)
+    found = {i for i, module in modules.items() if not getattr(module, "use_rope", True)}
+    config = text_config(model)
+    generator = torch.Generator().manual_seed(0)
+    for i, module in modules.items() if not caches_latents(model) else ():
+        if i in found:
+            continue
+        try:
+            freqs = layer_inv_freq(model, i).float()
+            weight = next(module.parameters())
+        except (TypeError, StopIteration):  # (no RoPE at all: not this check's to say)
+            return sorted(found)
+        hidden = torch.randn(1, 1, config.hidden_size, generator=generator).to(weight.device, weight.dtype)
+        keyword = "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+        for width in (2, 1):  # (the rotated features' cos and sin; GPT-OSS takes half of them)
+            keys = []
+            for position in (0, 7):
+                angles = (position * freqs).repeat(width)[None, None].to(weight.device, weight.dtype)
+                embeddings = (angles.cos(), angles.sin())
+                try:
+                    with torch.no_grad():
+                        module.forward(hidden, position_embeddings=embeddings, attention_mask=None,
+                                       **{keyword: _KeyProbe()})  # fmt: skip
+                except _KeysSeen as seen:
+                    keys.append(seen.keys)
+                except Exception:  # (not this width, or not callable alone)
+                    break
+            if len(keys) == 2:
+                if torch.equal(*keys):
+                    found.add(i)
+                break
+    return sorted(found)
+
+
 def layer_inv_freq(model: nn.Module, layer_idx: int) -> torch.Tensor:
     """The RoPE frequencies layer `layer_idx` rotates with: its layer type's where the rotary embedding keeps one
     per type (Gemma3's local and global layers), else the shared ones."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    rotary = getattr(decoder, "rotary_emb", None)
+    rotary = getattr(decoder(model), "rotary_emb", None)
     per_type = getattr(rotary, f"{layer_types(model)[layer_idx]}_inv_freq", None)
     return per_type if per_type is not None else inv_freq(model)
 
@@ -350,8 +409,7 @@ def output_projection(module: nn.Module) -> tuple[torch.Tensor, int]:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder's layers, in order (the `layers` of `model.get_decoder()` in every supported family)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    layers = getattr(decoder, "layers", None)
+    layers = getattr(decoder(model), "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) != text_config(model).num_hidden_layers:
         raise TypeError(f"{type(model).__name__}'s decoder has no `layers` list kvpress can skip layers of")
     return layers

@@ -193,3 +193,24 @@ def test_a_hybrid_models_other_layer_kinds_are_named_in_refusals():
         with ExpectedAttentionPress(compression_ratio=0.5)(model):
             model(IDS, cache=cache)
         assert cache.layers[1].n == 20
+
+
+def test_layers_whose_forward_skips_rope_are_found_by_their_keys_and_llama4s_decoder_by_its_model():
+    """EXAONE 4's full-attention layers beside sliding ones skip RoPE on a condition of their own (no `use_rope`):
+    ExpectedAttention rotated their query statistics as the other layers'. Llama 4's text model was said to have no
+    rotary embedding (`get_decoder()` returns the model itself): its refusal now names its layout."""
+    from kvpress.patches import model_access
+    from kvpress.presses import ExpectedAttentionPress
+
+    exaone = build("exaone4", num_key_value_heads=2, num_hidden_layers=4, sliding_window=8,
+                   layer_types=["sliding_attention"] * 3 + ["full_attention"])  # fmt: skip
+    assert model_access.unrotated_layers(exaone) == [3]
+    with pytest.raises(TypeError, match=r"rotates no key in its layers \[3\]"):
+        with ExpectedAttentionPress(compression_ratio=0.5)(exaone):
+            pass
+    assert model_access.unrotated_layers(build("llama")) == []
+    llama4 = build("llama4_text", num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+                   intermediate_size_mlp=128)  # fmt: skip
+    assert model_access.decoder_layers(llama4) is llama4.model.layers
+    with pytest.raises(TypeError, match="does not rotate its keys in transformers' half-split RoPE layout"):
+        model_access.check_half_split_rope(llama4)  # (a press refuses its chunked-attention layers first)
