@@ -724,9 +724,9 @@ def _check_press(model: nn.Module, press: Installable) -> None:
             f"no layer of {type(model).__name__} is a full-attention or sliding-window layer (its kinds: "
             f"{sorted(set(model_access.layer_types(model)))}), so nothing would be compressed"
         )
-    press.check_model(model)
-    if not getattr(press, "chooses_by_position", False):
+    if not getattr(press, "chooses_by_position", False):  # (first: KVzap said no packaged scorer fit such a model)
         model_access.check_reads_keys(model, type(press).__name__)
+    press.check_model(model)
     kinds = sorted(set(model_access.layer_types(model)))
     if getattr(press, "spreads_over_layers", False) and len(kinds) > 1:
         raise ValueError(f"{type(press).__name__} gives each layer a share of the budget set beforehand "

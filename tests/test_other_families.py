@@ -10,7 +10,18 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import kvpress
-from kvpress import AdaKVPress, DuoAttentionPress, KnormPress, RandomPress, RoundPolicy, SinkWindowPress, SnapKVPress
+from kvpress import (
+    AdaKVPress,
+    ChunkPress,
+    DuoAttentionPress,
+    KnormPress,
+    KVzapPress,
+    PyramidKVPress,
+    RandomPress,
+    RoundPolicy,
+    SinkWindowPress,
+    SnapKVPress,
+)
 from kvpress.patterns import config_hash
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -43,9 +54,14 @@ def test_a_latent_cache_takes_presses_that_choose_by_position_and_refuses_the_ot
     with pytest.raises(TypeError, match="caches multi-head latent attention's latents.*RoundPolicy reads"):
         RoundPolicy(inner=SnapKVPress(compression_ratio=0.5, window_size=4)).check_model(model)  # (a chat's)
     plain = model.generate(IDS, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    for press in (SinkWindowPress(compression_ratio=0.0), RandomPress(compression_ratio=0.0)):
-        with press(model):
+    sink, rand = SinkWindowPress(compression_ratio=0.0), RandomPress(compression_ratio=0.0)
+    for press in (sink, rand, ChunkPress(SinkWindowPress(compression_ratio=0.0)), PyramidKVPress(rand)):
+        with press(model):  # (wrappers choose by position over a press that does: they were refused)
             assert torch.equal(model.generate(IDS, max_new_tokens=6, do_sample=False, pad_token_id=0), plain)
+    for press in (ChunkPress(SnapKVPress(compression_ratio=0.5)), KVzapPress(compression_ratio=0.5)):
+        with pytest.raises(TypeError, match="caches multi-head latent attention's latents"):  # (KVzap: no scorer fit)
+            with press(model):
+                pass
     press, cache = SinkWindowPress(compression_ratio=0.5), DynamicCache(config=model.config)
     with press(model):
         model(IDS, cache=cache)

@@ -17,7 +17,7 @@ import torch
 from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.criticalkv import CriticalKVPress
 from kvpress.presses.head_budget import HeadwisePress
-from kvpress.presses.wrapping import WrapsPress
+from kvpress.presses.wrapping import WrapsPress, inner_flag
 
 
 @dataclass
@@ -32,6 +32,7 @@ class ChunkPress(WrapsPress, BasePress):
 
     press: BasePress | None = None
     chunk_size: int = 10
+    chooses_by_position = inner_flag("chooses_by_position")  # (chunks of positions over the wrapped press's scores)
 
     def __post_init__(self) -> None:
         self.adopt_press(refused=(HeadwisePress, ChunkPress, CriticalKVPress))  # CriticalKV ranks in two stages

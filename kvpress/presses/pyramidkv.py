@@ -20,7 +20,7 @@ from kvpress.patches import model_access
 from kvpress.presses.base import BasePress, shares_within
 from kvpress.presses.head_budget import HeadwisePress
 from kvpress.presses.snapkv import SnapKVPress
-from kvpress.presses.wrapping import WrapsPress, wrapped_chain
+from kvpress.presses.wrapping import WrapsPress, inner_flag, wrapped_chain
 
 
 @dataclass
@@ -41,6 +41,7 @@ class PyramidKVPress(WrapsPress, BasePress):
     window_size: int | None = None
     kernel_size: int | None = None
     n_sink: int | None = None
+    chooses_by_position = inner_flag("chooses_by_position")  # (per-layer budgets over the wrapped press's scores)
 
     def __post_init__(self) -> None:
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or self.beta < 1:

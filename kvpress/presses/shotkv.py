@@ -25,7 +25,7 @@ from kvpress.presses.base import BasePress, Observation
 from kvpress.presses.chunk import ChunkPress, segment_mean
 from kvpress.presses.criticalkv import CriticalKVPress
 from kvpress.presses.head_budget import HeadwisePress
-from kvpress.presses.wrapping import WrapsPress
+from kvpress.presses.wrapping import WrapsPress, inner_flag
 
 
 @dataclass
@@ -46,6 +46,7 @@ class ShotKVPress(WrapsPress, BasePress):
     press: BasePress | None = None
     shot_marker: str = "Question:"
     shots: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    chooses_by_position = inner_flag("chooses_by_position")  # (shots of positions over the wrapped press's scores)
 
     def __post_init__(self) -> None:
         self.adopt_press(refused=(HeadwisePress, ChunkPress, ShotKVPress, CriticalKVPress))
