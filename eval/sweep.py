@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import DynamicCache
+from transformers import AutoTokenizer, DynamicCache
 
 import kvpress
 from kvpress.engine import maybe_installed
@@ -68,7 +68,7 @@ from kvpress.eval.tasks import (
     ANSWER_TOKENS,
     DEFAULT_TASKS,
     MIN_LENGTHS,
-    SCORE_GROWS_WITH_TEXT,
+    SCORING,
     TASKS,
     UNAVAILABLE,
     Continuation,
@@ -76,6 +76,7 @@ from kvpress.eval.tasks import (
     built_now,
     check_data,
     row_version,
+    scored_now,
     task_examples,
     task_version,
 )
@@ -317,6 +318,43 @@ def refresh_sweep(model: nn.Module, tokenizer, out: str | Path, progress: bool =
     return write_summary(out)
 
 
+def rescore_sweep(out: str | Path, tokenizer, builders: dict | None = None) -> dict[str, int]:
+    """Score again every answer row of the sweep in `out` scored by an older matching rule (`scored_now`) from the
+    answer it records, its example rebuilt with `out`'s settings (length, seed) and `tokenizer` (the model's that
+    measured it); nothing is measured. `builders`: (task, builder version) -> a generator `(tokenizer, n, length,
+    seed)`, each task's of today by default (`TASKS`), where the caller has an older one. Rows whose builder or data
+    is not at hand are left as they are and counted (`left`, by task). Rewrites the result files and the summary."""
+    out = Path(out)
+    settings = json.loads((out / "settings.json").read_text())
+    builders = {(task, task_version(task)): make for task, make in TASKS.items()} | (builders or {})
+    _repair(out)
+    paths = sorted(out.glob("results*.jsonl"))
+    rows = {path: [json.loads(line) for line in path.read_text().splitlines() if line.strip()] for path in paths}
+    stale = [row for path in paths for row in rows[path] if not scored_now(row)]
+    counts: dict[tuple, int] = {}
+    for row in stale:
+        key = (row["task"], row_version(row))
+        counts[key] = max(counts.get(key, 0), row["example"] + 1, row.get("examples", 0))
+    examples, left = {}, {}
+    for (task, version), n in counts.items():
+        try:
+            examples[task, version] = builders[task, version](tokenizer, n, settings["length"], settings["seed"])
+        except (KeyError, ValueError, ImportError, OSError):  # (an older builder, or data that cannot be had)
+            left[task] = sum(r["task"] == task and row_version(r) == version for r in stale)
+    changed = 0
+    for row in stale:
+        built = examples.get((row["task"], row_version(row)))
+        if built is not None:
+            score = built[row["example"]].score(row["answer"])
+            changed += score != row["score"]
+            row.update(score=score, scoring=SCORING)
+    for path in paths:
+        write_text_whole(path, "".join(json.dumps(row) + "\n" for row in rows[path]))
+    write_summary(out)
+    done = len(stale) - sum(left.values())
+    return {"rescored": done, "changed": changed, **{f"left {task}": n for task, n in left.items()}}
+
+
 def model_name(model: nn.Module) -> str:
     """How `kvpress.load_model` names the model (`named_model` of its config's path)."""
     return named_model(getattr(model.config, "name_or_path", "") or "unnamed")
@@ -333,8 +371,9 @@ def named_model(name_or_path: str) -> str:
 
 def is_final(row: dict) -> bool:
     """Whether the task's current answer budget could not change `row`: greedy decoding makes a longer
-    answer begin with the shorter one, so an answer that ended on an end of sequence stands, and so does a
-    full score on a task whose score only grows with more text (`SCORE_GROWS_WITH_TEXT`). A row that lacks
+    answer begin with the shorter one, so an answer that ended on an end of sequence stands (a full score under a
+    shorter budget does not: more text can turn a number into a longer one, or an answer into an echo of the
+    question: `example.holds`). A row that lacks
     `answer_tokens` or `cut` (an older sweep's) counts as cut, with an unknown (zero) budget. A row with answer
     fidelity under another budget stands only if the full cache's answer it was measured along ended on an end of
     sequence (`reference_cut` False): else that answer, hence the fidelity, changes with the budget. A row made by
@@ -349,7 +388,7 @@ def is_final(row: dict) -> bool:
         return False
     if "answer_top1" in row and row.get("answer_tokens", 0) != budget and row.get("reference_cut", True):
         return False
-    if not row.get("cut", True) or (row["score"] >= 1 and row["task"] in SCORE_GROWS_WITH_TEXT):
+    if not row.get("cut", True):
         return True
     return row.get("answer_tokens", 0) == budget
 
@@ -524,7 +563,7 @@ def answer_rows(model, tokenizer, example, todo, answer_tokens: int, query_aware
         new = answer_ids_from_cache(model, tokenizer, ids, working, press, answer_tokens)
         text = tokenizer.decode(new, skip_special_tokens=True).strip()
         stored = {"offloaded_bytes": kvpress.offloaded_bytes(cache)} if kvpress.offloaded_bytes(cache) else {}
-        yield {"press": name, "ratio": ratio, "score": example.score(text), "kept_bytes": kept,
+        yield {"press": name, "ratio": ratio, "score": example.score(text), "scoring": SCORING, "kept_bytes": kept,
                "full_bytes": full_bytes, "answer": text, "answer_tokens": answer_tokens,
                "cut": _cut(new, answer_tokens, model), **fidelity, **stored, **chunked, **peak_memory()}  # fmt: skip
 
@@ -626,6 +665,10 @@ def write_summary(out: Path) -> list[dict]:
     rows = _one_builder_a_cell(list(current_rows(out).values()))
     if not rows:
         raise ValueError(_no_rows(out))
+    older = sum(not scored_now(row) for row in rows)
+    if older:
+        print(f"kvpress sweep: {older} answer rows in {out} were scored by an older matching rule (`kvpress sweep "
+              f"--rescore {out}` scores them again)", file=sys.stderr)  # fmt: skip
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["task"], r["press"], r["ratio"]), []).append(r)
@@ -736,6 +779,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only re-measure the answers in --out that a changed answer budget could change, "
                              "with its settings and model")  # fmt: skip
     parser.add_argument("--replot", action="store_true", help="only redraw the plots of --out (nothing measured)")
+    parser.add_argument("--rescore", action="store_true",
+                        help="only score again the answers in --out scored by an older matching rule (nothing "
+                             "measured; its model's tokenizer rebuilds the examples)")  # fmt: skip
     args = parser.parse_args(argv)
     chosen = [f"--{name.replace('_', '-')}" for name in (*defaults, "query_aware", "prefill_chunk_size")
               if getattr(args, name) is not None and getattr(args, name) is not False]  # fmt: skip
@@ -748,6 +794,11 @@ def main(argv: list[str] | None = None) -> int:
         written = plot_sweep(json.loads(summary.read_text()), list(current_rows(Path(args.out)).values()), args.out)
         print("wrote " + ", ".join(map(str, written)))
         return 0
+    if args.rescore:
+        if chosen or args.refresh or args.model:
+            print("kvpress sweep: --rescore takes --out only", file=sys.stderr)
+            return 2
+        return _rescore(args.out)
     if args.refresh:
         if chosen:
             print(f"kvpress sweep: --refresh takes --out and --model only, not {', '.join(chosen)}", file=sys.stderr)
@@ -828,6 +879,17 @@ def _ratio(text: str) -> float:
         return float(text)
     except ValueError:
         raise ValueError(f"--ratios takes comma-separated numbers in [0, 1) (0,0.5,0.75), got {text!r}") from None
+
+
+def _rescore(out: str) -> int:
+    settings_path = Path(out) / "settings.json"
+    if not settings_path.exists():
+        print(f"kvpress sweep: {out} holds no sweep (no settings.json)", file=sys.stderr)
+        return 2
+    name = json.loads(settings_path.read_text()).get("model", DEFAULT_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(kvpress.models.resolve_model_path(name), local_files_only=True)
+    print(json.dumps(rescore_sweep(out, tokenizer)))
+    return 0
 
 
 def _refresh(args) -> int:

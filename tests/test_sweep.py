@@ -14,7 +14,7 @@ from kvpress.eval.paired import difference_stats, paired_rows
 from kvpress.eval.sweep import check_plan, configurations, main, run_sweep
 from kvpress.patterns import config_hash
 from kvpress.recording import compress_recording, record_prefill
-from tiny import prompt, quoref_stand_in, tiny_model
+from tiny import prompt, tiny_model
 
 
 def _next_logits(model, cache, press, token):
@@ -254,27 +254,16 @@ def test_a_longer_answer_budget_re_measures_only_the_cut_answers(default_model, 
         hook.remove()
 
 
-def test_which_rows_a_changed_budget_leaves_alone(default_model):
+def test_which_rows_a_changed_budget_leaves_alone():
     from types import SimpleNamespace
 
     from kvpress.eval.sweep import _cut, is_final
-    from kvpress.eval.tasks import SCORE_GROWS_WITH_TEXT, Example, task_examples
-    from kvpress.eval.tasks.quoref import quoref_examples
-    from kvpress.eval.tasks.ruler_qa import AnyAnswerExample
 
-    # the claim behind keeping their full scores: RULER's string-match-all, or its string-match-part (any one answer)
-    for task in SCORE_GROWS_WITH_TEXT:
-        if task == "qa_quoref":  # (its data is fetched: items in its form stand in)
-            example = quoref_examples(default_model[1], 1, 300, seed=0, items=quoref_stand_in())[0]
-        else:
-            example = task_examples(task, default_model[1], 1, 300, seed=0)[0]
-        any_answer = task in ("qa_squad", "qa_hotpot")
-        assert type(example).score is (AnyAnswerExample.score if any_answer else Example.score)
     row = {"task": "needle_noise", "answer": "the pass", "score": 0.0, "answer_tokens": 2, "cut": True,
            "task_version": 2}  # fmt: skip
     assert not is_final(row)
     assert is_final({**row, "cut": False})  # it ended on an end of sequence
-    assert is_final({**row, "score": 1.0})
+    assert not is_final({**row, "score": 1.0})  # more text can make its number a longer one ("37186" -> "371860")
     assert is_final({**row, "answer_tokens": 32})
     assert not is_final({**row, "answer_tokens": 64, "cut": False})  # the budget shrank below the answer's
     assert not is_final({**row, "task": "arithmetic", "score": 1.0})  # first-number scoring: more text can change it
@@ -987,3 +976,33 @@ def test_a_run_that_would_orphan_older_builder_rows_is_refused(tmp_path):
         check_older_rows(tmp_path, [("none", 0.0), ("keydiff", 0.5)], ["needle_noise"], 2)
     check_older_rows(tmp_path, [("none", 0.0), ("snapkv", 0.5), ("keydiff", 0.5)], ["needle_noise"], 2)  # all again
     check_older_rows(tmp_path, [("none", 0.0), ("keydiff", 0.5)], ["needle_essay"], 2)  # another task: untouched
+
+
+def test_rows_scored_by_the_older_rule_are_scored_again_from_their_answers(tmp_path, capsys, monkeypatch):
+    """Rows scored by the substring rule credited a needle's key inside a longer number ("58655555555" for 58655:
+    7 committed rows): `kvpress sweep --rescore DIR` scores them again from the answer each row records, its example
+    rebuilt; a row whose builder is not at hand is left and counted; the summary follows."""
+    from transformers import AutoTokenizer
+
+    from kvpress.eval.sweep import rescore_sweep, write_summary
+    from kvpress.eval.tasks import SCORING, task_examples
+    from kvpress.models import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(), local_files_only=True)
+    key = task_examples("needle_pydoc", tokenizer, 2, 300, 0)[1].answers[0]
+    (tmp_path / "settings.json").write_text(json.dumps({"model": "smollm2-135m", "length": 300, "seed": 0}))
+    common = {"task": "needle_pydoc", "example": 1, "examples": 2, "score": 1.0, "kept_bytes": 1, "full_bytes": 2}
+    rows = [{**common, "press": "none", "ratio": 0.0, "answer": f"It is {key}."},
+            {**common, "press": "snapkv", "ratio": 0.5, "answer": f"{key}5555"},
+            {**common, "task": "needle_noise", "press": "none", "ratio": 0.0, "answer": "1", "score": 0.0}]  # builder 1
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    write_summary(tmp_path)
+    assert "3 answer rows in" in capsys.readouterr().err  # (said, not silently mixed)
+    assert rescore_sweep(tmp_path, tokenizer) == {"rescored": 2, "changed": 1, "left needle_noise": 1}
+    scored = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["score"], r.get("scoring")) for r in scored] == [(1.0, SCORING), (0.0, SCORING), (0.0, None)]
+    cell = next(s for s in json.loads((tmp_path / "summary.json").read_text()) if s["press"] == "snapkv")
+    assert cell["score"] == 0.0 and cell["retention"] == 0.0
+    assert main(["--out", str(tmp_path), "--rescore"]) == 0  # again: only the row it cannot score is left
+    said = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert said == {"rescored": 0, "changed": 0, "left needle_noise": 1}

@@ -319,17 +319,34 @@ def test_squad_reads_the_installed_development_set(tokenizer):
     assert not [item for item in items if {"no", "not"} & {a.lower() for a in item["answers"]}]
 
 
-def test_a_short_reference_answer_counts_only_as_a_whole_word():
+def test_an_answer_counts_as_a_whole_word_or_number_and_not_in_an_echo_of_the_question():
     """RULER's match finds an answer anywhere in the reply: SQuAD's answers ("protein A", "G", ...) were held by any
-    reply with a "g" ("Coagulase"); an answer of at most 3 characters now counts as a whole word, a longer one as
-    before (inside a longer text)."""
+    reply with a "g" ("Coagulase"), a needle's key 58655 by "58655555555" (7 committed rows), 10 by "10,000"; and a
+    HotpotQA comparison ("A or B?") echoed as "A or B" answered it. One rule (`example.holds`) for every string
+    match: without case, whole words and numbers, an occurrence copying 8 or more characters of the question around
+    it an echo."""
+    from kvpress.eval.tasks.chat_recall import whole_number_score
+    from kvpress.eval.tasks.example import Example, holds
     from kvpress.eval.tasks.ruler_qa import any_answer_score
 
     answers = ("protein A", "G", "Streptococcus (protein G)")
     assert any_answer_score(answers, "Coagulase") == 0.0 and any_answer_score(answers, "Protein G.") == 1.0
     assert any_answer_score(("NP", "P"), "Paris") == 0.0 and any_answer_score(("NP", "P"), "It is in P.") == 1.0
     assert any_answer_score(("yes",), "Yes, it did.") == 1.0 and any_answer_score(("yes",), "Yesterday") == 0.0
-    assert any_answer_score(("1944",), "in 1944-45") == 1.0 and any_answer_score(("Ada Lovelace",), "ada lovelaces")
+    assert any_answer_score(("1944",), "in 1944-45") == 1.0 and any_answer_score(("Ada Lovelace",), "ada  lovelace")
+    for answer, reply in (("58655", "58655555555"), ("42817", "142817"), ("10", "10,000"), ("10", "10.5"),
+                          ("1,000", "1,000,000"), ("John", "Johnson"), ("four", "fourteen"), ("48213", "48213.5"),
+                          ("QANY5", "VAR QANY512")):  # fmt: skip
+        assert not holds(answer, reply), (answer, reply)
+    for answer, reply in (("58655", "It is 58655."), ("1,000", "about 1000 people"), ("12345", "12,345"),
+                          ("Mary Smith", "mary\nsmith"), ("U.S.", "the U.S. army"), ("QANY5", "VAR qany5, VAR B")):
+        assert holds(answer, reply), (answer, reply)
+    assert Example("", "", ("58655",)).score("58655555555") == 0.0 and whole_number_score("48213", "48213.5") == 0
+    question = "Which magazine was started first, Arthur's Magazine or First for Women?"
+    for reply, credit in (("Arthur's Magazine or First for Women", 0.0), (question, 0.0), ("Arthur's Magazine.", 1.0),
+                          ("Arthur's Magazine was started first", 1.0), (f"{question} Arthur's Magazine", 1.0)):
+        assert any_answer_score(("Arthur's Magazine",), reply, question) == credit, reply
+    assert any_answer_score(("First for Women",), "Arthur's Magazine or First for Women", question) == 0.0
 
 
 def _hotpot_stand_in() -> tuple[dict, ...]:

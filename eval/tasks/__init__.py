@@ -74,12 +74,10 @@ MIN_LENGTHS = {**dict.fromkeys(("needle_noise", "needle_pydoc", "needle_essay"),
 ANSWER_TOKENS = {"needle_noise": 32, "needle_pydoc": 32, "needle_essay": 32, "variable_tracking": 32,
                  "needle_multikey": 16, "needle_multivalue": 48, "needle_multiquery": 32, "common_words": 48,
                  "arithmetic": 8, "chat_recall": 12, "qa_quoref": 24, "qa_squad": 32, "qa_hotpot": 32}  # fmt: skip
-# Tasks scored by `Example.score` (every expected string found in the answer) or by any one answer found
-# (`ruler_qa.AnyAnswerExample`): more answer text can only raise their score, so a full score stands under a
-# longer answer budget (the sweep relies on it).
-SCORE_GROWS_WITH_TEXT = frozenset({"needle_noise", "needle_pydoc", "needle_essay", "variable_tracking",
-                                   "needle_multikey", "needle_multivalue", "needle_multiquery",
-                                   "qa_quoref", "qa_squad", "qa_hotpot"})  # fmt: skip
+# the version of the rule answer rows are scored with (`example.holds`: 2 matches whole words and numbers without
+# case, and not in an echo of the question; 1 was a substring match, which credited a needle's key inside a longer
+# number); a row records it (`scoring`; a row without one: 1), and `kvpress sweep --rescore DIR` scores older ones again
+SCORING = 2
 
 
 # the version of each task's builder whose examples changed since its first (a row records the version it was
@@ -98,6 +96,11 @@ def task_version(name: str) -> int:
 def row_version(row: dict) -> int:
     """The version of its task's builder a result row was measured with (a row without one: 1)."""
     return row.get("task_version", 1)
+
+
+def scored_now(row: dict) -> bool:
+    """Whether an answer row was scored by the matching rule of today (`SCORING`; other rows: True)."""
+    return "answer" not in row or row.get("scoring", 1) == SCORING
 
 
 def built_now(row: dict) -> bool:
@@ -140,5 +143,5 @@ def task_examples(
 
 
 __all__ = ["ANSWER_TOKENS", "DEFAULT_TASKS", "built_now", "MIN_LENGTHS", "NEEDS_DATA", "Continuation", "Document",
-           "Example", "SCORE_GROWS_WITH_TEXT", "TASKS", "TASK_VERSIONS", "UNAVAILABLE", "check_data", "task_examples",
-           "task_version"]
+           "Example", "SCORING", "TASKS", "TASK_VERSIONS", "UNAVAILABLE", "check_data", "scored_now",
+           "task_examples", "task_version"]

@@ -10,10 +10,9 @@ the user asks for one of them. Deterministic for a seed.
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
 
-from kvpress.eval.tasks.example import Example, drawn_one_at_a_time, without_thousands_separators
+from kvpress.eval.tasks.example import Example, drawn_one_at_a_time, holds
 
 _FACTS = (
     ("By the way, my locker code is {v}.", "What is my locker code? Answer with the number.", 10000, 99999),
@@ -38,9 +37,9 @@ class ChatExample:
 
 
 def whole_number_score(answer: str, text: str) -> float:
-    """1 if the number `answer` appears whole in `text` (not inside a longer number); a thousands separator is read
-    as part of its number ("12,345" answers 12345, and "1,345" does not answer 345)."""
-    return float(re.search(rf"(?<!\d){re.escape(answer)}(?!\d)", without_thousands_separators(text)) is not None)
+    """1 if the number `answer` appears whole in `text` (not inside a longer number, nor a decimal's: `holds`); a
+    thousands separator is read as part of its number ("12,345" answers 12345, and "1,345" does not answer 345)."""
+    return float(holds(answer, text))
 
 
 @dataclass(frozen=True)

@@ -95,14 +95,14 @@ def _check_keys(kwargs: dict) -> None:
 
 
 def process_results(doc: dict, results: list[str]) -> dict:
-    """The fraction of the expected strings found in the generated text (`Example.score`)."""
-    return {"score": Example("", "", tuple(doc["answers"])).score(results[0])}
+    """The fraction of the expected strings the generated text names (`Example.score`)."""
+    return {"score": Example("", doc["question"], tuple(doc["answers"])).score(results[0])}
 
 
 def process_any_answer(doc: dict, results: list[str]) -> dict:
-    """1 when the generated text holds any one of the reference answers, without case, one of at most 3 characters
-    as a whole word (RULER's QA tasks: `ruler_qa.any_answer_score`)."""
-    return {"score": any_answer_score(tuple(doc["answers"]), results[0])}
+    """1 when the generated text names any one of the reference answers (RULER's QA tasks: `ruler_qa.any_answer_score`,
+    matched by `example.holds`)."""
+    return {"score": any_answer_score(tuple(doc["answers"]), results[0], doc["question"])}
 
 
 def process_whole_number(doc: dict, results: list[str]) -> dict:

