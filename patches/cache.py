@@ -549,10 +549,12 @@ class PressedLayer(DynamicLayer):
         self._trimmed = True
 
     def _drop_first(self, cut: int, valid: torch.Tensor | None) -> None:
-        """Hold the slots from `cut` on, by views of the same storage, and mark which are real (`valid`; None:
-        all of them)."""
-        self.keys, self.values = self.keys[:, :, cut:], self.values[:, :, cut:]
-        self.slots = {name: t[..., cut:] for name, t in self.slots.items()}
+        """Hold the slots from `cut` on, by views of the same storage (copies where more would stay behind them than
+        they hold: a prefill past the window, whose whole storage the views kept until the layer next grew), and mark
+        which are real (`valid`; None: all of them)."""
+        copy = cut > self.keys.shape[2] - cut
+        self.keys, self.values = (t[:, :, cut:].clone() if copy else t[:, :, cut:] for t in (self.keys, self.values))
+        self.slots = {name: t[..., cut:].clone() if copy else t[..., cut:] for name, t in self.slots.items()}
         self.n -= cut
         if valid is not None:
             if "valid" not in self.slots:

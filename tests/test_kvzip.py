@@ -339,3 +339,15 @@ def test_a_plain_forward_under_a_whole_context_press_returns_what_it_was_asked()
             model(inputs_embeds=embeds)
     with kvpress.SnapKVPress(compression_ratio=0.5, window_size=4)(model):  # a press scoring as tokens are cached: fine
         assert model(inputs_embeds=embeds).logits.shape == full.shape
+
+
+def test_the_scores_kept_on_the_press_hold_no_more_than_themselves():
+    """The scores a KVzip press keeps for later chunks were views of the reconstruction pass's whole buffer (about
+    2x them, on the press after generate returned) and its last ids a view of the whole prompt's."""
+    model = tiny_model("llama")
+    press = _plain(0.5)
+    with press(model, tokenizer=_Tokenizer()):
+        model.generate(prompt(1, 200), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    scores = press.scores.values() if isinstance(press.scores, dict) else [press.scores]
+    for tensor in [*scores, press._lead]:
+        assert tensor.untyped_storage().nbytes() == tensor.nbytes

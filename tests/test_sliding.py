@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+import kvpress
 from kvpress import AdaKVPress, SnapKVPress
 from kvpress.patches.cache import PressedLayer
 from kvpress.patches.intercept import layer_mask
@@ -245,3 +246,19 @@ def test_a_window_layer_decodes_with_autograd_on(family):
                 token = out.argmax(-1, keepdim=True)
         logits[grad] = torch.stack(steps)
     assert torch.allclose(logits[True], logits[False], atol=1e-5)
+
+
+def test_a_prefill_past_the_window_frees_the_storage_its_leaving_slots_held():
+    """The slots leaving a sliding layer left by views of the prefill's storage: a 200-token prompt's every key and
+    value stayed allocated behind the window's 15 until the layer next grew (13.8x its held bytes; KnormPress
+    max_tokens=64 evicts nothing there). A cut larger than what stays is copied; cache_bytes counts the storage."""
+    from kvpress import KnormPress
+
+    model = _windowed("mistral-window")
+    cache = DynamicCache(config=model.config)
+    with KnormPress(max_tokens=64)(model):
+        model(prompt(1, 200), cache=cache)
+    for layer in _sliding_layers(cache):
+        held = layer.keys[:, :, : layer.n]
+        assert layer.n == 15 and layer.keys.untyped_storage().nbytes() <= 2 * held.nbytes
+    assert kvpress.cache_bytes(cache) < 3 * sum(layer.n for layer in cache.layers) * 2 * 2 * 16 * 4

@@ -130,7 +130,7 @@ class KVzipPress(BasePress):
             ids = recording.ids
             prompt = self._request(tokenizer, ids.device)
             recording.memo[key] = reconstruction_scores(model, recording.cache, ids, prompt, self.reconstruction_chunk)
-        self.scores, self._lead = recording.memo[key], recording.ids[:, -LEAD_IN:]
+        self.scores, self._lead = recording.memo[key], recording.ids[:, -LEAD_IN:].clone()  # (not the whole prompt's)
         self._scored = weakref.ref(recording.cache)
         self._shares = self._layer_shares(model, self.scores, recording.tokens) if self.global_budget else None
 

@@ -69,7 +69,7 @@ class PromptAttention:
     def _on_prompt(self, obs: Observation, per_slot: torch.Tensor, reduce: str) -> torch.Tensor:
         """`per_slot` `[B, Hkv, m]` over the first m slots, cut (or moved) to the prompt's tokens."""
         if obs.layer.window is None and not self.by_position:  # nothing evicted: the first slots are the prompt's
-            return per_slot[..., : self.n_prompt]
+            return per_slot[..., : self.n_prompt].clone()  # (a view kept the pass's whole buffer, ~2x, on the press)
         # a sliding-window layer holds the prompt's last tokens (a compressed one some of them): each slot to its
         # prompt position (one slot a position; slots past the prompt add nothing)
         pos = obs.layer.pos.long()[..., : per_slot.shape[-1]]
