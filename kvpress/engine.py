@@ -248,8 +248,10 @@ class _Unscored:
     def note(self, ids: torch.Tensor) -> None:
         if self.ids is None or ids.is_floating_point():
             self.ids = None
-        else:
-            self.ids.append(ids)
+            return
+        self.ids.append(ids.clone())  # (not a view: the prompt's last id kept all of the prompt's)
+        if len(self.ids) >= 64:  # (a decoding step notes one token: one tensor for each 64 of them, not one each)
+            self.ids = [torch.cat(self.ids, dim=-1)]
 
 
 class PressInstallation:

@@ -343,11 +343,14 @@ def test_a_plain_forward_under_a_whole_context_press_returns_what_it_was_asked()
 
 def test_the_scores_kept_on_the_press_hold_no_more_than_themselves():
     """The scores a KVzip press keeps for later chunks were views of the reconstruction pass's whole buffer (about
-    2x them, on the press after generate returned) and its last ids a view of the whole prompt's."""
+    2x them, on the press after generate returned) and its last ids a view of the whole prompt's; the ids fed since
+    were kept one tensor a decoding step."""
     model = tiny_model("llama")
     press = _plain(0.5)
-    with press(model, tokenizer=_Tokenizer()):
-        model.generate(prompt(1, 200), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    with press(model, tokenizer=_Tokenizer()) as installed:
+        model.generate(prompt(1, 200), max_new_tokens=130, do_sample=False, pad_token_id=0)
     scores = press.scores.values() if isinstance(press.scores, dict) else [press.scores]
-    for tensor in [*scores, press._lead]:
+    fed = installed._unscored.ids  # the ids fed since (one tensor a decoding step, the first a view of the prompt's)
+    assert len(fed) < 64 and torch.cat(fed, dim=-1).shape[-1] == 130
+    for tensor in [*scores, press._lead, *fed]:
         assert tensor.untyped_storage().nbytes() == tensor.nbytes
