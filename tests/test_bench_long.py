@@ -1,5 +1,6 @@
 """The long-context benchmark's plan, one measured configuration (on a tiny model) and its summary."""
 
+import math
 import os
 import subprocess
 import sys
@@ -237,7 +238,8 @@ def test_bench_stream_says_which_recompute_positions_each_run_reached(tokenized,
     monkeypatch.setattr(bench_stream, "plot", lambda *a, **k: None)
     out = tmp_path / "stream.json"
     bench_stream.main(["--cache", "16", "--n-sink", "2", "--chunk", "8", "--rss-warmup", "24", "--tokens", "700",
-                       "--short-tokens", "700", "--recompute-every", "50", "--out", str(out)])  # fmt: skip
+                       "--short-tokens", "700", "--recompute-every", "50", "--block", "50",
+                       "--out", str(out)])  # fmt: skip
     result = json.loads(out.read_text())
     positions = range(16, 700, 50)
     scored = result["recompute_positions_scored"]
@@ -247,6 +249,14 @@ def test_bench_stream_says_which_recompute_positions_each_run_reached(tokenized,
     assert same["sink_window_rerotate"] == result["ppl_at_recompute_positions"]["recompute_window"]
     assert same["full_cache"] != same["sink_window_rerotate"]
     assert bench_stream._ppl_of([]) is None  # (a run that reached no recompute position: a cache past the positions)
+    for name, (low, high) in result["ppl_interval"].items():  # every perplexity with its 95% interval
+        assert low <= result["ppl"][name] <= high, name
+    assert result["ppl_interval_blocks"]["sink_window_rerotate"] == 699 // 50
+    nll = torch.tensor([1.0, 3.0] * 4096)  # blocks of 1,024 alike: no spread between them; each token alone: some
+    assert bench_stream.ppl_interval(nll, 1024) == [round(math.exp(2.0), 3)] * 2
+    low, high = bench_stream.ppl_interval(nll)
+    assert low < math.exp(2.0) < high < low * math.exp(0.05)
+    assert bench_stream.ppl_interval(nll[:512], 1024) is None  # (fewer than two blocks)
 
 
 def test_bench_heads_reports_each_accuracy_with_its_interval_and_n():
