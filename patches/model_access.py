@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+from accelerate.utils import align_module_device, has_offloaded_params
 from torch import nn
 from transformers.cache_utils import (
     DynamicCache,
@@ -287,29 +288,42 @@ def unrotated_layers(model: nn.Module) -> list[int]:
             continue
         try:
             freqs = layer_inv_freq(model, i).float()
-            weight = next(module.parameters())
-        except (TypeError, StopIteration):  # (no RoPE at all: not this check's to say)
+        except TypeError:  # (no RoPE at all: not this check's to say)
             return sorted(found)
-        hidden = torch.randn(1, 1, config.hidden_size, generator=generator).to(weight.device, weight.dtype)
+        # on the layer's execution device, in its compute dtype (an offloaded layer's weights wait on `meta`, a
+        # quantized one's are integers), its offloaded weights brought in for the probe and sent back after it
+        device = execution_device(model, i)
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point() and p.device.type != "meta"),
+                     next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32))  # fmt: skip
+        layer = decoder_layers(model)[i] if _has_layers(model) else module
+        hidden = torch.randn(1, 1, config.hidden_size, generator=generator).to(device, dtype)
         keyword = "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
-        for width in (2, 1):  # (the rotated features' cos and sin; GPT-OSS takes half of them)
-            keys = []
-            for position in (0, 7):
-                angles = (position * freqs).repeat(width)[None, None].to(weight.device, weight.dtype)
-                embeddings = (angles.cos(), angles.sin())
-                try:
-                    with torch.no_grad():
-                        module.forward(hidden, position_embeddings=embeddings, attention_mask=None,
-                                       **{keyword: _KeyProbe()})  # fmt: skip
-                except _KeysSeen as seen:
-                    keys.append(seen.keys)
-                except Exception:  # (not this width, or not callable alone)
+        with align_module_device(layer) if has_offloaded_params(layer) else contextlib.nullcontext():
+            for width in (2, 1):  # (the rotated features' cos and sin; GPT-OSS takes half of them)
+                keys = []
+                for position in (0, 7):
+                    angles = (position * freqs).repeat(width)[None, None].to(device, dtype)
+                    try:
+                        with torch.no_grad():
+                            module.forward(hidden, position_embeddings=(angles.cos(), angles.sin()),
+                                           attention_mask=None, **{keyword: _KeyProbe()})  # fmt: skip
+                    except _KeysSeen as seen:
+                        keys.append(seen.keys)
+                    except Exception:  # (not this width, or not callable alone)
+                        break
+                if len(keys) == 2:
+                    if torch.equal(*keys):
+                        found.add(i)
                     break
-            if len(keys) == 2:
-                if torch.equal(*keys):
-                    found.add(i)
-                break
     return sorted(found)
+
+
+def _has_layers(model: nn.Module) -> bool:
+    try:
+        decoder_layers(model)
+    except TypeError:
+        return False
+    return True
 
 
 def layer_inv_freq(model: nn.Module, layer_idx: int) -> torch.Tensor:
@@ -417,13 +431,15 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def execution_device(model: nn.Module, layer_idx: int) -> torch.device:
     """Where attention layer `layer_idx` computes, hence where its cache lies: the execution device of accelerate's
-    hook on its decoder layer where one is set (an offloaded layer's weights wait on `meta` between forwards), else
-    the device of its weights."""
-    layer = decoder_layers(model)[layer_idx]
-    device = getattr(getattr(layer, "_hf_hook", None), "execution_device", None)
-    if device is not None:
-        return torch.device(device)
-    return next(attention_modules(model)[layer_idx].parameters()).device
+    hook on its decoder layer where one is set (an offloaded layer's weights wait on `meta` between forwards), or on
+    a module of its attention (`accelerate.cpu_offload` hooks each module that holds weights), else the device of its
+    weights."""
+    attention = attention_modules(model)[layer_idx]
+    for module in (decoder_layers(model)[layer_idx], *attention.modules()):
+        device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+        if device is not None:
+            return torch.device(device)
+    return next(attention.parameters()).device
 
 
 @contextlib.contextmanager

@@ -230,3 +230,29 @@ def test_layers_whose_forward_skips_rope_are_found_by_their_keys_and_llama4s_dec
     assert model_access.decoder_layers(llama4) is llama4.model.layers
     with pytest.raises(TypeError, match="does not rotate its keys in transformers' half-split RoPE layout"):
         model_access.check_half_split_rope(llama4)  # (a press refuses its chunked-attention layers first)
+
+
+def test_layers_that_rotate_no_key_are_found_under_accelerates_offloading_which_is_left_as_it_was(tmp_path):
+    """Offloaded weights wait on `meta`: the probe built its input there, failed, and took every layer as rotating
+    (ExpectedAttention accepted on an offloaded EXAONE 4), and under `cpu_offload` left each q_proj's weights loaded.
+    It runs on the layer's execution device, with an offloaded layer's weights brought in and sent back."""
+    from accelerate import cpu_offload
+
+    from kvpress.patches import model_access
+
+    kw = dict(num_key_value_heads=2, num_hidden_layers=4, sliding_window=8,
+              layer_types=["sliding_attention"] * 3 + ["full_attention"])  # fmt: skip
+    build("exaone4", **kw).save_pretrained(tmp_path / "model")
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
+                  **{f"model.layers.{i}": "cpu" if i < 2 else "disk" for i in range(4)}}  # fmt: skip
+    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map, dtype=torch.float32,
+                                                     offload_folder=tmp_path / "offload").eval()  # fmt: skip
+    hooked = build("exaone4", **kw)
+    cpu_offload(hooked, execution_device=torch.device("cpu"))
+    for model in (offloaded, hooked):
+        where = [m.q_proj.weight.device.type for m in model_access.attention_modules(model).values()]
+        assert model_access.unrotated_layers(model) == [3]
+        assert [m.q_proj.weight.device.type for m in model_access.attention_modules(model).values()] == where
+        with pytest.raises(TypeError, match=r"rotates no key in its layers \[3\]"):
+            with SinkWindowPress(compression_ratio=0.5, rerotate=True)(model):
+                pass
