@@ -323,8 +323,8 @@ def test_an_answer_counts_as_a_whole_word_or_number_and_not_in_an_echo_of_the_qu
     """RULER's match finds an answer anywhere in the reply: SQuAD's answers ("protein A", "G", ...) were held by any
     reply with a "g" ("Coagulase"), a needle's key 58655 by "58655555555" (7 committed rows), 10 by "10,000"; and a
     HotpotQA comparison ("A or B?") echoed as "A or B" answered it. One rule (`example.holds`) for every string
-    match: without case, whole words and numbers, an occurrence copying 8 or more characters of the question around
-    it an echo."""
+    match: without case, whole words and numbers, an answer the question holds not counted where the reply joins it
+    by or / and to another phrase of the question."""
     from kvpress.eval.tasks.chat_recall import whole_number_score
     from kvpress.eval.tasks.example import Example, holds
     from kvpress.eval.tasks.ruler_qa import any_answer_score
@@ -344,9 +344,15 @@ def test_an_answer_counts_as_a_whole_word_or_number_and_not_in_an_echo_of_the_qu
     assert Example("", "", ("58655",)).score("58655555555") == 0.0 and whole_number_score("48213", "48213.5") == 0
     question = "Which magazine was started first, Arthur's Magazine or First for Women?"
     for reply, credit in (("Arthur's Magazine or First for Women", 0.0), (question, 0.0), ("Arthur's Magazine.", 1.0),
-                          ("Arthur's Magazine was started first", 1.0), (f"{question} Arthur's Magazine", 1.0)):
+                          ("First for Women or Arthur's Magazine", 0.0), ("Arthur's Magazine and First for Women", 0),
+                          ("Arthur's Magazine was started first", 1.0), (f"{question} Arthur's Magazine", 1.0),
+                          ("Arthur's Magazine, first published in 1844", 1.0)):  # fmt: skip
         assert any_answer_score(("Arthur's Magazine",), reply, question) == credit, reply
     assert any_answer_score(("First for Women",), "Arthur's Magazine or First for Women", question) == 0.0
+    films = "Which came out first, the film Alpha or the film Beta?"  # (the review: "the film " was taken as an echo)
+    assert holds("Beta", "The film Beta came out first.", films)
+    assert not holds("Beta", "the film Alpha or the film Beta", films)
+    assert holds("1234567", "1234567,2345678") and holds("2345678", "1234567,2345678")  # two numbers listed
 
 
 def _hotpot_stand_in() -> tuple[dict, ...]:

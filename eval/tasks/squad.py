@@ -6,8 +6,8 @@ each answerable question comes with the spans that answer it (several annotators
 among distractor paragraphs up to the target length, first the other paragraphs of the same article (same
 topic, the hard ones), then paragraphs of other articles; the question is asked after them, and an answer is
 right when it holds any one of the reference answers, compared without case (here as whole words or a whole
-number, not in an echo of the question: `example.holds`). An example here is built the same way (the prompt,
-data and score RULER's QA tasks share are in `ruler_qa.py`), from the 11,873 questions
+number, not joined to another option the question names: `example.holds`). An example is built the same way (the
+prompt, data and score RULER's QA tasks share are in `ruler_qa.py`), from the 11,873 questions
 (5,928 answerable) on 1,204 paragraphs of the development set. Where it departs from RULER: the questions are
 drawn at random from all 35 articles (RULER takes the first ones in the file, 4 articles); the question's
 paragraph is placed at random (RULER's fixed shuffle puts it at one place for a given count); `length` counts the
