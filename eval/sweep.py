@@ -372,8 +372,8 @@ def named_model(name_or_path: str) -> str:
 def is_final(row: dict) -> bool:
     """Whether the task's current answer budget could not change `row`: greedy decoding makes a longer
     answer begin with the shorter one, so an answer that ended on an end of sequence stands (a full score under a
-    shorter budget does not: more text can turn a number into a longer one, or an answer into an echo of the
-    question: `example.holds`). A row that lacks
+    shorter budget does not: more text can turn a number into a longer one, or join an answer to another option
+    of the question: `example.holds`). A row that lacks
     `answer_tokens` or `cut` (an older sweep's) counts as cut, with an unknown (zero) budget. A row with answer
     fidelity under another budget stands only if the full cache's answer it was measured along ended on an end of
     sequence (`reference_cut` False): else that answer, hence the fidelity, changes with the budget. A row made by

@@ -278,11 +278,13 @@ def unrotated_layers(model: nn.Module) -> list[int]:
     keys the layer caches the same at two positions (EXAONE 4's, Afmoe's, Flint's full-attention layers beside
     sliding ones skip RoPE on a condition of their own): each module's own forward is run on one token, with the
     cos and sin of positions 0 and 7, up to its cache's update, which hands the keys back (its attention is not
-    run; a module whose forward takes neither width, or cannot run alone, is taken as rotating)."""
+    run; a module whose forward takes neither width, or cannot run alone, is taken as rotating), on the layer's
+    execution device, an offloaded layer's weights brought in for it and sent back."""
     modules = attention_modules(model)
     found = {i for i, module in modules.items() if not getattr(module, "use_rope", True)}
     config = text_config(model)
     generator = torch.Generator().manual_seed(0)
+    layered = _has_layers(model)
     for i, module in modules.items() if not caches_latents(model) else ():
         if i in found:
             continue
@@ -292,10 +294,10 @@ def unrotated_layers(model: nn.Module) -> list[int]:
             return sorted(found)
         # on the layer's execution device, in its compute dtype (an offloaded layer's weights wait on `meta`, a
         # quantized one's are integers), its offloaded weights brought in for the probe and sent back after it
-        device = execution_device(model, i)
+        device = execution_device(model, i) if layered else next(module.parameters()).device
         dtype = next((p.dtype for p in module.parameters() if p.is_floating_point() and p.device.type != "meta"),
                      next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32))  # fmt: skip
-        layer = decoder_layers(model)[i] if _has_layers(model) else module
+        layer = decoder_layers(model)[i] if layered else module
         hidden = torch.randn(1, 1, config.hidden_size, generator=generator).to(device, dtype)
         keyword = "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
         with align_module_device(layer) if has_offloaded_params(layer) else contextlib.nullcontext():
