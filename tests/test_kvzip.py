@@ -350,7 +350,7 @@ def test_the_scores_kept_on_the_press_hold_no_more_than_themselves():
     with press(model, tokenizer=_Tokenizer()) as installed:
         model.generate(prompt(1, 200), max_new_tokens=130, do_sample=False, pad_token_id=0)
     scores = press.scores.values() if isinstance(press.scores, dict) else [press.scores]
-    fed = installed._unscored.ids  # the ids fed since (one tensor a decoding step, the first a view of the prompt's)
+    fed = installed._unscored.ids  # the ids fed since (they were one tensor a step, the first a view of the prompt)
     assert len(fed) < 64 and torch.cat(fed, dim=-1).shape[-1] == 130
     for tensor in [*scores, press._lead, *fed]:
         assert tensor.untyped_storage().nbytes() == tensor.nbytes

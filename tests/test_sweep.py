@@ -978,9 +978,9 @@ def test_a_run_that_would_orphan_older_builder_rows_is_refused(tmp_path):
     check_older_rows(tmp_path, [("none", 0.0), ("keydiff", 0.5)], ["needle_essay"], 2)  # another task: untouched
 
 
-def test_rows_scored_by_the_older_rule_are_scored_again_from_their_answers(tmp_path, capsys, monkeypatch):
+def test_rows_scored_by_the_older_rule_are_scored_again_from_their_answers(tmp_path, capsys):
     """Rows scored by the substring rule credited a needle's key inside a longer number ("58655555555" for 58655:
-    7 committed rows): `kvpress sweep --rescore DIR` scores them again from the answer each row records, its example
+    8 committed rows): `kvpress sweep --rescore DIR` scores them again from the answer each row records, its example
     rebuilt; a row whose builder is not at hand is left and counted; the summary follows."""
     from transformers import AutoTokenizer
 

@@ -319,9 +319,9 @@ def test_squad_reads_the_installed_development_set(tokenizer):
     assert not [item for item in items if {"no", "not"} & {a.lower() for a in item["answers"]}]
 
 
-def test_an_answer_counts_as_a_whole_word_or_number_and_not_in_an_echo_of_the_question():
+def test_an_answer_counts_as_a_whole_word_or_number_not_joined_to_another_option_of_the_question():
     """RULER's match finds an answer anywhere in the reply: SQuAD's answers ("protein A", "G", ...) were held by any
-    reply with a "g" ("Coagulase"), a needle's key 58655 by "58655555555" (7 committed rows), 10 by "10,000"; and a
+    reply with a "g" ("Coagulase"), a needle's key 58655 by "58655555555" (8 committed rows), 10 by "10,000"; and a
     HotpotQA comparison ("A or B?") echoed as "A or B" answered it. One rule (`example.holds`) for every string
     match: without case, whole words and numbers, an answer the question holds not counted where the reply joins it
     by or / and to another phrase of the question."""
