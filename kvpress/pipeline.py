@@ -145,9 +145,11 @@ def generate(
         raise TypeError(f"cache must be None or an empty transformers DynamicCache (DynamicCache(config="
                         f"model.config)), got {type(cache).__name__}")  # fmt: skip
     held = 0 if cache is None else max((model_access.seen_tokens(layer) or 0 for layer in cache.layers), default=0)
-    if held:  # the context would land after them, and the answer be read from both
+    states = cache is not None and any(model_access.holds_state(layer) for layer in cache.layers)
+    if held or states:  # the context would land after them, and the answer be read from both
+        what = f"{held} tokens" if held else "a linear-attention layer's states"
         raise ValueError(
-            f"cache= already holds {held} tokens (from an earlier call, or one that raised); kvpress.generate "
+            f"cache= already holds {what} (from an earlier call, or one that raised); kvpress.generate "
             "prefills the context into an empty cache: start a new cache (DynamicCache(config=model.config))"
         )
     device = model.device

@@ -163,6 +163,13 @@ def seen_tokens(layer) -> int | None:
     return None if count is None else count()
 
 
+def holds_state(layer) -> bool:
+    """Whether a cache layer holds anything of a forward: tokens, or a linear-attention layer's states (transformers'
+    `has_previous_state`, which a forward sets and `reset()` clears)."""
+    seen = seen_tokens(layer)
+    return bool(seen) if seen is not None else any(getattr(layer, "has_previous_state", {}).values())
+
+
 def is_plain_layer(layer) -> bool:
     """A layer of transformers' own that a `PressedLayer` takes over: full attention or a sliding window."""
     return type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)

@@ -87,7 +87,8 @@ def test_a_config_without_num_key_value_heads_has_as_many_as_attention_heads(tmp
 def test_a_hybrid_cache_is_given_to_generate_chats_and_is_refused_a_save_by_its_layer_class(tmp_path):
     """Qwen3-Next's cache holds a linear-attention layer (recurrent states) beside the attention one: kvpress.generate
     given `cache=` and save_cache failed on its missing `get_seq_length`, and a chat turn interrupted without a press
-    lost its exception to that AttributeError (now: the session ends, its recurrent states cannot be cropped back)."""
+    lost its exception to that AttributeError (now: the session ends, its recurrent states cannot be cropped back);
+    a cache whose forward raised after the linear layer's states changed was taken by kvpress.generate as empty."""
     model = build("qwen3_next", num_key_value_heads=2, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
                   linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
                   moe_intermediate_size=32, shared_expert_intermediate_size=32,
@@ -112,6 +113,15 @@ def test_a_hybrid_cache_is_given_to_generate_chats_and_is_refused_a_save_by_its_
             model(IDS, cache=cache)
         with pytest.raises(ValueError, match="a LinearAttentionLayer cache layer cannot be saved"):
             kvpress.save_cache(cache, tmp_path / "c.safetensors", model)
+        cache = DynamicCache(config=model.config)  # a forward that raised past the linear layer, before attention
+        hook = model.model.layers[1].register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("x")))
+        with pytest.raises(RuntimeError, match="x"):
+            model(IDS, cache=cache)
+        hook.remove()
+        with pytest.raises(ValueError, match="already holds a linear-attention layer's states"):  # (taken as empty)
+            kvpress.generate(model, tokenizer, "The bicycle.", "Where?", press=press, max_new_tokens=2, cache=cache)
+        cache.reset()  # (transformers' own API: empty again, taken)
+        kvpress.generate(model, tokenizer, "The bicycle.", "Where?", press=press, max_new_tokens=2, cache=cache)
 
         class Interrupting:
             def put(self, _):
