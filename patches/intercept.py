@@ -169,7 +169,7 @@ class Intercept:
             )
         if not model_access.runs_attention(current):
             raise ValueError(
-                f"attention implementation {current!r} is not supported; use 'sdpa', 'eager' or 'flash_attention_2'"
+                f"attention implementation {current!r} is not supported; use {model_access.RUNS_ON}"
             )
         self._original = current
         modules = model_access.attention_modules(self.model)

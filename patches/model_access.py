@@ -32,6 +32,9 @@ def drop_quantizer(model: nn.Module) -> None:
         del model.config.quantization_config
 
 
+RUNS_ON = "'sdpa', 'eager' or 'flash_attention_2'"  # the attention implementations a press runs on, for messages
+
+
 def runs_attention(implementation) -> bool:
     """Whether a press runs on the attention implementation named `implementation`: sdpa, eager, flash-attn's."""
     return implementation in ("sdpa", "eager") or (isinstance(implementation, str)
@@ -130,7 +133,8 @@ def check_reads_keys(model: nn.Module, who: str) -> None:
         raise TypeError(f"{type(model).__name__} caches multi-head latent attention's latents (one compressed head a "
                         "layer, expanded to its attention heads after the cache), not each head's keys and values: "
                         f"{who} reads each head's keys, values or queries (or budgets each KV head), which it cannot "
-                        "there; only presses that choose by position alone run on it (SinkWindowPress, RandomPress)")
+                        "there; only presses that choose by position alone run on it (SinkWindowPress, RandomPress, "
+                        "and ChunkKV, PyramidKV or ShotKV over them)")
 
 
 def head_dim(model: nn.Module) -> int:

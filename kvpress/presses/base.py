@@ -163,8 +163,9 @@ class BasePress(Installable):
     # True for presses whose scores need every key and query channel in RoPE's layout (ExpectedAttention rotates
     # query statistics with the model's frequencies): ThinK, which hands its press the channels it keeps, refuses them
     reads_every_key_channel: ClassVar[bool] = False
-    # True for presses that choose by position alone, reading no key, value or query (SinkWindow, Random): the only
-    # ones that run where the cache holds multi-head latent attention's latents (DeepSeek-V2/V3), not keys
+    # True for presses that choose by position alone, reading no key, value or query (SinkWindow, Random; ChunkKV,
+    # PyramidKV, ShotKV over one): the only ones that run where the cache holds multi-head latent attention's latents
+    # (DeepSeek-V2/V3), not keys
     chooses_by_position: ClassVar[bool] = False
     # the press's own parameters that set its budget in place of compression_ratio / max_tokens (SinkWindow's
     # window): a spec that gives one has its budget (the CLI adds no ratio beside it)
