@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 
 import kvpress
 from kvpress.engine import maybe_installed
@@ -340,7 +340,7 @@ def rescore_sweep(out: str | Path, tokenizer, builders: dict | None = None) -> d
         try:
             examples[task, version] = builders[task, version](tokenizer, n, settings["length"], settings["seed"])
         except (KeyError, ValueError, ImportError, OSError):  # (an older builder, or data that cannot be had)
-            left[task] = sum(r["task"] == task and row_version(r) == version for r in stale)
+            left[task] = left.get(task, 0) + sum(r["task"] == task and row_version(r) == version for r in stale)
     changed = 0
     for row in stale:
         built = examples.get((row["task"], row_version(row)))
@@ -887,8 +887,7 @@ def _rescore(out: str) -> int:
         print(f"kvpress sweep: {out} holds no sweep (no settings.json)", file=sys.stderr)
         return 2
     name = json.loads(settings_path.read_text()).get("model", DEFAULT_MODEL)
-    tokenizer = AutoTokenizer.from_pretrained(kvpress.models.resolve_model_path(name), local_files_only=True)
-    print(json.dumps(rescore_sweep(out, tokenizer)))
+    print(json.dumps(rescore_sweep(out, kvpress.models.load_tokenizer(name))))
     return 0
 
 

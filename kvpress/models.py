@@ -237,6 +237,13 @@ def resolve_model_path(name_or_path: str | None = None) -> Path:
     return path
 
 
+def load_tokenizer(name_or_path: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a packaged model (converted on first use) or of a local directory, read offline."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), local_files_only=True)
+
+
 _READ_JSON = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "model.safetensors.index.json")  # fmt: skip
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",

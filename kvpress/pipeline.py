@@ -144,9 +144,9 @@ def generate(
     if cache is not None and not isinstance(cache, DynamicCache):
         raise TypeError(f"cache must be None or an empty transformers DynamicCache (DynamicCache(config="
                         f"model.config)), got {type(cache).__name__}")  # fmt: skip
-    held = 0 if cache is None else max((model_access.seen_tokens(layer) or 0 for layer in cache.layers), default=0)
-    states = cache is not None and any(model_access.holds_state(layer) for layer in cache.layers)
-    if held or states:  # the context would land after them, and the answer be read from both
+    # a cache that holds anything: the context would land after it, and the answer be read from both
+    if cache is not None and any(model_access.holds_state(layer) for layer in cache.layers):
+        held = max((model_access.seen_tokens(layer) or 0 for layer in cache.layers), default=0)
         what = f"{held} tokens" if held else "a linear-attention layer's states"
         raise ValueError(
             f"cache= already holds {what} (from an earlier call, or one that raised); kvpress.generate "

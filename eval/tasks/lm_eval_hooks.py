@@ -10,14 +10,12 @@ import difflib
 import hashlib
 import inspect
 
-from transformers import AutoTokenizer
-
 from kvpress.eval.tasks import Document, Example, task_examples
 from kvpress.eval.tasks.arithmetic import first_number_score
 from kvpress.eval.tasks.chat_recall import whole_number_score
 from kvpress.eval.tasks.common_words import top_words_score
 from kvpress.eval.tasks.ruler_qa import any_answer_score
-from kvpress.models import resolve_model_path
+from kvpress.models import load_tokenizer
 from kvpress.presses import all_press_parameters
 
 TOKENIZER_KEYS = ("tokenizer", "pretrained")  # where `_tokenizer` looks, in order
@@ -40,7 +38,7 @@ def _tokenizer(kwargs: dict):
     name = next((kwargs[key] for key in TOKENIZER_KEYS if kwargs.get(key)), "default")
     if not isinstance(name, str):
         return name  # a tokenizer object passed in the metadata
-    return AutoTokenizer.from_pretrained(resolve_model_path(None if name == "default" else name), local_files_only=True)
+    return load_tokenizer(None if name == "default" else name)
 
 
 def _whole(name: str, value) -> int:
