@@ -34,19 +34,20 @@ def without_thousands_separators(text: str) -> str:
 def holds(answer: str, text: str, question: str = "") -> bool:
     """Whether the reply `text` names `answer`, the one matching rule of every string-match score: without case or
     thousands separators ("12,345" is 12345), runs of whitespace as one space; as a whole word or number, not inside a
-    longer one ("42" is not in "1423" nor "10" in "10.5", "John" not in "Johnson": a substring match credited a
-    needle's key inside a longer number). Where the question itself holds the answer (HotpotQA's comparisons, "Which
-    was first, A or B?"), an occurrence joined by "or", "and", "/" or "&" to another phrase of the question names
-    both options and does not count ("A or B", "B or A", "both A and B", an echo of the question; "A was first"
-    counts). An echo of a question that names the answer otherwise is not told from an answer."""
+    longer one ("42" is not in "1423" nor "10" in "10.5", "John" not in "Johnson", "C++" not in "C+++": a substring
+    match credited a needle's key inside a longer number). Where the question itself holds the answer (HotpotQA's
+    comparisons, "Which was first, A or B?"), an occurrence joined by "or", "and", "/" or "&" to another phrase of the
+    question names both options and does not count ("A or B", "B or A", "both A and B", an echo of the question; "A
+    was first" counts). An echo of a question that names the answer otherwise is not told from an answer."""
     answer, text, question = (re.sub(r"\s+", " ", without_thousands_separators(t).lower()) for t in
                               (answer.strip(), text, question))  # fmt: skip
     if not answer:
         return False
     word = re.compile(r"\w")
-    pattern = ((r"(?<!\w)" if word.match(answer[0]) else "") + (r"(?<!\d\.)" if answer[0].isdigit() else "")
+    first, last = (r"\w" if word.match(c) else re.escape(c) for c in (answer[0], answer[-1]))  # ("C++" not in "C+++")
+    pattern = (rf"(?<!{first})" + (r"(?<!\d\.)" if answer[0].isdigit() else "")
                + re.escape(answer)  # (a comma between digits left by the separators' removal lists numbers)
-               + (r"(?!\w)" if word.match(answer[-1]) else "") + (r"(?!\.\d)" if answer[-1].isdigit() else ""))
+               + rf"(?!{last})" + (r"(?!\.\d)" if answer[-1].isdigit() else ""))
     asked = answer in question
     return any(not (asked and _joined_to_another(text, m.start(), m.end(), answer, question))
                for m in re.finditer(pattern, text))  # fmt: skip
