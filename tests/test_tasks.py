@@ -343,6 +343,9 @@ def test_an_answer_counts_as_a_whole_word_or_number_not_joined_to_another_option
                           ("C++", "In C++."), ("(1)", "see (1)")):  # fmt: skip
         assert holds(answer, reply), (answer, reply)
     assert Example("", "", ("58655",)).score("58655555555") == 0.0 and whole_number_score("48213", "48213.5") == 0
+    for answers in ((), ("",), " ", "58655", (58655,)):  # (no answer divided by zero; a string, its characters)
+        with pytest.raises(ValueError, match="non-empty tuple of non-blank strings"):
+            Example("", "", answers)
     question = "Which magazine was started first, Arthur's Magazine or First for Women?"
     for reply, credit in (("Arthur's Magazine or First for Women", 0.0), (question, 0.0), ("Arthur's Magazine.", 1.0),
                           ("First for Women or Arthur's Magazine", 0.0), ("Arthur's Magazine and First for Women", 0),

@@ -20,6 +20,11 @@ class Example:
     question: str
     answers: tuple[str, ...]
 
+    def __post_init__(self) -> None:
+        if isinstance(self.answers, str) or not self.answers or not all(
+                isinstance(a, str) and a.strip() for a in self.answers):  # fmt: skip
+            raise ValueError(f"an example's answers are a non-empty tuple of non-blank strings, got {self.answers!r}")
+
     def score(self, text: str) -> float:
         """The fraction of `answers` the generated `text` names (RULER's string-match-all, matched by `holds`)."""
         return sum(holds(answer, text, self.question) for answer in self.answers) / len(self.answers)
