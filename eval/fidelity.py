@@ -52,6 +52,19 @@ def missing(results: Path = RESULTS) -> list[str]:
             if not (results / name / "summary.json").exists()]  # fmt: skip
 
 
+def _full_rows(rows: list[dict]) -> dict[str, dict]:
+    """Each task's full-cache row; a ValueError where two sweeps of one model's group measured the task (each
+    retention is against its own sweep's full cache: the table would mix them)."""
+    full: dict[str, dict] = {}
+    for r in rows:
+        if r["press"] == "none":
+            if r["task"] in full:
+                raise ValueError(f"task {r['task']} has two full-cache rows in one model's sweeps of SWEEPS: "
+                                 "a task is measured by one sweep of each group")
+            full[r["task"]] = r
+    return full
+
+
 def _best(rows: list[dict], task: str, ratio: float) -> tuple[str, float] | None:
     """The press with the highest retention on `task` at `ratio` (ties: the first by name)."""
     found = sorted((r for r in rows if r["task"] == task and r["ratio"] == ratio and r["retention"] is not None),
@@ -64,8 +77,10 @@ def fidelity(results: Path = RESULTS) -> list[dict]:
     table = []
     for model, (agnostic_dirs, aware_dirs) in SWEEPS.items():
         agnostic, aware = _rows(agnostic_dirs, results), _rows(aware_dirs, results)
+        fulls = _full_rows(agnostic)
+        _full_rows(aware)
         for task in TASKS:
-            full = next((r for r in agnostic if r["task"] == task and r["press"] == "none"), None)
+            full = fulls.get(task)
             if full is None:
                 continue
             row = {"model": model, "task": task, "full": full["score"], "full_low": full.get("low"),
@@ -86,7 +101,7 @@ def ranking(results: Path = RESULTS) -> list[dict]:
     cells, retention = set(), {}
     for model, (agnostic_dirs, _) in SWEEPS.items():
         rows = _rows(agnostic_dirs, results)
-        full = {r["task"]: r["score"] for r in rows if r["press"] == "none"}
+        full = {task: r["score"] for task, r in _full_rows(rows).items()}
         for r in rows:
             if full.get(r["task"], 0.0) >= NEAR_CHANCE and r["ratio"] in (0.5, 0.75) and r["retention"] is not None:
                 cell = (model, r["task"], r["ratio"])

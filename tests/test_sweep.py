@@ -150,7 +150,7 @@ def test_bad_names_are_refused(default_model, tmp_path, capsys):
 
 
 def test_fidelity_table_picks_the_best_press_per_task_and_marks_the_targets(tmp_path):
-    from kvpress.eval.fidelity import MARKED, fidelity, markdown
+    from kvpress.eval.fidelity import MARKED, fidelity, markdown, ranking
 
     def row(task, press, ratio, score, full):
         retention = round(score / full, 4) if full else None
@@ -175,6 +175,11 @@ def test_fidelity_table_picks_the_best_press_per_task_and_marks_the_targets(tmp_
     assert "100% ✓ (knorm)" in table and "75% ✗ (knorm)" in table and "100% ✓ (snapkv)" in table
     assert "| variable_tracking | 0.000 (near chance) | - |" in table
     assert "| needle_noise | 0.800 [0.490, 0.943], n = 10 |" in table  # (the full score with its interval and n)
+    (tmp_path / "sweep-tasks").mkdir()  # a task measured again by the group's other sweep: whose full cache?
+    (tmp_path / "sweep-tasks" / "summary.json").write_text(json.dumps([row("needle_noise", "none", 0.0, 0.5, 0.5)]))
+    for table in (fidelity, ranking):
+        with pytest.raises(ValueError, match="needle_noise has two full-cache rows"):
+            table(tmp_path)
 
 
 def test_fidelity_ranking_orders_presses_measured_everywhere_by_worst_cell(tmp_path):
