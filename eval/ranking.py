@@ -75,7 +75,8 @@ def ranking(rows: list[dict]) -> dict:
                         "fewer_examples": fewer})  # fmt: skip
     presses.sort(key=lambda p: (-p["worst"]["difference"], -p["mean"], p["press"]))
     bands = score_intervals(full)
-    full_interval = {task: list(bands.get((task, "none", 0.0), (math.nan, math.nan))) for task in full_score}
+    full_interval = {task: list(bands[task, "none", 0.0]) if (task, "none", 0.0) in bands else None
+                     for task in full_score}  # (None: one example, or a top-1 agreement with itself, exact)
     return {"cells": cells, "left_out": left_out, "full": full_score, "full_n": full_n, "full_interval": full_interval,
             "presses": presses, "not_ranked": not_ranked}  # fmt: skip
 
@@ -100,7 +101,8 @@ def table(result: dict, default: str | None = None) -> str:
                      f"{w['n']} | {p['mean']:+.3f} {_interval(p['mean_low'], p['mean_high'])} |"
                      + "".join(f" {at['mean']:+.3f} {_interval(at['low'], at['high'])} |"
                                for at in p["by_ratio"]))  # fmt: skip
-    full = ", ".join(f"{task} {score:.3f} {_band(*result['full_interval'][task])} (n = {result['full_n'][task]})"
+    full = ", ".join(f"{task} {score:.3f} {_band(result['full_interval'][task], result['full_n'][task])} "
+                     f"(n = {result['full_n'][task]})"
                      for task, score in sorted(result["full"].items()))  # fmt: skip
     lines.append(f"\nfull cache: {full}; left out (full cache below {NEAR_CHANCE}): "
                  f"{', '.join(result['left_out']) or 'none'}")  # fmt: skip
@@ -116,9 +118,11 @@ def table(result: dict, default: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def _band(low: float, high: float) -> str:
-    """A score's 95% interval (Wilson's for 0/1 scores, `plots.intervals`)."""
-    return "(one example: no interval)" if math.isnan(low) else f"[{low:.2f}, {high:.2f}]"
+def _band(interval: list[float] | None, n: int) -> str:
+    """A full-cache score's 95% interval (Wilson's for 0/1 scores, `plots.intervals`), or why it has none."""
+    if interval is None:
+        return "(one example: no interval)" if n == 1 else "(its top-1 agreement with itself: exact)"
+    return "[{:.2f}, {:.2f}]".format(*interval)
 
 
 def _interval(low: float, high: float) -> str:

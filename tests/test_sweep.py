@@ -545,6 +545,10 @@ def test_plots_give_each_press_its_own_style_and_write_both_pngs(tmp_path):
     same = [{**r, "score": 0.3} for r in rows]  # every score the same fraction: t's [0.3, 0.3] was a point
     assert intervals(same)[("arithmetic", "snapkv", 0.5)] == pytest.approx((0.3 * (1 - 0.4899), 0.3 + 0.7 * 0.4899),
                                                                             abs=1e-4)  # fmt: skip
+    agreement = [{**r, "task": "continuation_essay", "score": 1.0 if r["press"] == "none" else 0.5, "kl": 0.0}
+                 for r in rows]  # the full cache's top-1 agreement with itself is 1 by construction: no interval
+    assert ("continuation_essay", "none", 0.0) not in intervals(agreement)
+    assert ("continuation_essay", "snapkv", 0.5) in intervals(agreement)
     summary = [{"task": t, "press": p, "ratio": r, "examples": 4, "score": 0.75, "ppl": None, "retention": 1.0,
                 "kept_bytes_ratio": 1 - r} for t in ("needle_noise", "arithmetic")
                for p, r in (("none", 0.0), ("snapkv", 0.5), (DEFAULT_PRESS, 0.5))]  # fmt: skip
