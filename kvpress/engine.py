@@ -281,14 +281,20 @@ class PressInstallation:
             raise TypeError(f"an observer is a callable taking an Observation, got {', '.join(wrong)}")
         self.intercept = Intercept(model, self)  # refuses models kvpress cannot intercept
         self.model, self.press, self.observers, self.tokenizer = model, press, tuple(observers), tokenizer
-        self._inv_freq, self._dynamic_length = None, None
+        self._inv_freq, self._dynamic_length, self._checked = None, None, None
         if press is not None:
-            _check_press(model, press)
-            if press.rerotate:
-                self._inv_freq = model_access.rerotation_inv_freq(model)
-                self._dynamic_length = model_access.dynamic_rope_length(model)
+            self._check()
         self._activation = None
         self._unscored: _Unscored | None = None  # (`scores_later_chunks`) the cache scored last, the ids fed since
+
+    def _check(self) -> None:
+        """Refuse a press that cannot run on the model; keep what re-rotation reads of it, and the press's settings
+        as they passed (`_checked`)."""
+        _check_press(self.model, self.press)
+        if self.press.rerotate:
+            self._inv_freq = model_access.rerotation_inv_freq(self.model)
+            self._dynamic_length = model_access.dynamic_rope_length(self.model)
+        self._checked = repr(self.press)
 
     # ----- entering -----------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -297,6 +303,10 @@ class PressInstallation:
                 f"{type(self.press).__name__} uses the model's tokenizer when it scores the prompt (to write a "
                 "prompt of its own, or find its markers): enter it as `with press(model, tokenizer=tokenizer):`"
             )
+        if self.press is not None:  # entered again (a stream's next chunk): settings set since are checked again
+            self.press.check_budget()
+            if repr(self.press) != self._checked:
+                self._check()
         self.intercept.install()
 
     def __enter__(self) -> PressInstallation:
@@ -316,6 +326,16 @@ class PressInstallation:
             if activation is not None:
                 activation.__exit__(None, None, None)
         finally:
+            self._uninstall()
+
+    def _uninstall(self) -> None:
+        """Leave the model as it was; the press forgets the prompt this installation scored last (no later chunk
+        can follow it outside this block: `_unscored` goes too)."""
+        unscored, self._unscored = self._unscored, None
+        try:
+            if self.press is not None:
+                self.press.forget(None if unscored is None else unscored.cache())
+        finally:
             self.intercept.uninstall()
 
     @contextlib.contextmanager
@@ -325,7 +345,7 @@ class PressInstallation:
         try:
             yield self
         finally:
-            self.intercept.uninstall()
+            self._uninstall()
 
     def activated(self):
         """Forwards run by this caller inside this block go through the press (needs `installed()`)."""
@@ -470,6 +490,8 @@ class PressInstallation:
             self.press.prepare_chunk(self.model, cache, fed, self.tokenizer)
         for layer in compress_layers(self.press, cache, recorder.queries, recorder.hidden, token_ids):
             layer.driven = True  # a layer moved to per-head storage: the rest of the forward drives it too
+        if not self.press.scores_later_chunks:
+            self.press.forget(cache)  # (its scores of the prompt: nothing reads them once it has evicted)
         if self.press.scores_later_chunks:
             unscored = _Unscored(weakref.ref(cache))
             unscored.note(ids[:, -1:])

@@ -66,8 +66,11 @@ def compress_recording(
                          "record it with record_prefill(..., keep_hidden=True)")  # fmt: skip
     ids = None if recording.ids.is_floating_point() else recording.ids
     with SCORING:  # the press holds the recording's scores until it has evicted by them
-        press.prepare(model, recording, tokenizer)
-        cache = recording.cache if in_place else copy.deepcopy(recording.cache)
-        recording.compressed = in_place
-        compress_layers(press, cache, recording.queries, recording.hidden, ids)
+        try:
+            press.prepare(model, recording, tokenizer)
+            cache = recording.cache if in_place else copy.deepcopy(recording.cache)
+            recording.compressed = in_place
+            compress_layers(press, cache, recording.queries, recording.hidden, ids)
+        finally:
+            press.forget(recording.cache)
     return cache

@@ -349,8 +349,8 @@ def test_the_scores_kept_on_the_press_hold_no_more_than_themselves():
     press = _plain(0.5)
     with press(model, tokenizer=_Tokenizer()) as installed:
         model.generate(prompt(1, 200), max_new_tokens=130, do_sample=False, pad_token_id=0)
-    scores = press.scores.values() if isinstance(press.scores, dict) else [press.scores]
-    fed = installed._unscored.ids  # the ids fed since (they were one tensor a step, the first a view of the prompt)
-    assert len(fed) < 64 and torch.cat(fed, dim=-1).shape[-1] == 130
-    for tensor in [*scores, press._lead, *fed]:
-        assert tensor.untyped_storage().nbytes() == tensor.nbytes
+        scores = press.scores.values() if isinstance(press.scores, dict) else [press.scores]  # (to the block end)
+        fed = installed._unscored.ids  # the ids fed since (they were one tensor a step, the first a view of the prompt)
+        assert len(fed) < 64 and torch.cat(fed, dim=-1).shape[-1] == 130
+        for tensor in [*scores, press._lead, *fed]:
+            assert tensor.untyped_storage().nbytes() == tensor.nbytes

@@ -86,3 +86,25 @@ def test_bad_arguments():
     list(kvpress.stream(model, None, prompt(1, 10)[0], cache=cache, progress=False))
     with pytest.raises(ValueError, match="cache= already holds 10 tokens: a stream starts from an empty cache"):
         kvpress.stream(model, None, prompt(1, 10)[0], cache=cache, progress=False)
+
+
+def test_a_setting_changed_while_the_stream_waits_is_checked_as_the_press_was_built():
+    """The stream enters its installation again for each chunk; the press's checks ran once, when it was made, so a
+    press changed between chunks ran unchecked (an audit: compression_ratio=1.5 kept 4 of 160 tokens, a window
+    of -4 failed in torch). Each entry checks what moved, as `model.generate` under the press would."""
+    model = tiny_model("llama", max_position_embeddings=64)
+    ids = prompt(1, 64, seed=2)[0]
+    for setting, value, refusal in (("window", -4, "window must be a positive integer, got -4"),
+                                    ("compression_ratio", 1.5, r"compression_ratio must be in \[0, 1\)")):  # fmt: skip
+        press = SinkWindowPress(n_sink=4, window=12) if setting == "window" else HeavyHitterPress(0.5)
+        stream = kvpress.stream(model, None, ids, press=press, chunk=8, progress=False)
+        next(stream)
+        setattr(press, setting, value)
+        with pytest.raises(ValueError, match=refusal):
+            next(stream)
+        assert model.config._attn_implementation == "sdpa"  # (refused before the press was installed)
+    press = HeavyHitterPress(0.5)
+    stream = kvpress.stream(model, None, ids, press=press, chunk=8, progress=False)
+    next(stream)
+    press.compression_ratio = 0.75  # (a value in range is taken, as between two runs)
+    assert len(torch.cat([*stream])) == 56

@@ -16,6 +16,7 @@ import threading
 import types
 import typing
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -124,6 +125,7 @@ def _same(a, b) -> bool:
 
 # the fields a press declares to protect tokens (see `sink_count`, `recent_count`): checked by BasePress
 PROTECTED_FIELDS = ("n_sink", "window_size")
+_WEAK_TABLES = "_kvpress_weak_tables"  # (`BasePress.__getstate__`: the names of the weak tables left out)
 
 
 @dataclass
@@ -214,6 +216,18 @@ class BasePress(Installable):
         self._check_budget_values()
         check_field_types(self)  # after the checks above, whose messages name the allowed range
         self.__dict__["_built_with"] = self._settings()  # (`check_budget`: what the checks above passed)
+
+    def __getstate__(self) -> dict:
+        """Pickled without what it keeps by model or cache (weak tables of a model's modules, a weak reference to
+        the cache it scored: neither pickles), which come back empty: a loaded press computes them again."""
+        state = dict(self.__dict__)
+        weak = [name for name, value in state.items() if isinstance(value, weakref.WeakKeyDictionary)]
+        state.update({name: None for name, value in state.items() if isinstance(value, weakref.ref)})
+        return {**{name: value for name, value in state.items() if name not in weak}, _WEAK_TABLES: weak}
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        self.__dict__.update({name: weakref.WeakKeyDictionary() for name in state.pop(_WEAK_TABLES, ())}, **state)
 
     def _settings(self) -> dict:
         """The init fields but the budget (and `budget_parameters`, checked with it by `_share_budget`): what
@@ -317,6 +331,12 @@ class BasePress(Installable):
     def prepare(self, model: nn.Module, recording, tokenizer=None) -> None:
         """Called before this press is applied to a recorded prefill (`kvpress.recording.Recording`);
         presses with `needs_whole_context` run their own pass over the context here."""
+
+    def forget(self, cache=None) -> None:
+        """Drop what `prepare` kept of a prompt (scores, a draft: O(prompt) tensors) once nothing reads it: after
+        the eviction, or as the block that installed the press ends where it scores later chunks by it (KVzip).
+        `cache`: the cache the caller scored last (None: none); what the press keeps for another cache still alive
+        (the same press scoring in another block, on another model) stays. Nothing for presses that keep none."""
 
     def sink_count(self) -> int:
         """Leading tokens always kept (attention sinks): the press's `n_sink` field where it has one."""

@@ -134,18 +134,22 @@ class KVzipPress(BasePress):
         self._scored = weakref.ref(recording.cache)
         self._shares = self._layer_shares(model, self.scores, recording.tokens) if self.global_budget else None
 
+    def forget(self, cache=None) -> None:
+        scored = None if self._scored is None else self._scored()
+        if scored is None or scored is cache:  # (another live cache's, scored in another block since: kept for it)
+            self.scores = self._lead = self._scored = self._shares = None
+
     def prepare_chunk(self, model: nn.Module, cache, ids: torch.Tensor, tokenizer=None) -> None:
         """Score a later chunk: `ids` `[B, m]`, the last tokens `cache` has seen, fed after the ones this press
         scored and compressed last (`prepare`, or the chunk before). One reconstruction pass rebuilds them over
         the compressed cache; a token held from before keeps the larger of its old score and the attention it
         gets now, a token no longer held scores 0; the layer budgets are spread again over every token seen."""
-        if self.scores is None or self._lead is None:
-            raise RuntimeError("KVzipPress scores a later chunk after scoring the first one (`prepare`)")
-        if self._scored is None or self._scored() is not cache:
+        if self.scores is None or self._lead is None or self._scored is None or self._scored() is not cache:
             raise ValueError(
                 "KVzipPress scores a later chunk with the scores and last ids of the cache it scored before, and it "
-                "has scored another since (this press object on another model, in another thread, or in "
-                "compress_recording): give each generation that feeds chunks a press of its own"
+                "has scored another since, or forgot them as that block ended (this press object on another model, "
+                "in another thread, or in compress_recording): give each generation that feeds chunks a press of its "
+                "own"
             )
         prompt = self._request(tokenizer, ids.device)
         peaks = reconstruction_scores(model, cache, ids, prompt, self.reconstruction_chunk, lead_in=self._lead)

@@ -81,6 +81,9 @@ class LookaheadPress(SnapKVPress):
             recording.memo[key] = draft_attention(model, recording, self.lookahead, tokenizer)
         self.draft = recording.memo[key]
 
+    def forget(self, cache=None) -> None:
+        self.draft = None
+
     def score(self, obs: Observation) -> torch.Tensor:
         tokens = None if self.draft is None else self.draft[obs.layer_idx][0].shape[-1]
         check_prepared(self, tokens, obs, "a draft of the answer", "kvpress.generate(..., query_aware=True)")

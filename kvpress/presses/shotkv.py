@@ -65,6 +65,10 @@ class ShotKVPress(WrapsPress, BasePress):
                              f"{recording.ids.shape[0]}")  # fmt: skip
         self.shots = shot_ids(recording.ids[0], tokenizer, self.shot_marker)
 
+    def forget(self, cache=None) -> None:
+        self.shots = None
+        super().forget(cache)
+
     def score(self, obs: Observation) -> torch.Tensor:
         if self.shots is None:
             raise RuntimeError("ShotKVPress finds the shots of a whole prompt first: apply it to a prefill")

@@ -106,6 +106,9 @@ class SpecAttnPress(BasePress):
             recording.memo[key] = paired_scores(profiles, {idx: total / count for idx, (total, count) in draft.items()})
         self.scores = recording.memo[key]
 
+    def forget(self, cache=None) -> None:
+        self.scores = None
+
     def score(self, obs: Observation) -> torch.Tensor:
         tokens = None if self.scores is None else self.scores[obs.layer_idx].shape[-1]
         check_prepared(self, tokens, obs, "a layer-skipped draft of the answer",

@@ -107,6 +107,9 @@ class WrapsPress:
     def prepare(self, model, recording, tokenizer=None) -> None:
         self.press.prepare(model, recording, tokenizer)
 
+    def forget(self, cache=None) -> None:
+        self.press.forget(cache)
+
     def check_model(self, model) -> None:
         self.press.check_model(model)
 
