@@ -492,7 +492,7 @@ class PressInstallation:
             layer.driven = True  # a layer moved to per-head storage: the rest of the forward drives it too
         if not self.press.scores_later_chunks:
             self.press.forget(cache)  # (its scores of the prompt: nothing reads them once it has evicted)
-        if self.press.scores_later_chunks:
+        else:
             unscored = _Unscored(weakref.ref(cache))
             unscored.note(ids[:, -1:])
             self._unscored = unscored
