@@ -86,7 +86,11 @@ def test_a_padded_batch_drafts_each_row_as_it_would_alone(name, ends):
     ender = SimpleNamespace(eos_token_id=int(greedy) if ends else model.config.eos_token_id)  # (what the draft reads)
     press = kvpress.press_from_name(name, compression_ratio=0.5, window_size=4)
     settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
-    with press(model, tokenizer=ender):
+    padding = torch.zeros(2, 3, dtype=torch.long)  # every row padded (pad_to_multiple_of): the check took the
+    with press(model, tokenizer=ender):  # longest row for unpadded and refused it ("holds 42 of 42")
         together = model.generate(ids, attention_mask=mask, **settings)[:, 40:]
         alone = [model.generate(row[None], **settings)[0, len(row) :] for row in rows]
+        all_padded = model.generate(torch.cat([padding, ids], 1), attention_mask=torch.cat([padding, mask], 1),
+                                    **settings)[:, 43:]  # fmt: skip
     assert torch.equal(together[0], alone[0]) and torch.equal(together[1], alone[1])
+    assert torch.equal(all_padded, together)

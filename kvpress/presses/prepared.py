@@ -101,7 +101,7 @@ def check_prepared(
             f"forward; compress with {call}, kvpress.recording.compress_recording, or `with press(model, "
             "tokenizer=tokenizer)`, which scores at the end of the prefill"
         )
-    if obs.layer.seen != tokens or (not chunks and obs.keys.shape[2] != int(obs.layer.span.max())):
+    if obs.layer.seen != tokens or (not chunks and obs.keys.shape[2] != obs.layer.seen):  # (every slot: padding too)
         raise RuntimeError(
             f"{name} scored a prompt of {tokens} tokens but layer {obs.layer_idx} now holds {obs.keys.shape[2]} "
             f"of {obs.layer.seen}; it compresses the prompt it was prepared on, not later tokens"
