@@ -99,6 +99,23 @@ def test_a_padded_row_chunked_keeps_the_channels_it_keeps_alone():
     torch.testing.assert_close(batch[:, 1], alone[:, 0], atol=1e-4, rtol=1e-4)
 
 
+def test_a_padded_row_shorter_than_the_query_window_keeps_the_channels_it_keeps_alone():
+    """A row of 20 tokens in a left-padded batch of 60: the last 32 queries (query_window) held 12 of its padding,
+    whose queries weighed in its channels (they hid where padding's embedding is zero; padded with a real token
+    here, as tokenizers that pad with end-of-sequence do)."""
+    model = tiny_model("llama")
+    rows = [prompt(1, 60, seed=5)[0], prompt(1, 20, seed=6)[0]]
+    ids, mask = left_padded(rows)
+    ids = ids.masked_fill(mask == 0, 2)
+    make = lambda: ThinKPress(SnapKVPress(compression_ratio=0.5, window_size=4))  # noqa: E731
+    batch, cache = greedy_scores(model, ids, make(), new=4, mask=mask)
+    for row in range(2):
+        alone, alone_cache = greedy_scores(model, rows[row][None], make(), new=4)
+        for layer, single in zip(cache.layers, alone_cache.layers, strict=True):
+            assert torch.equal(layer.key_channels[row], single.key_channels[0])
+        torch.testing.assert_close(batch[:, row], alone[:, 0], atol=1e-4, rtol=1e-4)
+
+
 def test_refusals():
     with pytest.raises(TypeError, match="per-head storage|token-level"):
         ThinKPress(AdaKVPress(SnapKVPress(0.5)))

@@ -6,7 +6,7 @@ from transformers import DynamicCache
 
 import kvpress
 from kvpress import TOVAPress
-from tiny import prompt, tiny_model
+from tiny import left_padded, prompt, tiny_model
 
 
 def _mean_last_attention(model, ids):
@@ -43,3 +43,19 @@ def test_decoding_keeps_the_budget_and_heads_aligned():
         pos = layer.pos[0, :, : layer.n].long().sort(dim=-1).values
         assert layer.n == 16 and layer.seen == 41 and bool((pos == pos[:1]).all())
         assert int(pos[0, -1]) == 40  # the newest token (window_size=1) stays
+
+
+def test_heads_holding_other_tokens_behind_holes_are_scored_apart_in_a_padded_batch():
+    """Under CriticalKV a padded row's heads keep different tokens, and the slots they evicted stay as holes with
+    their positions: compared by slot positions alone the heads looked the same and were scored together, where
+    alone each head is scored by its own queries (rows of 23 and 12 differed from their 6th and 3rd tokens)."""
+    model = tiny_model("llama")
+    rows = [prompt(1, n, seed=s)[0] for n, s in ((60, 1), (23, 2), (41, 3), (12, 4))]
+    ids, mask = left_padded(rows)
+    settings = {"max_new_tokens": 30, "min_new_tokens": 30, "do_sample": False, "pad_token_id": 0}
+    make = lambda: kvpress.CriticalKVPress(TOVAPress(compression_ratio=0.5))  # noqa: E731
+    with make()(model):
+        batch = model.generate(ids, attention_mask=mask, **settings)[:, ids.shape[1] :]
+    for row, tokens in zip(rows, batch, strict=True):
+        with make()(model):
+            assert torch.equal(model.generate(row[None], **settings)[0, len(row) :], tokens)

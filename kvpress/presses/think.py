@@ -39,8 +39,10 @@ class ThinKPress(WrapsPress, BasePress):
         query_window: the last queries whose channel norms score the channels (default 32; not tuned here).
 
     The channels are chosen once per layer, at its first eviction step (the prefill; with chunks, the first
-    chunk), per row and KV head (the queries of its group together), and every key cached later keeps the same
-    channels (the paper keeps the newest keys whole; here the cache stays one tensor of one width). The layer
+    chunk), per row and KV head (the queries of its group together; a padded row's padding queries left out), and
+    every key cached later keeps the same channels (the paper keeps the newest keys whole; here the cache stays one
+    tensor of one width). In a chunked prefill of a left-padded batch they are chosen once every row holds real
+    keys, for all rows at once (one width): a row that holds real keys sooner chooses later than alone. The layer
     stores the keys narrower (`PressedLayer.prune_key_channels`): memory saved, nothing masked. At
     compression_ratio 0 nothing is pruned (every press is the identity there). Not with
     `kv_bits` or `rerotate`, and it cannot itself be wrapped (a wrapper would not call its pruning).
@@ -99,15 +101,20 @@ class ThinKPress(WrapsPress, BasePress):
         kept = dim - floor_share(dim, self.key_channel_ratio)
         if kept == dim:
             return
-        scores = channel_scores(obs.query[:, :, -self.query_window :], keys, layer.valid)
+        w = min(self.query_window, obs.q_len)  # a row's real queries are its last ones (left padding before them)
+        real = torch.arange(w) >= w - torch.tensor(layer.seen_list()).clamp(max=w)[:, None]  # [B, w]
+        scores = channel_scores(obs.query[:, :, -w:], keys, layer.valid, real.to(keys.device))
         layer.prune_key_channels(scores.topk(kept, dim=-1).indices.sort(dim=-1).values)
 
 
-def channel_scores(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+def channel_scores(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None = None,
+                   real: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`[B, Hkv, D]` ||Q[:, j]|| x ||K[:, j]|| per channel j: `query` `[B, Hq, w, D]` (the query heads of each KV head
-    together), `keys` `[B, Hkv, n, D]` (slots not `valid` left out)."""
+    together; queries not `real` `[B, w]`, a padded row's padding, left out), `keys` `[B, Hkv, n, D]` (slots not
+    `valid` left out)."""
     b, hq, w, d = query.shape
     hkv = keys.shape[1]
-    q_norm = query.float().reshape(b, hkv, (hq // hkv) * w, d).norm(dim=2)
+    query = query.float() if real is None else query.float() * real[:, None, :, None]
+    q_norm = query.reshape(b, hkv, (hq // hkv) * w, d).norm(dim=2)
     k = keys.float() if valid is None else keys.float() * valid[..., None]
     return q_norm * k.norm(dim=2)

@@ -37,6 +37,10 @@ class TOVAPress(BasePress):
 
     def score(self, obs: Observation) -> torch.Tensor:
         scores = obs.attention_probs(obs.q_len - 1, obs.q_len)[..., 0, :].mean(dim=2)  # [B, Hkv, n]
-        pos = obs.layer.pos[..., : scores.shape[-1]]
-        same = (pos == pos[:, :1]).all(dim=-1).all(dim=-1)[:, None, None]  # a row's heads hold the same tokens
+        pos, valid = obs.layer.pos[..., : scores.shape[-1]], obs.layer.valid
+        agree = pos == pos[:, :1]
+        if valid is not None:  # (a hole keeps its slot's position: heads agree on what they hold, not on slots)
+            valid = valid[..., : scores.shape[-1]]
+            agree = (valid == valid[:, :1]) & (agree | ~valid)
+        same = agree.all(dim=-1).all(dim=-1)[:, None, None]  # a row's heads hold the same tokens
         return torch.where(same, scores.mean(dim=1, keepdim=True), scores)
