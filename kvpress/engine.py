@@ -712,9 +712,10 @@ def _evict_rows(press, obs: Observation) -> bool:
     k = int(keep.max())
     uneven = bool((keep != k).any())  # rows keep different numbers (padded rows, or a plan per row)
     if layer.valid is None and not layer.padded and not uneven and k == layer.n - 1:
-        layer.remove_one(scores.argmin(dim=-1))  # one slot per head, overwritten in place
+        lowest = scores == scores.amin(dim=-1, keepdim=True)  # (of equal scores the latest goes: see `best_slots`)
+        layer.remove_one(layer.pos.masked_fill(~lowest, -1).argmax(dim=-1))  # one slot per head, overwritten in place
     else:
-        index, order = scores.topk(k, dim=-1).indices.sort(dim=-1)
+        index, order = best_slots(scores, layer.pos, k).sort(dim=-1)
         ranked = held_after = None
         if layer.padded or uneven:  # each row's fullest head keeps its `keep` best (padding and holes rank last)
             ranked = torch.arange(k, device=index.device) < keep.to(index.device, non_blocking=True)[:, None, None]
@@ -723,6 +724,15 @@ def _evict_rows(press, obs: Observation) -> bool:
             held_after = keep.tolist() if layer.padded or layer.valid is None else None
         layer.keep(index, ranked, capacity=int(budget.max()), held=held_after)
     return True
+
+
+def best_slots(scores: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
+    """`[B, H, k]` the slots of the `k` best `scores` `[B, H, n]`, best first; of equal scores the earlier position
+    `pos` first, so a row keeps the tokens it keeps alone whatever its slots' layout (a padded batch's, or slots
+    reordered by decoding steps): `topk` chose among ties by the tensor's length and order."""
+    by_position = pos.argsort(dim=-1)
+    ranked = scores.gather(-1, by_position).argsort(dim=-1, descending=True, stable=True)[..., :k]
+    return by_position.gather(-1, ranked)
 
 
 def _to_headwise(press, obs: Observation) -> HeadwiseLayer | None:

@@ -1,6 +1,7 @@
 """Head-wise budgets (AdaKV, DuoAttention): per-head storage that frees memory, and attention over it."""
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -393,9 +394,43 @@ def test_descending_rank_equals_argsort_of_argsort():
     scores[0, 0, :10] = float("inf")  # ties, as protected slots give
     scores[1, 2, 20:] = float("-inf")
     rank = descending_rank(scores)
-    order = scores.argsort(dim=-1, descending=True)
+    order = scores.argsort(dim=-1, descending=True, stable=True)
     assert torch.equal(rank, order.argsort(dim=-1))
     assert torch.equal(rank.sort(dim=-1).values, torch.arange(50).expand(2, 3, 50))  # a permutation per row
+    assert rank[0, 0, :10].tolist() == list(range(10))  # ties: the first slot (the earlier position) first
+
+
+@dataclasses.dataclass
+class _Flat(SnapKVPress):
+    """Every token scores the same: which ones stay is the tie-break alone."""
+
+    def score(self, obs):
+        return torch.zeros(obs.keys.shape[:3])
+
+
+@pytest.mark.parametrize("make", [lambda: _Flat(0.5, window_size=2), lambda: _Flat(max_tokens=12, window_size=2,
+                                                                                  decode_slack=0.0),
+                                  lambda: AdaKVPress(_Flat(0.5, window_size=2))],
+                         ids=["dense", "dense-decoding", "adakv"])  # fmt: skip
+def test_tied_scores_keep_the_tokens_a_row_keeps_alone(make):
+    """Exact ties (NAtS at its floor, KVzap's whole words, CUR within head_dim tokens) were ranked by the slots'
+    layout: `topk` chose among them by the tensor's length (a padded batch's) and order (decoding steps move the
+    newest slot into a hole), and head-wise ranks by an unstable sort. Ties now go to the earlier position, in a
+    batch as alone, at the prefill and while decoding (max_tokens=12, no slack: one slot a step)."""
+    model = tiny_model("llama")
+    rows = [prompt(1, 40, seed=1)[0], prompt(1, 25, seed=2)[0]]
+    ids, mask = left_padded(rows)
+    _, cache = greedy_scores(model, ids, make(), new=6, mask=mask)
+    for row, tokens in enumerate(rows):
+        _, alone = greedy_scores(model, tokens[None], make(), new=6)
+        for layer, single in zip(cache.layers, alone.layers, strict=True):
+            for head in range(model.config.num_key_value_heads):
+                if isinstance(layer, HeadwiseLayer):
+                    held, kept = layer.slot("pos", row, head), single.slot("pos", 0, head)
+                else:
+                    valid = layer.valid[row, head] if layer.valid is not None else slice(None)
+                    held, kept = layer.pos[row, head][valid], single.pos[0, head]
+                assert held.sort().values.tolist() == kept.sort().values.tolist()
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

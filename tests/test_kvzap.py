@@ -45,7 +45,8 @@ def test_kernel_size_keeps_the_top_scores_pooled_over_neighbouring_positions(poo
     for idx, layer in enumerate(cache.layers):
         predicted = (hidden[idx][0] @ scorer.weight[idx] + scorer.bias[idx]).T.exp()  # [H, n]
         pooled = by(predicted[:, None], 5, stride=1, padding=2)[:, 0]  # the mean counts zeros past the ends
-        expected = pooled.topk(20, dim=-1).indices.sort(dim=-1).values
+        expected = pooled.argsort(dim=-1, descending=True, stable=True)[:, :20].sort(dim=-1).values  # (max pooling
+        # ties neighbours exactly: the earlier position stays, `engine.best_slots`)
         assert torch.equal(layer.pos[0, :, : layer.n].long(), expected)
 
 

@@ -87,9 +87,11 @@ def head_observation(
 
 
 def descending_rank(scores: torch.Tensor) -> torch.Tensor:
-    """Each entry's rank along the last dimension in descending order (0: the largest): `argsort().argsort()` as one
-    sort and a scatter of the ranks into place (the inverse of the sort's permutation: the same ranks)."""
-    order = scores.argsort(dim=-1, descending=True)
+    """Each entry's rank along the last dimension in descending order (0: the largest; of equal entries the first,
+    which is the earlier position: a dense layer's slots at the prefill, and a head-wise layer's, are in position
+    order, so a padded row ranks ties as alone): `argsort().argsort()` as one sort and a scatter of the ranks into
+    place (the inverse of the sort's permutation: the same ranks)."""
+    order = scores.argsort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
     return torch.empty_like(order).scatter_(-1, order, ranks)
 
