@@ -20,7 +20,7 @@ import contextvars
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import ClassVar
 
 import torch
@@ -33,6 +33,19 @@ from kvpress.patches import model_access, rope
 from kvpress.patches.cache import PressedLayer
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.patches.intercept import Intercept, active_handler, cache_positions, new_tokens, split_inputs, tear
+
+
+def same_value(a, b) -> bool:
+    """Whether a press's setting still holds what it held (tensors, and objects without a truth-valued ==, by
+    identity)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # (a value whose == is not a truth value)
+        return False
 
 
 @dataclass
@@ -231,6 +244,19 @@ class Installable:
     def check_budget(self) -> None:
         """Check the budget as the press is installed (`BasePress`: it may have been set since it was built)."""
 
+    def settings(self) -> dict:
+        """Every init field of the press, and of a press it wraps under its own name (`press.window_size`): what
+        an installation compares to find a press set since it was checked (cheap: no repr of a scorer's
+        tensors)."""
+        out = {}
+        for f in fields(self) if is_dataclass(self) else ():
+            value = getattr(self, f.name)
+            if f.init and isinstance(value, Installable):
+                out.update({f"{f.name}.{name}": v for name, v in value.settings().items()})
+            elif f.init:
+                out[f.name] = value
+        return out
+
     def __call__(self, model: nn.Module, tokenizer=None) -> PressInstallation:
         """`with press(model):` installs the press for the caller; the model is restored on exit, even on error.
         A press that scores the whole context with a prompt of its own (KVzip) needs the model's `tokenizer`."""
@@ -294,7 +320,7 @@ class PressInstallation:
         if self.press.rerotate:
             self._inv_freq = model_access.rerotation_inv_freq(self.model)
             self._dynamic_length = model_access.dynamic_rope_length(self.model)
-        self._checked = repr(self.press)
+        self._checked = self.press.settings()
 
     # ----- entering -----------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -305,7 +331,8 @@ class PressInstallation:
             )
         if self.press is not None:  # entered again (a stream's next chunk): settings set since are checked again
             self.press.check_budget()
-            if repr(self.press) != self._checked:
+            now = self.press.settings()
+            if now.keys() != self._checked.keys() or not all(same_value(v, self._checked[k]) for k, v in now.items()):
                 self._check()
         self.intercept.install()
 
@@ -329,12 +356,14 @@ class PressInstallation:
             self._uninstall()
 
     def _uninstall(self) -> None:
-        """Leave the model as it was; the press forgets the prompt this installation scored last (no later chunk
-        can follow it outside this block: `_unscored` goes too)."""
+        """Leave the model as it was; a press that scores later chunks (KVzip) forgets the prompt this installation
+        scored last (no later chunk can follow it outside this block: `_unscored` goes too), under the lock that
+        callers scoring with it take turns at (another thread may be between its scoring and its eviction)."""
         unscored, self._unscored = self._unscored, None
         try:
-            if self.press is not None:
-                self.press.forget(None if unscored is None else unscored.cache())
+            if unscored is not None and self.press is not None:
+                with SCORING:
+                    self.press.forget(unscored.cache())
         finally:
             self.intercept.uninstall()
 
@@ -482,17 +511,22 @@ class PressInstallation:
                 "context, feed a chunked prompt (prefill_chunk_size) while no other thread starts one (this cache "
                 "now holds the chunk unscored and is marked torn: start it again)"
             )
-        if unscored is None:
-            recording = Recording(cache, recorder.queries, ids[:, :-1], next_ids=ids[:, -1:], hidden=recorder.hidden)
-            self.press.prepare(self.model, recording, self.tokenizer)
-        else:
-            fed = torch.cat([*unscored.ids, token_ids], dim=-1)
-            self.press.prepare_chunk(self.model, cache, fed, self.tokenizer)
-        for layer in compress_layers(self.press, cache, recorder.queries, recorder.hidden, token_ids):
-            layer.driven = True  # a layer moved to per-head storage: the rest of the forward drives it too
-        if not self.press.scores_later_chunks:
-            self.press.forget(cache)  # (its scores of the prompt: nothing reads them once it has evicted)
-        else:
+        evicted = False
+        try:
+            if unscored is None:
+                recording = Recording(cache, recorder.queries, ids[:, :-1], next_ids=ids[:, -1:],
+                                      hidden=recorder.hidden)  # fmt: skip
+                self.press.prepare(self.model, recording, self.tokenizer)
+            else:
+                fed = torch.cat([*unscored.ids, token_ids], dim=-1)
+                self.press.prepare_chunk(self.model, cache, fed, self.tokenizer)
+            for layer in compress_layers(self.press, cache, recorder.queries, recorder.hidden, token_ids):
+                layer.driven = True  # a layer moved to per-head storage: the rest of the forward drives it too
+            evicted = True
+        finally:  # (its scores of the prompt: nothing reads them once it has evicted, or failed to)
+            if not evicted or not self.press.scores_later_chunks:
+                self.press.forget(cache)
+        if self.press.scores_later_chunks:
             unscored = _Unscored(weakref.ref(cache))
             unscored.note(ids[:, -1:])
             self._unscored = unscored
@@ -715,7 +749,7 @@ def _evict_rows(press, obs: Observation) -> bool:
         lowest = scores == scores.amin(dim=-1, keepdim=True)  # (of equal scores the latest goes: see `best_slots`)
         layer.remove_one(layer.pos.masked_fill(~lowest, -1).argmax(dim=-1))  # one slot per head, overwritten in place
     else:
-        index, order = best_slots(scores, layer.pos, k).sort(dim=-1)
+        index, order = best_slots(scores, layer.position_order(), k).sort(dim=-1)
         ranked = held_after = None
         if layer.padded or uneven:  # each row's fullest head keeps its `keep` best (padding and holes rank last)
             ranked = torch.arange(k, device=index.device) < keep.to(index.device, non_blocking=True)[:, None, None]
@@ -726,11 +760,11 @@ def _evict_rows(press, obs: Observation) -> bool:
     return True
 
 
-def best_slots(scores: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
-    """`[B, H, k]` the slots of the `k` best `scores` `[B, H, n]`, best first; of equal scores the earlier position
-    `pos` first, so a row keeps the tokens it keeps alone whatever its slots' layout (a padded batch's, or slots
-    reordered by decoding steps): `topk` chose among ties by the tensor's length and order."""
-    by_position = pos.argsort(dim=-1)
+def best_slots(scores: torch.Tensor, by_position: torch.Tensor, k: int) -> torch.Tensor:
+    """`[B, H, k]` the slots of the `k` best `scores` `[B, H, n]`, best first; of equal scores the earlier in
+    `by_position` (the slots in position order, padding and holes last: `PressedLayer.position_order`) first, so a
+    row keeps the tokens it keeps alone whatever its slots' layout (a padded batch's, or slots reordered by decoding
+    steps): `topk` chose among ties by the tensor's length and order."""
     ranked = scores.gather(-1, by_position).argsort(dim=-1, descending=True, stable=True)[..., :k]
     return by_position.gather(-1, ranked)
 

@@ -354,3 +354,20 @@ def test_the_scores_kept_on_the_press_hold_no_more_than_themselves():
         assert len(fed) < 64 and torch.cat(fed, dim=-1).shape[-1] == 130
         for tensor in [*scores, press._lead, *fed]:
             assert tensor.untyped_storage().nbytes() == tensor.nbytes
+
+
+def test_a_failed_eviction_leaves_no_scores_on_the_press(monkeypatch):
+    """KVzip keeps its scores for a later chunk once it has evicted; an eviction that raised left them on the press
+    (no later chunk can follow a torn cache)."""
+    import kvpress.engine as engine
+
+    model = tiny_model("llama")
+    press = KVzipPress(0.5, window_size=4)
+
+    def broken(*args, **kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(engine, "compress_layers", broken)
+    with pytest.raises(KeyError, match="boom"), press(model, tokenizer=_Tokenizer()):
+        model(prompt(1, 40))
+    assert press.scores is None and press._lead is None

@@ -319,5 +319,6 @@ def test_a_chunk_stopped_after_its_first_part_leaves_its_cache_torn(monkeypatch)
         monkeypatch.setattr(engine, "SCORING", Interrupted())
         with pytest.raises(KeyboardInterrupt):
             model(ids[:, 32:40], cache=cache)
+        monkeypatch.undo()  # (the block's end takes the lock too, to forget the scores)
     with pytest.raises(RuntimeError, match="left half-updated"):
         model(ids[:, 40:41], cache=cache)

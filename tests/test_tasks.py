@@ -336,11 +336,12 @@ def test_an_answer_counts_as_a_whole_word_or_number_not_joined_to_another_option
     assert any_answer_score(("1944",), "in 1944-45") == 1.0 and any_answer_score(("Ada Lovelace",), "ada  lovelace")
     for answer, reply in (("58655", "58655555555"), ("42817", "142817"), ("10", "10,000"), ("10", "10.5"),
                           ("1,000", "1,000,000"), ("John", "Johnson"), ("four", "fourteen"), ("48213", "48213.5"),
-                          ("QANY5", "VAR QANY512"), ("C++", "C+++"), ("...", "...."), ("(1)", "((1))")):  # fmt: skip
+                          ("QANY5", "VAR QANY512"), ("C++", "C+++"), ("C#", "C##")):  # fmt: skip
         assert not holds(answer, reply), (answer, reply)
     for answer, reply in (("58655", "It is 58655."), ("1,000", "about 1000 people"), ("12345", "12,345"),
                           ("Mary Smith", "mary\nsmith"), ("U.S.", "the U.S. army"), ("QANY5", "VAR qany5, VAR B"),
-                          ("C++", "In C++."), ("(1)", "see (1)")):  # fmt: skip
+                          ("C++", "In C++."), ("(1)", "see (1)"), ("Queen (band)", "It was Queen (band))."),
+                          ("U.S.", "in the U.S.."), ('"Hey Jude"', 'called ""Hey Jude""')):  # fmt: skip
         assert holds(answer, reply), (answer, reply)
     assert Example("", "", ("58655",)).score("58655555555") == 0.0 and whole_number_score("48213", "48213.5") == 0
     for answers in ((), ("",), " ", "58655", (58655,)):  # (no answer divided by zero; a string, its characters)

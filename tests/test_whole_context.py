@@ -9,7 +9,7 @@ from transformers import DynamicCache
 import kvpress
 from kvpress import AdaKVPress, KVzipPress, LookaheadPress, SnapKVPress, SpecAttnPress
 from kvpress.pipeline import split_prompt
-from tiny import CONTEXT, QUESTION
+from tiny import CONTEXT, QUESTION, prompt
 
 PRESSES = {
     "kvzip": lambda: KVzipPress(0.5, reconstruction_chunk=8, window_size=4),
@@ -179,3 +179,56 @@ def test_a_press_pickles_fresh_and_used(tokenized, name):
     answer = run(press)
     assert run(fresh) == answer and run(pickle.loads(pickle.dumps(press))) == answer  # (pickled after a run)
     assert repr(fresh) == repr(press)
+
+
+def test_a_block_ending_in_another_thread_leaves_a_draft_being_evicted_by():
+    """One Lookahead press on two models: a block of the second ends (it scored nothing) while the first's eviction
+    is between two layers. The end forgot the press's draft outside the scoring lock, and the first raised at its
+    next layer (a review of stop 80)."""
+    import threading
+
+    from tiny import tiny_model
+
+    models = tiny_model("llama"), tiny_model("qwen2")
+    press = kvpress.press_from_name("lookahead", compression_ratio=0.5, window_size=4)
+    scoring, ended, errors = threading.Event(), threading.Event(), []
+    real = press.score
+
+    def score(obs):
+        if obs.layer_idx == 1 and not scoring.is_set():
+            scoring.set()
+            ended.wait(2)  # (the other block ends meanwhile, or waits for this eviction to end)
+        return real(obs)
+
+    press.score = score
+    ender = type("Ender", (), {"eos_token_id": None})()
+
+    def first():
+        try:
+            with torch.inference_mode(), press(models[0], tokenizer=ender):
+                models[0].generate(prompt(1, 40, seed=1), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        except Exception as error:  # noqa: BLE001 (reported below)
+            errors.append(error)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    scoring.wait(10)
+    with press(models[1], tokenizer=ender):
+        pass
+    ended.set()
+    thread.join()
+    assert errors == []
+
+
+def test_lookahead_runs_on_a_model_with_sliding_window_layers_past_the_window():
+    """Its check that the layer holds the whole prompt took every slot seen; a sliding-window layer holds its
+    window alone (a review of stop 80: Mistral's and Gemma 3's refused a 40-token prompt)."""
+    from tiny import tiny_model
+
+    for family in ("mistral-window", "gemma3"):
+        model = tiny_model(family)
+        press = kvpress.press_from_name("lookahead", compression_ratio=0.5, window_size=4)
+        with press(model, tokenizer=type("Ender", (), {"eos_token_id": None})()):
+            out = model.generate(prompt(1, 40, seed=1), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == 44
+

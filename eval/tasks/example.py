@@ -36,6 +36,11 @@ def without_thousands_separators(text: str) -> str:
     return re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)
 
 
+# marks that a longer name repeats ("C++" is not in "C+++"); brackets, quotes and periods close pairs and sentences
+# ("Queen (band))", "the U.S..") and do not
+_RUNS = "+#*=~^|"
+
+
 def holds(answer: str, text: str, question: str = "") -> bool:
     """Whether the reply `text` names `answer`, the one matching rule of every string-match score: without case or
     thousands separators ("12,345" is 12345), runs of whitespace as one space; as a whole word or number, not inside a
@@ -49,10 +54,10 @@ def holds(answer: str, text: str, question: str = "") -> bool:
     if not answer:
         return False
     word = re.compile(r"\w")
-    first, last = (r"\w" if word.match(c) else re.escape(c) for c in (answer[0], answer[-1]))  # ("C++" not in "C+++")
-    pattern = (rf"(?<!{first})" + (r"(?<!\d\.)" if answer[0].isdigit() else "")
+    first, last = (r"\w" if word.match(c) else re.escape(c) if c in _RUNS else "" for c in (answer[0], answer[-1]))
+    pattern = ((rf"(?<!{first})" if first else "") + (r"(?<!\d\.)" if answer[0].isdigit() else "")
                + re.escape(answer)  # (a comma between digits left by the separators' removal lists numbers)
-               + rf"(?!{last})" + (r"(?!\.\d)" if answer[-1].isdigit() else ""))
+               + (rf"(?!{last})" if last else "") + (r"(?!\.\d)" if answer[-1].isdigit() else ""))
     asked = answer in question
     return any(not (asked and _joined_to_another(text, m.start(), m.end(), answer, question))
                for m in re.finditer(pattern, text))  # fmt: skip

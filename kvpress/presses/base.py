@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from kvpress.counts import floor_share
-from kvpress.engine import Installable, Observation
+from kvpress.engine import Installable, Observation, same_value
 from kvpress.patches import kv_quantization as quant
 from kvpress.patches.cache import PressedLayer
 from kvpress.patches.head_cache import HeadwiseLayer
@@ -109,18 +109,6 @@ def scaled_to_peak(scores: torch.Tensor, valid: torch.Tensor | None = None) -> t
     counted = scores.isfinite() if valid is None else scores.isfinite() & valid
     peak = scores.abs().masked_fill(~counted, 0.0).amax(dim=-1, keepdim=True)
     return scores / peak.clamp_min(torch.finfo(scores.dtype).tiny)
-
-
-def _same(a, b) -> bool:
-    """Whether a press's field still holds what it was built with (tensors by identity)."""
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b):
-        return False
-    try:
-        return bool(a == b)
-    except Exception:  # (a value whose == is not a truth value)
-        return False
 
 
 # the fields a press declares to protect tokens (see `sink_count`, `recent_count`): checked by BasePress
@@ -241,7 +229,8 @@ class BasePress(Installable):
         (`_take_rebuilt`). Its budget is the press's where the press took it from a setting (SinkWindow's window) or
         from the press it wraps, which also gives it the settings it takes from that press but those moved on it."""
         built = self.__dict__.get("_built_with", {})
-        moved = [name for name, value in self._settings().items() if name in built and not _same(value, built[name])]
+        moved = [name for name, value in self._settings().items()
+                 if name in built and not same_value(value, built[name])]  # fmt: skip
         if not moved:
             return
         derived = {"compression_ratio": None, "max_tokens": None}  # (a budget the rebuilt press sets itself)

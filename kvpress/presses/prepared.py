@@ -101,7 +101,8 @@ def check_prepared(
             f"forward; compress with {call}, kvpress.recording.compress_recording, or `with press(model, "
             "tokenizer=tokenizer)`, which scores at the end of the prefill"
         )
-    if obs.layer.seen != tokens or (not chunks and obs.keys.shape[2] != obs.layer.seen):  # (every slot: padding too)
+    held = obs.keys.shape[2]  # every slot seen (padding too), or on a sliding-window layer its longest row's window
+    if obs.layer.seen != tokens or (not chunks and held not in (obs.layer.seen, int(obs.layer.span.max()))):
         raise RuntimeError(
             f"{name} scored a prompt of {tokens} tokens but layer {obs.layer_idx} now holds {obs.keys.shape[2]} "
             f"of {obs.layer.seen}; it compresses the prompt it was prepared on, not later tokens"
