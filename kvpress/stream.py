@@ -108,7 +108,7 @@ def stream(
     return _nlls(model, ids.to(model.device), installation, chunk, cache, progress)
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: a `cache=` given stays usable outside it
 def _nlls(model, ids: torch.Tensor, installation, chunk: int, cache: DynamicCache, progress: bool
           ) -> Iterator[torch.Tensor]:  # fmt: skip
     """`stream`'s generator, once its arguments were checked. The press is installed for each of its own forwards

@@ -69,6 +69,7 @@ class PressedLayer(DynamicLayer):
     _trimmed = False  # nothing was appended or inserted since the last `trim_window`
     _spare = 0  # the room the next growth leaves (see `SPARE`)
     rewrites = 0  # times held slots were evicted or rewritten in place (a `Scratch` cannot undo those)
+    in_inference = False  # a forward under torch.inference_mode() made or wrote its tensors (`leave_inference`)
 
     @property
     def is_croppable(self) -> bool:
@@ -122,6 +123,10 @@ class PressedLayer(DynamicLayer):
     # ----- the transformers layer API -----------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append new keys/values, in place when a freed slot is available."""
+        if torch.is_inference_mode_enabled():
+            self.in_inference = True
+        elif self.in_inference:
+            leave_inference(self)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.pending or self.torn:
@@ -190,6 +195,8 @@ class PressedLayer(DynamicLayer):
         if not self.driven:
             self.commit(None)
             self.trim_window()  # the attention still gets every slot (views of the storage trimming replaces)
+            if self.n > q and torch.is_grad_enabled() and key_states.requires_grad:  # (copies: written in place next)
+                keys, values = without_backward(keys), without_backward(values)
         return keys, values
 
     def get_seq_length(self) -> int:
@@ -693,6 +700,51 @@ class PressedLayer(DynamicLayer):
             self.key_stats = fn(self.key_stats)
         if self.key_channels is not None:
             self.key_channels = fn(self.key_channels)
+
+
+def leave_inference(layer) -> None:
+    """Copy the tensors a forward under `torch.inference_mode()` left on a cache layer into ordinary ones, before a
+    forward outside it writes into them: torch refuses in-place writes into inference tensors outside inference
+    mode, and a pressed layer writes its slots in place (transformers' own layers concatenate, so a plain cache
+    filled under inference mode goes on outside it; a pressed one does too)."""
+    def plain(value):
+        if isinstance(value, torch.Tensor):
+            return value.clone() if value.is_inference() else value
+        if isinstance(value, dict):
+            return {name: plain(t) for name, t in value.items()}
+        if isinstance(value, tuple):
+            return tuple(plain(t) for t in value)
+        return value
+
+    with torch.inference_mode(False):
+        for name, value in list(vars(layer).items()):
+            setattr(layer, name, plain(value))
+    layer.in_inference = False
+
+
+class _NoBackward(torch.autograd.Function):
+    """The identity (a copy) forward; its backward refuses (`without_backward`)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(
+            "kvpress: no gradient flows through a compressed cache. This forward attended to keys and values a "
+            "press's cache held before it (from an earlier forward, or from the first part of a prompt that a press "
+            "scoring whole prompts feeds in parts), which the press chose, moved and overwrote in place outside "
+            "autograd: their gradients would be missing or wrong. A backward works through a forward into an empty "
+            "cache under a press that scores tokens as they are cached (a prefill, a training step's loss); for "
+            "gradients through earlier tokens, run without a press (a full cache)"
+        )
+
+
+def without_backward(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (copied), whose backward raises a clear error: what a forward computed over slots held from an
+    earlier forward of a pressed cache (gathered without autograd, then overwritten in place by later steps)."""
+    return _NoBackward.apply(tensor)
 
 
 def tensor_bytes(tensors) -> int:

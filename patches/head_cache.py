@@ -33,7 +33,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvpress.patches import kv_quantization as quant
-from kvpress.patches.cache import PressedLayer
+from kvpress.patches.cache import PressedLayer, leave_inference
 
 
 class HeadwiseLayer(DynamicLayer):
@@ -49,6 +49,7 @@ class HeadwiseLayer(DynamicLayer):
     padded: bool | None = None  # a layer saved before this flag existed: not known (its span is read)
     _seen_rows: list[int] | None = None
     rewrites = 0  # times held slots were evicted or rewritten in place (see `PressedLayer.rewrites`)
+    in_inference = False  # a forward under torch.inference_mode() made or wrote its tensors (`leave_inference`)
 
     UNDECIDED = -2  # a head budget its press decides later (a new prompt, or a context too short yet): keeps all
 
@@ -134,6 +135,10 @@ class HeadwiseLayer(DynamicLayer):
     # ----- the transformers layer API -----------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Hold the new keys/values until the intercept commits them to every head."""
+        if torch.is_inference_mode_enabled():
+            self.in_inference = True
+        elif self.in_inference:
+            leave_inference(self)
         if not self.driven and not (self.seen or self.pending):
             raise RuntimeError(
                 "this cache's head-wise layers were emptied (reset): it takes its next prompt inside `with "

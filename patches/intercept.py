@@ -67,7 +67,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from kvpress.patches import blocked_attention as blocked
 from kvpress.patches import model_access, sdpa_backends
-from kvpress.patches.cache import PressedLayer
+from kvpress.patches.cache import PressedLayer, leave_inference, without_backward
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.patches.headwise_attention import headwise_attention
 
@@ -326,6 +326,12 @@ class Intercept:
     def _prepare(self, call: _Call, args: tuple, kwargs: dict) -> None:
         """Before an active caller's forward: find or make its cache and let the press drive its layers."""
         call.cache = call.ids = None  # ids: set by the input embedding's hook (none when embeddings are given)
+        switched = self.model.config._attn_implementation
+        if switched != self.name:  # (set_attn_implementation inside the block: no attention would reach the press)
+            raise RuntimeError(f"this {type(self.model).__name__}'s attention implementation was set to {switched!r} "
+                               "inside the press's block, so its attention no longer reaches the press: switch it "
+                               "before the `with press(model):` block (a press runs on "
+                               f"{model_access.RUNS_ON})")  # fmt: skip
         cache = kwargs.get(self.cache_key, kwargs.get("past_key_values"))
         training = self.model.training and torch.is_grad_enabled()  # (only then: the property walks every module)
         if training and getattr(self.model, "is_activation_checkpointing", False):
@@ -341,10 +347,15 @@ class Intercept:
             kwargs[self.cache_key] = cache
         if not isinstance(cache, DynamicCache):
             raise TypeError(
-                f"kvpress compresses a DynamicCache in place; got {type(cache).__name__}. "
-                "Pass DynamicCache() or let generate make one."
+                f"kvpress compresses a DynamicCache in place; got {type(cache).__name__}. Pass "
+                "cache=DynamicCache(config=model.config), or let generate make one: leave cache_implementation "
+                "unset or 'dynamic' (in generate's arguments and the model's generation_config)"
             )
         model_access.complete_layers(cache, self.model)
+        if not torch.is_inference_mode_enabled():  # (before anything writes into a layer)
+            for layer in cache.layers:
+                if getattr(layer, "in_inference", False):
+                    leave_inference(layer)
         newly = []  # layers this forward drives first: a refused forward leaves them as they were
         for i, layer in enumerate(cache.layers):
             if i in self._compressible and model_access.is_plain_layer(layer):
@@ -415,7 +426,7 @@ class Intercept:
             self.handler.after_headwise(module, query, layer, hidden, call.compressing, ids, mass)
             layer.compact()  # evictions free slots in place: a layer with too much spare room is packed tight
             layer.settle()
-            return out, None
+            return (without_backward(out) if grad else out), None  # (it attended to slots held from before)
         thin = layer.key_channels is not None  # keys of fewer channels (ThinK): the queries meet only those
         if thin:
             query = layer.query_channels(query)
@@ -471,6 +482,8 @@ class Intercept:
             replacement.driven = True
             call.cache.layers[module.layer_idx] = replacement
         layer.trim_window()  # a sliding-window layer drops what left its window (the handler may have already)
+        if grad and key.shape[2] > q_len:  # slots held from an earlier forward: gathered without autograd
+            out = (without_backward(out[0]), *out[1:])
         return out
 
 

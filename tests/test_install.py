@@ -6,6 +6,7 @@ from transformers import DynamicCache, StaticCache, T5Config, T5ForConditionalGe
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
+import kvpress
 from kvpress import AdaKVPress, HeavyHitterPress, SnapKVPress
 from tiny import CONFIGS, prompt, tiny_model
 
@@ -51,7 +52,8 @@ def test_restored_after_exception():
 def test_restored_after_error_inside_forward():
     model = tiny_model("llama")
     before = _snapshot(model)
-    with pytest.raises(TypeError, match="StaticCache"), SnapKVPress(compression_ratio=0.5)(model):
+    with pytest.raises(TypeError, match="StaticCache.*cache_implementation unset or 'dynamic'"), \
+            SnapKVPress(compression_ratio=0.5)(model):
         model(prompt(1, 8), cache=StaticCache(config=model.config, max_cache_len=16))
     assert _snapshot(model) == before
 
@@ -140,18 +142,100 @@ def test_gradient_checkpointing_in_training_mode_is_refused_by_name():
 
 def test_presses_run_with_autograd_enabled():
     """A forward with gradients on (training code, a probe) compresses as under no_grad, and a decoding step over
-    the compressed layers (head-wise ones too) runs; logits keep their grad."""
+    the compressed layers (head-wise ones too) runs; logits keep their grad. A backward through the prefill gives
+    the gradients of the model without a press (the eviction comes after its attention); one through a later forward
+    raises a clear error (it attended to slots the press gathered without autograd and later steps overwrite in
+    place: torch's own error named an in-place AsStrided after 2 steps, and a gradient into the kept tokens was
+    silently missing), pressed or plain after the block."""
     with torch.inference_mode(False), torch.enable_grad():
         model = tiny_model("llama", intermediate_size=96)  # parameters made outside inference mode
         ids = prompt(1, 40)
+        model(ids, cache=DynamicCache(config=model.config)).logits.sum().backward()
+        plain = {name: p.grad.clone() for name, p in model.named_parameters()}
         for press in (HeavyHitterPress(compression_ratio=0.5), AdaKVPress(HeavyHitterPress(compression_ratio=0.5))):
             cache = DynamicCache(config=model.config)
+            model.zero_grad()
             with press(model):
                 logits = model(ids, cache=cache).logits
-                step = model(ids[:, -1:], cache=cache).logits  # a decoding step over the compressed layers
+                steps = [model(ids[:, i : i + 1], cache=cache).logits for i in range(3)]  # over compressed layers
             assert logits.requires_grad and sum(layer.n if hasattr(layer, "n") else 0 for layer in cache.layers) < 80
-            assert step.requires_grad
-            (logits.sum() + step.sum()).backward()
+            logits.sum().backward()
+            assert all(torch.allclose(p.grad, plain[name], atol=1e-6) for name, p in model.named_parameters())
+            for step in steps:
+                assert step.requires_grad
+                with pytest.raises(RuntimeError, match="no gradient flows through a compressed cache"):
+                    step.sum().backward()
+        dense = DynamicCache(config=model.config)  # a plain forward over a compressed cache, after the block
+        with HeavyHitterPress(compression_ratio=0.5)(model):
+            model(ids, cache=dense)
+        after = model(ids[:, :1], cache=dense).logits
+        model(ids[:, 1:2], cache=dense)  # (writes in place into what `after` attended to)
+        with pytest.raises(RuntimeError, match="no gradient flows through a compressed cache"):
+            after.sum().backward()
+
+
+def test_a_cache_filled_under_inference_mode_goes_on_outside_it():
+    """A pressed cache filled under torch.inference_mode() (`kvpress.stream`'s was) is continued outside it, with
+    the press or without, dense or head-wise, as one filled under no_grad (torch refused the in-place writes into
+    inference tensors: 'Inplace update to inference tensor outside InferenceMode', the layers torn)."""
+    with torch.inference_mode(False):  # (the tests run inside inference mode: conftest)
+        _filled_in_inference_mode()
+
+
+def _filled_in_inference_mode() -> None:
+    model = tiny_model("llama")
+    ids = prompt(1, 80)
+    for press in (SnapKVPress(compression_ratio=0.5, window_size=4), AdaKVPress(SnapKVPress(compression_ratio=0.5))):
+        answers = []
+        for mode in (torch.inference_mode, torch.no_grad):
+            cache = DynamicCache(config=model.config)
+            with mode(), press(model):
+                out = model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+            more = torch.cat([out, out.new_tensor([[5, 6]])], dim=1)
+            with torch.no_grad(), press(model):
+                answers.append(model.generate(more, cache=cache, max_new_tokens=4, do_sample=False, pad_token_id=0))
+        assert torch.equal(*answers)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode(), SnapKVPress(compression_ratio=0.5, window_size=4)(model):
+        model(ids, cache=cache)
+    with torch.no_grad():
+        model(ids[:, :1], cache=cache)  # a plain forward, outside the press
+        model(ids[:, 1:2], cache=cache)
+    assert [layer.seen for layer in cache.layers] == [82, 82]
+    cache = DynamicCache(config=model.config)
+    sink = kvpress.SinkWindowPress(n_sink=4, window=16)
+    list(kvpress.stream(model, None, ids[0, :64], press=sink, cache=cache, chunk=16, progress=False))
+    with torch.no_grad(), sink(model):
+        model(ids[:, 64:65], cache=cache)
+    assert [layer.seen for layer in cache.layers] == [65, 65]
+
+
+def test_a_compiled_wrapper_is_refused_by_name():
+    """torch.compile's wrapper passes attribute lookups to the model, so a press installed on it was taken, and
+    its generate kept the whole cache (the wrapper's forward never reaches the press); it is refused, naming what
+    works: the model it wraps (called compiled inside the block), or model.compile()."""
+    model = tiny_model("llama")
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(TypeError, match=r"torch.compile's wrapper of a LlamaForCausalLM.*_orig_mod"):
+        SnapKVPress(compression_ratio=0.5)(compiled).__enter__()
+    assert _snapshot(model) == _snapshot(tiny_model("llama")) and not _registered()
+
+
+def test_an_attention_implementation_switched_inside_the_block_is_refused():
+    """set_attn_implementation inside a press's block routed attention past the press: a forward compressed
+    nothing, silently, and left the cache's layers pending ('left half-updated' at the next forward). The forward is
+    refused, naming the switch, and the cache stays usable."""
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    with SnapKVPress(compression_ratio=0.5, window_size=4)(model):
+        model.set_attn_implementation("eager")
+        with pytest.raises(RuntimeError, match="attention implementation was set to 'eager' inside the press"):
+            model(prompt(1, 40), cache=cache)
+    assert model.config._attn_implementation == "eager"  # (the caller's switch stands)
+    model.set_attn_implementation("sdpa")
+    with SnapKVPress(compression_ratio=0.5, window_size=4)(model):
+        model(prompt(1, 40), cache=cache)
+    assert [layer.n for layer in cache.layers] == [20, 20]
 
 
 def test_restored_when_the_restore_is_interrupted(monkeypatch):
