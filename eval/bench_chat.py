@@ -38,6 +38,7 @@ from kvpress.eval.confidence import mean_half_width, wilson
 from kvpress.eval.paired import difference_interval
 from kvpress.eval.sweep import append_row, read_rows
 from kvpress.eval.tasks.chat_recall import ChatExample, chat_recall_examples
+from kvpress.files import check_writable, write_text_whole
 from kvpress.patches import model_access
 from kvpress.recording import QueryRecorder
 from kvpress.rounds import choose_watershed, round_relevance
@@ -107,17 +108,23 @@ def chat_rows(model, tokenizer, example: ChatExample, top_k: int) -> dict[str, d
     return rows
 
 
+def logged(log: Path, settings: dict | None) -> list[dict]:
+    """The rows of `log` (none where there is none yet); a log begun with other settings is refused."""
+    rows = read_rows(log, "kvpress bench-chat")
+    if rows and rows[0] != {"settings": settings}:
+        raise ValueError(f"{log} holds a run with other settings ({json.dumps(rows[0])}; this one: "
+                         f"{json.dumps(settings)}): remove it or choose another --out")  # fmt: skip
+    return rows
+
+
 def _resumed(log: Path, settings: dict | None) -> dict[int, dict[str, dict]]:
     """The chats `log` holds (`read_rows`: a row torn by the stop is dropped), whose first row must be `settings`;
     a new log begun where there is none."""
-    rows = read_rows(log, "kvpress bench-chat")
+    rows = logged(log, settings)
     if not rows:
         log.parent.mkdir(parents=True, exist_ok=True)
         append_row(log, {"settings": settings})
         return {}
-    if rows[0] != {"settings": settings}:
-        raise ValueError(f"{log} holds a run with other settings ({json.dumps(rows[0])}; this one: "
-                         f"{json.dumps(settings)}): remove it or choose another --out")  # fmt: skip
     done = {row["example"]: row["rows"] for row in rows[1:]}
     if done:
         print(f"resumed {len(done)} chats from {log}", flush=True)
@@ -224,28 +231,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None and Path(args.out).suffix == ".jsonl":  # (its rows are kept beside it, in OUT.jsonl)
         parser.error(f"--out is the JSON result, kept apart from the rows a run writes as it goes (<out>.jsonl): "
                      f"name it otherwise than {args.out}")  # fmt: skip
+    suffix = f"-{args.model}" if args.model else ""
+    out = Path(args.out or OUT / f"{'watershed' if args.watershed else 'chat'}{suffix}.json")
+    # a chat is drawn on its own (`chat_recall_examples`), so a run of more examples extends one of fewer
+    settings = {"model": args.model or "smollm2-135m", "seed": args.seed, "rounds": args.rounds,
+                "top_k_rounds": args.top_k}  # fmt: skip
     try:  # before the model loads: the chats are drawn without it, and the policy is checked as it is built
         examples = chat_recall_examples(args.examples, args.rounds, args.seed)
         kvpress.RoundPolicy(top_k_rounds=args.top_k)
+        check_writable(out, "--out")  # (before the runs, not after them)
+        if not args.watershed:
+            logged(out.with_suffix(".jsonl"), settings)  # (a log of other settings)
     except ValueError as error:
         parser.error(str(error))
     model, tokenizer = kvpress.load_model(args.model)
-    suffix = f"-{args.model}" if args.model else ""
     if args.watershed:
         rates = watershed(model, tokenizer, examples)
         result = {"model": args.model or "smollm2-135m", "seed": args.seed, "examples": args.examples,
                   "fact_round_ranked_first_per_layer": [round(r, 4) for r in rates],
                   "watershed": choose_watershed(rates)}  # fmt: skip
-        out = Path(args.out or OUT / f"watershed{suffix}.json")
     else:
-        out = Path(args.out or OUT / f"chat{suffix}.json")
-        # a chat is drawn on its own (`chat_recall_examples`), so a run of more examples extends one of fewer
-        settings = {"model": args.model or "smollm2-135m", "seed": args.seed, "rounds": args.rounds,
-                    "top_k_rounds": args.top_k}  # fmt: skip
         play = lambda example: chat_rows(model, tokenizer, example, args.top_k)  # noqa: E731
         result = {**settings, "examples": args.examples, **bench(examples, play, out.with_suffix(".jsonl"), settings)}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_text_whole(out, json.dumps(result, indent=1) + "\n")
     if not args.watershed:  # the run is whole: its rows are in `out`, and the next run measures anew
         out.with_suffix(".jsonl").unlink()
     print(json.dumps(result.get("summary", result), indent=1))

@@ -36,6 +36,7 @@ from transformers import DynamicCache
 import kvpress
 from kvpress.cli import check_counts
 from kvpress.engine import maybe_installed, observe
+from kvpress.files import check_writable, write_text_whole
 from kvpress.presses.kvzip import reconstruction_scores
 from kvpress.recording import record_prefill
 
@@ -229,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_counts(args, {"repeats": 1, "decode_steps": 1, "varlen_steps": 1, "prefill_tokens": 1,
                             "decode_context": 1})  # fmt: skip
+        check_writable(args.out, "--out")  # (before the runs, not after them)
     except ValueError as err:
         parser.error(str(err))
     unknown = [part for part in args.measure if part not in MEASURES]
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
                 parser.error(f"{flag} {name!r}: {err}")
     result = run(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_text_whole(args.out, json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -56,6 +56,7 @@ from kvpress.eval.bench_long import _key as long_key
 from kvpress.eval.bench_long import configurations, markdown, pending, stamped_generate, summary
 from kvpress.eval.memory import TensorPeak, unread_weight_bytes
 from kvpress.eval.sweep import append_row, read_rows
+from kvpress.files import write_text_whole
 from kvpress.patches import blocked_attention as blocked
 from kvpress.patches import headwise_attention as headwise
 from kvpress.patches import sdpa_backends
@@ -307,9 +308,9 @@ def write(out: Path, rows: list[dict], skipped: dict) -> list[dict]:
     devices = sorted({r["device"] for r in rows if "device" in r})
     result = {"devices": devices, "random_weights": sorted({r.get("random_weights", False) for r in rows}),
               "skipped": skipped, "errors": errors, "tables": tables}  # fmt: skip
-    (out / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "gpu.md").write_text("".join(f"### {a}\n\n{markdown(t)}\n{_same_length_md(t)}\n"
-                                        for a, t in tables.items() if t))  # fmt: skip
+    write_text_whole(out / "gpu.json", json.dumps(result, indent=2) + "\n")
+    write_text_whole(out / "gpu.md", "".join(f"### {a}\n\n{markdown(t)}\n{_same_length_md(t)}\n"
+                                             for a, t in tables.items() if t))  # fmt: skip
     return errors
 
 

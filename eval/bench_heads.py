@@ -25,6 +25,7 @@ from kvpress.cli import check_counts
 from kvpress.eval.confidence import wilson
 from kvpress.eval.sweep import configurations
 from kvpress.eval.tasks.needle import HAYSTACKS, needle_examples
+from kvpress.files import check_writable, write_text_whole
 
 CONFIGS = {
     "snapkv": lambda r: kvpress.SnapKVPress(compression_ratio=r),
@@ -94,11 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_counts(args, {"examples": 1, "length": 100, "seed": 0})
         configurations(["snapkv"], args.ratios)  # ratios in [0, 1), each once
+        check_writable(args.out, "--out")  # (before the runs, not after them)
     except ValueError as err:
         parser.error(str(err))
     result = run(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_text_whole(args.out, json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["tasks"], indent=1))
     print(f"wrote {args.out}")
 

@@ -38,6 +38,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -53,6 +54,7 @@ from kvpress.engine import maybe_installed
 from kvpress.eval.bench_core import long_ids
 from kvpress.eval.memory import page_in, steady_malloc, unread_weight_bytes
 from kvpress.eval.sweep import append_row, read_rows
+from kvpress.files import write_text_whole
 from kvpress.models import PACKAGED_MODELS
 from kvpress.presses.defaults import default_for
 
@@ -62,6 +64,23 @@ RESULTS = Path(__file__).parent / "results"
 CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576"}  # tensors freed go back to the system: a stable high-water mark
 DECODE_MALLOC = "steady"  # decode steps timed under `steady_malloc` (rows without it were timed under CHILD_ENV's)
 ONE_CHUNK_RUNS = 3  # the bound's one-chunk peak is the median of this many runs (one run's moved 18-27% between runs)
+PARENT = "KVPRESS_BENCH_PARENT"  # the parent's pid, in a child's environment (`die_with_parent`)
+
+
+def die_with_parent(parent: int) -> None:
+    """In a child measuring one configuration: end when the run that started it ends, however it ends (a parent
+    killed with SIGKILL left its child measuring for minutes, competing for the cores with the run resumed next).
+    Linux: the kernel sends the child SIGKILL when its parent dies; a parent gone before that was asked, the child
+    ends now. Elsewhere nothing is done."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # (not Linux)
+        return
+    if parent and os.getppid() != parent:
+        os._exit(1)
 
 
 def _status(field: str) -> int:
@@ -340,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one configuration, as JSON: run by the parent
     args = parser.parse_args(argv)
     if args.child:
+        die_with_parent(int(os.environ.get(PARENT, "0")))
         print(json.dumps(measure(json.loads(args.child))))
         return 0
     try:
@@ -365,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     done = {_key(r) for r in rows}
     for config in pending(runs, lambda run: _key(run) in done):
         proc = subprocess.run([sys.executable, "-m", "kvpress.eval.bench_long", "--child", json.dumps(config)],
-                              capture_output=True, text=True, env={**os.environ, **CHILD_ENV})  # fmt: skip
+                              capture_output=True, text=True,
+                              env={**os.environ, **CHILD_ENV, PARENT: str(os.getpid())})  # fmt: skip
         if proc.returncode != 0:
             print(f"kvpress bench-long: {config} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
             return 1
@@ -376,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
               f"peak +{row['peak_above_model_bytes'] / 2**20:8.1f} MB  cache {row['cache_bytes'] / 2**20:7.1f} MB  "
               f"prefill {row['prefill_seconds']:7.1f} s  step {row['decode_step_seconds'] * 1000:7.1f} ms")  # fmt: skip
     table = summary(rows)
-    (out / "long.json").write_text(json.dumps(table, indent=2) + "\n")
-    (out / "long.md").write_text(markdown(table))
+    write_text_whole(out / "long.json", json.dumps(table, indent=2) + "\n")
+    write_text_whole(out / "long.md", markdown(table))
     written = plot(table, out / "long.png") if table else None
     print(f"wrote {out / 'long.json'}" + (f", {written}" if written else ""))
     return 0

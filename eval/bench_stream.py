@@ -36,6 +36,7 @@ from kvpress import HeavyHitterPress, SinkWindowPress
 from kvpress.cli import check_counts
 from kvpress.eval.confidence import mean_half_width
 from kvpress.eval.tasks.essays import essays
+from kvpress.files import check_writable, write_text_whole
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -156,8 +157,10 @@ def main(argv: list[str] | None = None) -> None:
                             "tokens": max(args.rss_warmup + 1, args.short_tokens),  # (the long run reads the most)
                             "short_tokens": args.cache + 1, "recompute_every": 1, "smooth": 1, "block": 1,
                             "rss_warmup": args.cache + args.chunk})  # fmt: skip
-    except ValueError as err:  # sizes that leave nothing to compare, found before the runs, not after them
-        parser.error(str(err))
+        check_writable(args.out, "--out")
+        check_writable(args.plot, "--plot")
+    except ValueError as err:  # sizes that leave nothing to compare, or results that could not be written, found
+        parser.error(str(err))  # before the runs, not after them
 
     torch.manual_seed(0)
     model, tokenizer = kvpress.load_model(args.model)
@@ -231,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         "time_ratio_vs_recompute": round(per_token / recompute_seconds, 4),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_text_whole(args.out, json.dumps(result, indent=2) + "\n")
     plot(runs, (positions, recompute_nll), Path(args.plot), args.smooth)
     print(json.dumps({k: result[k] for k in ("ppl", "ppl_interval", "ppl_at_recompute_positions",
                                              "ppl_at_recompute_positions_interval", "time_ratio_vs_recompute")}))

@@ -69,6 +69,7 @@ import kvpress
 from kvpress.eval.memory import full_cache_bytes, peak_memory
 from kvpress.eval.tasks.lm_eval_hooks import TOKENIZED_BY, metadata_keys, tokenizer_fingerprint
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
+from kvpress.files import check_writable
 from kvpress.models import PACKAGED_MODELS, resolve_model_path
 from kvpress.patches.model_access import cache_keyword
 from kvpress.pipeline import check_chunk_size, holds_whole, prefill_context
@@ -612,6 +613,22 @@ def _own_tasks() -> set[str]:
     return names
 
 
+def _output_refusal(parsed: argparse.Namespace | None, config: dict) -> str | None:
+    """Why lm-eval could not write its results where `--output_path` says (None where it can, or none is given):
+    it finds out only once the whole run is over, logs a warning, exits 0, and the results (with `config.kvpress`'s
+    KV bytes) are lost but for the printed table. A path ending in .json is a file (its directory made if missing),
+    any other a directory (made if missing)."""
+    given = (getattr(parsed, "output_path", None) if parsed is not None else None) or config.get("output_path")
+    if not given:
+        return None
+    path = Path(given)
+    try:
+        check_writable(path, "--output_path", directory=path.suffix != ".json")
+    except ValueError as err:
+        return f"{err} (lm-eval would say so only after the run, and exit 0)"
+    return None
+
+
 def _cache_refusal(parsed: argparse.Namespace | None, config: dict) -> str | None:
     """Why lm-eval's caches cannot serve this run (None where they are not asked for): its saved answers
     (`--use_cache`) are keyed by a request's text alone, so another press or ratio would read this run's, and those
@@ -673,7 +690,7 @@ def main(argv: list[str]) -> int:
                        "(drop the file's model, or run `lm_eval` itself for its other models)")  # fmt: skip
             print(f"kvpress lm-eval: {message}", file=sys.stderr)
             return 2
-        refusal = _cache_refusal(parsed, config)
+        refusal = _cache_refusal(parsed, config) or _output_refusal(parsed, config)
         if refusal is not None:
             print(f"kvpress lm-eval: {refusal}", file=sys.stderr)
             return 2

@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 
 from kvpress.eval.confidence import mean_half_width, no_spread_interval
-from kvpress.eval.sweep import current_rows
+from kvpress.eval.sweep import summary_rows
 from kvpress.eval.tasks import row_version
 
 # the row fields a pair can be compared on (`sweep.py`), each with the range of its values where it has one (a score
@@ -136,13 +136,13 @@ def main(argv: list[str] | None = None) -> int:
                              "answer (answer_top1, answer_kl), or a continuation row's kl")  # fmt: skip
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
-    rows = list(current_rows(Path(args.out)).values())
+    rows = summary_rows(args.out)
     for other in map(Path, args.also):
         if _examples(other) != _examples(Path(args.out)):
             print(f"kvpress paired: {other} and {args.out} are not sweeps of the same examples (model, length, seed)",
                   file=sys.stderr)  # fmt: skip
             return 2
-        rows += [{**r, "press": f"{r['press']}@{other.name}"} for r in current_rows(other).values()]
+        rows += [{**r, "press": f"{r['press']}@{other.name}"} for r in summary_rows(other)]
     if not rows:
         print(f"kvpress paired: {args.out} holds no result rows", file=sys.stderr)
         return 2

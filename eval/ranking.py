@@ -31,7 +31,7 @@ from kvpress.eval.confidence import pooled_half_width
 from kvpress.eval.fidelity import NEAR_CHANCE
 from kvpress.eval.paired import difference_interval, difference_stats, paired_examples
 from kvpress.eval.plots import score_intervals
-from kvpress.eval.sweep import current_rows
+from kvpress.eval.sweep import summary_rows
 from kvpress.presses.defaults import default_for
 
 
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     settings_path = Path(args.out) / "settings.json"
     settings = json.loads(settings_path.read_text()) if settings_path.exists() else {}
     tasks = args.tasks.split(",") if args.tasks else settings.get("tasks")
-    every = list(current_rows(Path(args.out)).values())
+    every = summary_rows(args.out)
     unknown = sorted(set(args.tasks.split(",") if args.tasks else ()) - {row["task"] for row in every})
     if unknown:
         print(f"kvpress ranking: {args.out} holds no rows of tasks {', '.join(unknown)}; its tasks: "

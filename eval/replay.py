@@ -66,6 +66,13 @@ def replayable(sweep: Path, presses: list[str] | None = None) -> list[dict]:
     return rows
 
 
+def _shaping(settings: dict) -> dict:
+    """What of a sweep's settings shapes a row: all but the plan and the number of examples (drawn prefix-stable,
+    a run of more examples holds the same first ones: a replay file was measured again after a sweep resumed with
+    another --examples)."""
+    return {key: value for key, value in settings.items() if key not in (*PLAN_KEYS, "examples")}
+
+
 def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, progress: bool = True,
            presses: list[str] | None = None) -> list[dict]:  # fmt: skip
     """Re-measure `n` sampled rows of `sweep` (of `presses` only, when given) into `out` (JSON lines, resumed);
@@ -81,7 +88,8 @@ def replay(model, tokenizer, sweep: Path, n: int, out: Path, seed: int = 0, prog
     for row in sample_rows(rows, n, seed):
         key = (row["task"], row["example"], row["press"], row["ratio"])
         same_row = [r for r in done if (r["task"], r["example"], r["press"], r["ratio"]) == key
-                    and all(r[f"was_{f}"] == row[f] for f in FIELDS) and r.get("settings", settings) == settings]
+                    and all(r[f"was_{f}"] == row[f] for f in FIELDS)
+                    and _shaping(r.get("settings", settings)) == _shaping(settings)]  # fmt: skip
         if same_row:
             replayed.append(same_row[-1])
             continue

@@ -50,6 +50,7 @@ import argparse
 import contextlib
 import copy
 import csv
+import io
 import json
 import math
 import os
@@ -81,7 +82,7 @@ from kvpress.eval.tasks import (
     task_version,
 )
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
-from kvpress.files import write_text_whole
+from kvpress.files import check_writable, held_alone, write_text_whole
 from kvpress.models import DEFAULT_MODEL, PACKAGED_MODELS, cache_dir
 from kvpress.patches.cache import scratch
 from kvpress.pipeline import answer_ids_from_cache, check_chunk_size, prefill_context, split_prompt
@@ -220,28 +221,30 @@ def run_sweep(
     check_spellings(out, presses)
     out.mkdir(parents=True, exist_ok=True)
     rank, world, state = _shard()
-    settings = {"examples": examples, "length": length, "seed": seed, "query_aware": query_aware,
-                "perplexity_chunk": CHUNK, "model": model_name(model), "prefill_chunk_size": prefill_chunk_size}
-    _check_resume(out, settings)
-    check_older_rows(out, configs, tasks, examples)
-    if rank == 0:
-        _repair(out)
-        plan = dict(zip(PLAN_KEYS, (presses, ratios, tasks, world), strict=True))
-        write_text_whole(out / "settings.json", json.dumps({**settings, **plan}))  # (half written, no resume read it)
-    done = {key for key, row in current_rows(out).items() if is_final(row)}
+    with held_alone(out / lock_name(rank), f"the sweep directory {out}"):
+        settings = {"examples": examples, "length": length, "seed": seed, "query_aware": query_aware,
+                    "perplexity_chunk": CHUNK, "model": model_name(model), "prefill_chunk_size": prefill_chunk_size}
+        _check_resume(out, settings)
+        check_older_rows(out, configs, tasks, examples)
+        if rank == 0:
+            _repair(out)
+            plan = dict(zip(PLAN_KEYS, (presses, ratios, tasks, world), strict=True))
+            # (written whole: half written, no resume could read it)
+            write_text_whole(out / "settings.json", json.dumps({**settings, **plan}))
+        done = {key for key, row in current_rows(out).items() if is_final(row)}
 
-    def todo(task: str, i: int) -> list[tuple[str, float]]:
-        return [(name, r) for name, r in configs if (task, i, name, r) not in done]
+        def todo(task: str, i: int) -> list[tuple[str, float]]:
+            return [(name, r) for name, r in configs if (task, i, name, r) not in done]
 
-    counts = dict.fromkeys(tasks, examples)
-    _measure(model, tokenizer, out, counts, todo, (length, seed), (query_aware, prefill_chunk_size), progress, rank,
-             world)  # fmt: skip
-    if state is not None:
-        state.wait_for_everyone()
-    if rank != 0:
-        return []
-    _compact(out)
-    return write_summary(out)
+        counts = dict.fromkeys(tasks, examples)
+        _measure(model, tokenizer, out, counts, todo, (length, seed), (query_aware, prefill_chunk_size), progress,
+                 rank, world)  # fmt: skip
+        if state is not None:
+            state.wait_for_everyone()
+        if rank != 0:
+            return []
+        _compact(out)
+        return write_summary(out)
 
 
 def check_spellings(out: Path, presses: list[str]) -> None:
@@ -297,6 +300,12 @@ def refresh_sweep(model: nn.Module, tokenizer, out: str | Path, progress: bool =
     settings = json.loads(settings_path.read_text())
     if named_model(settings.get("model", model_name(model))) != model_name(model):
         raise ValueError(f"{out} was measured with {settings['model']!r}, not {model_name(model)!r}")
+    with held_alone(out / lock_name(0), f"the sweep directory {out}"):
+        return _refreshed(model, tokenizer, out, settings, progress)
+
+
+def _refreshed(model: nn.Module, tokenizer, out: Path, settings: dict, progress: bool) -> list[dict]:
+    """`refresh_sweep` once its directory is held."""
     _repair(out)
     current = current_rows(out)
     wanted: dict = {}
@@ -326,6 +335,12 @@ def rescore_sweep(out: str | Path, tokenizer, builders: dict | None = None) -> d
     is not at hand are left as they are and counted (`left`, by task). Rewrites the result files and the summary."""
     out = Path(out)
     settings = json.loads((out / "settings.json").read_text())
+    with held_alone(out / lock_name(0), f"the sweep directory {out}"):
+        return _rescored(out, tokenizer, settings, builders)
+
+
+def _rescored(out: Path, tokenizer, settings: dict, builders: dict | None) -> dict[str, int]:
+    """`rescore_sweep` once its directory is held."""
     builders = {(task, task_version(task)): make for task, make in TASKS.items()} | (builders or {})
     _repair(out)
     paths = sorted(out.glob("results*.jsonl"))
@@ -439,6 +454,12 @@ def _standing(out: Path) -> dict[tuple, tuple[tuple[Path, int], dict]]:
 def _repair(out: Path) -> None:
     for path in sorted(out.glob("results*.jsonl")):
         repair_last_row(path, "kvpress sweep")
+
+
+def lock_name(rank: int) -> str:
+    """The lock file of a sweep directory that process `rank` of a sweep holds while it writes there (`held_alone`):
+    one sweep (or refresh, or rescore) at a time, each of its processes on its own."""
+    return ".lock" if rank == 0 else f".lock.rank{rank}"
 
 
 PLAN_KEYS = ("presses", "ratios", "tasks", "processes")  # settings.json's keys of the last run's plan, not of its rows
@@ -662,13 +683,33 @@ def _shard():
 
 def write_summary(out: Path) -> list[dict]:
     """Aggregate `results.jsonl` into summary.json / summary.csv / table.md / plot.png (+ heatmap.png)."""
-    rows = _one_builder_a_cell(list(current_rows(out).values()))
-    if not rows:
-        raise ValueError(_no_rows(out))
+    summary, rows = summarise(out)
     older = sum(not scored_now(row) for row in rows)
     if older:
         print(f"kvpress sweep: {older} answer rows in {out} were scored by an older matching rule (`kvpress sweep "
               f"--rescore {out}` scores them again)", file=sys.stderr)  # fmt: skip
+    write_text_whole(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    table = io.StringIO()
+    writer = csv.DictWriter(table, fieldnames=list(summary[0]))
+    writer.writeheader()
+    writer.writerows(summary)
+    write_text_whole(out / "summary.csv", table.getvalue())
+    write_text_whole(out / "table.md", _table(summary))
+    plot_sweep(summary, rows, out)
+    return summary
+
+
+def summary_rows(out: str | Path) -> list[dict]:
+    """The rows a sweep's summary aggregates, and so every tool that reads its rows (paired, ranking, plots): each
+    key's standing row (`current_rows`), less those of an older builder in a cell that holds current ones."""
+    return _one_builder_a_cell(list(current_rows(Path(out)).values()))
+
+
+def summarise(out: Path) -> tuple[list[dict], list[dict]]:
+    """(the summary rows, one per task, press and ratio; the result rows they aggregate) of the sweep in `out`."""
+    rows = summary_rows(out)
+    if not rows:
+        raise ValueError(_no_rows(out))
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["task"], r["press"], r["ratio"]), []).append(r)
@@ -693,14 +734,7 @@ def write_summary(out: Path) -> list[dict]:
             "kept_bytes_ratio": round(sum(m["kept_bytes"] / m["full_bytes"] for m in members) / len(members), 4),
             "peak_rss_bytes": max((m.get("peak_rss_bytes", 0) for m in members), default=0),
         })  # fmt: skip
-    write_text_whole(out / "summary.json", json.dumps(summary, indent=1) + "\n")
-    with (out / "summary.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(summary[0]))
-        writer.writeheader()
-        writer.writerows(summary)
-    (out / "table.md").write_text(_table(summary))
-    plot_sweep(summary, rows, out)
-    return summary
+    return summary, rows
 
 
 def _one_builder_a_cell(rows: list[dict]) -> list[dict]:
@@ -778,7 +812,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--refresh", action="store_true",
                         help="only re-measure the answers in --out that a changed answer budget could change, "
                              "with its settings and model")  # fmt: skip
-    parser.add_argument("--replot", action="store_true", help="only redraw the plots of --out (nothing measured)")
+    parser.add_argument("--replot", action="store_true",
+                        help="only redraw the plots of --out from its rows (nothing measured)")
     parser.add_argument("--rescore", action="store_true",
                         help="only score again the answers in --out scored by an older matching rule (nothing "
                              "measured; its model's tokenizer rebuilds the examples)")  # fmt: skip
@@ -791,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvpress sweep: --replot takes --out only, a directory with a summary.json ({args.out})",
                   file=sys.stderr)  # fmt: skip
             return 2
-        written = plot_sweep(json.loads(summary.read_text()), list(current_rows(Path(args.out)).values()), args.out)
+        written = plot_sweep(*summarise(Path(args.out)), args.out)  # (the rows as they stand, as a summary reads them)
         print("wrote " + ", ".join(map(str, written)))
         return 0
     if args.rescore:
@@ -816,9 +851,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, value)
     presses, tasks = args.presses.split(","), args.tasks.split(",")
     try:
-        if Path(args.out).exists() and not Path(args.out).is_dir():
-            raise ValueError(f"--out {args.out} is a file: give a directory (made if missing, resumed if it holds a "
-                             "sweep)")  # fmt: skip
+        check_writable(args.out, "--out", directory=True)  # (made if missing, resumed if it holds a sweep)
         ratios = [_ratio(r) for r in args.ratios.split(",")]
         configurations(presses, ratios)
         check_tasks(tasks)  # before the model loads

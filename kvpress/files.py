@@ -3,9 +3,10 @@ half of one that a later run would read or that replaced a good one), and named 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -40,6 +41,49 @@ def _alive(pid: str) -> bool:
     except PermissionError:  # (another user's)
         return True
     return True
+
+
+@contextlib.contextmanager
+def held_alone(lock: str | Path, what: str) -> Iterator[None]:
+    """Run the block holding the lock file `lock` (made if missing, never removed: removing it would let two
+    processes hold two files of one name); another process holding it is refused at once with a ValueError naming
+    `what` and its pid. The system releases the lock when the process ends, however it ends. Where the system has
+    no `fcntl` (Windows), nothing is locked."""
+    try:
+        import fcntl
+    except ImportError:  # (not POSIX)
+        yield
+        return
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise ValueError(f"{what} is in use by another process (pid {holder}, holding {lock}): its rows would be "
+                             "lost to one rewrite or the other; wait for it to end, or use another directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
+
+
+def check_writable(path: str | Path, name: str, directory: bool = False) -> None:
+    """Raise ValueError unless this process can write the file `path` (`directory`: the directory `path`), its
+    missing directories made on the way, so that a run finds out before its compute, not after it; `name` names the
+    option in the message."""
+    target = Path(path).absolute()
+    if directory and target.exists() and not target.is_dir():
+        raise ValueError(f"{name} {path} is a file: give a directory (made if missing)")
+    if not directory and target.is_dir():
+        raise ValueError(f"{name} {path} is a directory: give the file to write")
+    existing = target if directory else target.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{name} {path}: cannot write there ({existing} is not a directory this process can write "
+                         "in), and the results would be lost after the run")  # fmt: skip
 
 
 def packaged_or_path(source: str | Path, packaged: Path | None, what: str) -> Path:

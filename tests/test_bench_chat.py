@@ -62,3 +62,15 @@ def test_bad_arguments_are_refused_before_the_model_loads(argv, said, capsys, mo
     with pytest.raises(SystemExit):
         main(argv)
     assert said in capsys.readouterr().err
+
+
+def test_a_log_of_other_settings_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """A resumed run's log of other settings was refused once the model had loaded, as a traceback."""
+    import kvpress
+    from kvpress.eval.bench_chat import main
+
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"settings": {"model": "m", "seed": 1}}) + "\n")
+    monkeypatch.setattr(kvpress, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "chat.json"), "--examples", "1"])
+    assert "chat.jsonl holds a run with other settings" in capsys.readouterr().err

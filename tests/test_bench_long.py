@@ -271,3 +271,36 @@ def test_bench_heads_reports_each_accuracy_with_its_interval_and_n():
     for cells in committed["tasks"].values():
         for value in cells.values():
             assert value == cell(round(value["accuracy"] * value["n"]), value["n"], value["kept_bytes"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
+def test_a_measuring_child_ends_with_the_run_that_started_it(tmp_path):
+    """A run killed with SIGKILL left its child measuring for minutes (re-parented, competing for the cores with the
+    run resumed next): the child ends with its parent (`die_with_parent`)."""
+    import time
+
+    child = ("import sys, time\nfrom kvpress.eval.bench_long import die_with_parent\n"
+             "die_with_parent(int(sys.argv[1]))\nprint('ready', flush=True)\ntime.sleep(120)")  # fmt: skip
+    (tmp_path / "run.py").write_text(
+        "import os, subprocess, sys, time\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {child!r}, str(os.getpid())], stdout=subprocess.PIPE, "
+        "text=True)\n"
+        "assert child.stdout.readline().strip() == 'ready'\n"
+        "print(child.pid, flush=True)\ntime.sleep(120)\n"
+    )
+    run = subprocess.Popen([sys.executable, str(tmp_path / "run.py")], stdout=subprocess.PIPE, text=True)
+    pid = int(run.stdout.readline())
+    run.kill()
+    run.wait()
+
+    def running() -> bool:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        return state != "Z"  # (a zombie has ended: only its parent's reaping is left)
+
+    deadline = time.monotonic() + 30
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running()

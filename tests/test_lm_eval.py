@@ -268,6 +268,18 @@ def test_cli_refuses_bad_press_task_and_model(default_model, capsys, monkeypatch
     (tmp_path / "cached.yaml").write_text("use_cache: db\nmodel: kvpress\n")
     assert main(["lm-eval", "--config", str(tmp_path / "cached.yaml"), "--tasks", "x"]) == 2
     assert "--use_cache db: lm-eval keys" in capsys.readouterr().err
+    # lm-eval finds an --output_path it cannot write only after the run (a warning, exit 0, the results lost)
+    (tmp_path / "a-file").write_text("")
+    for bad in ("/dev/full/lm", str(tmp_path / "a-file"), str(tmp_path / "a-file" / "r.json")):
+        assert main(["lm-eval", "--output_path", bad, "--tasks", "x"]) == 2
+        err = capsys.readouterr().err
+        assert f"--output_path {bad}" in err and "lm-eval would say so only after the run" in err
+    (tmp_path / "out.yaml").write_text("output_path: /dev/full/lm\nmodel: kvpress\n")
+    assert main(["lm-eval", "--config", str(tmp_path / "out.yaml"), "--tasks", "x"]) == 2
+    assert "--output_path /dev/full/lm: cannot write there (/dev/full is not a directory" in capsys.readouterr().err
+    for fine in (tmp_path / "new" / "dir", tmp_path / "new" / "r.json"):  # made by lm-eval where missing
+        with pytest.raises(AssertionError, match="lm-eval ran"):
+            main(["lm-eval", "--output_path", str(fine), "--tasks", "x"])
     for given in (["--cache_requests"], ["--cache_requests", "true"], ["--cache_requests=true"]):
         assert main(["lm-eval", *given, "--tasks", "hellaswag,kvpress_ruler"]) == 2
         assert "--cache_requests true with kvpress_ruler: lm-eval keys its saved requests" in capsys.readouterr().err

@@ -904,6 +904,34 @@ def test_the_summary_retention_divides_by_the_full_cache_on_the_same_examples(tm
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + stale))
     by = {s["press"]: s for s in write_summary(tmp_path)}
     assert (by["knorm"]["examples"], by["knorm"]["score"], by["h2o"]["examples"]) == (2, 0.25, 1)
+    # paired differences read the rows the summary reads (they paired the older rows too: n = 3, not 1)
+    from kvpress.eval.paired import main as paired
+
+    stale += [row(2, "snapkv", 0.5, 1.0, version=1), row(3, "snapkv", 0.5, 0.0, version=1)]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + stale))
+    assert paired(["--out", str(tmp_path), "--pair", "knorm", "snapkv", "--json", str(tmp_path / "p.json")]) == 0
+    assert [r["n"] for r in json.loads((tmp_path / "p.json").read_text())] == [1, 1]  # (all tasks; needle_noise)
+
+
+def test_replot_draws_the_rows_as_they_stand(tmp_path, monkeypatch):
+    """--replot drew the points of summary.json with intervals from the rows as they stand: after a resumed run
+    stopped before its summary, the two disagreed (n = 6 points, intervals of 8 rows). Both come from the rows now."""
+    from kvpress.eval import sweep
+
+    def row(example, press, ratio, score):
+        return {"task": "needle_noise", "example": example, "press": press, "ratio": ratio, "score": score,
+                "kept_bytes": 1, "full_bytes": 2, "answer": "x", "task_version": 2}  # fmt: skip
+
+    rows = [row(i, press, ratio, 1.0) for i in range(2) for press, ratio in (("none", 0.0), ("snapkv", 0.5))]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sweep.write_summary(tmp_path)
+    with (tmp_path / "results.jsonl").open("a") as more:  # a resumed run, stopped before its summary
+        more.write("".join(json.dumps(row(2, p, r, 0.0)) + "\n" for p, r in (("none", 0.0), ("snapkv", 0.5))))
+    drawn = []
+    monkeypatch.setattr(sweep, "plot_sweep", lambda summary, rows, out: drawn.append((summary, rows)) or [])
+    assert sweep.main(["--out", str(tmp_path), "--replot"]) == 0
+    (summary, rows), = drawn
+    assert [s["examples"] for s in summary] == [3, 3] and len(rows) == 6
 
 
 def test_rows_reach_a_results_file_replaced_while_the_sweep_runs(default_model, tmp_path, monkeypatch, short_answers):
@@ -957,6 +985,9 @@ def test_replay_measures_sampled_rows_again_and_appends_each(default_model, tmp_
     settings = json.loads((tmp_path / "other" / "settings.json").read_text())
     (tmp_path / "other" / "settings.json").write_text(json.dumps({**settings, "processes": 2, "presses": ["knorm"]}))
     assert replay(model, tokenizer, tmp_path / "other", 2, out, progress=False) == other  # (the last run's plan)
+    (tmp_path / "other" / "settings.json").write_text(json.dumps({**settings, "examples": 3}))  # (prefix-stable)
+    assert replay(model, tokenizer, tmp_path / "other", 2, out, progress=False) == other
+    assert len(out.read_text().splitlines()) == 4  # nothing measured again
     (tmp_path / "other" / "settings.json").write_text(json.dumps({**settings, "length": 192}))  # other settings too
     assert replay(model, tokenizer, tmp_path / "other", 1, out, progress=False)[0]["settings"]["length"] == 192
     from kvpress.eval.replay import main as replay_main
@@ -1015,3 +1046,57 @@ def test_rows_scored_by_the_older_rule_are_scored_again_from_their_answers(tmp_p
     assert main(["--out", str(tmp_path), "--rescore"]) == 0  # again: only the row it cannot score is left
     said = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert said == {"rescored": 0, "changed": 0, "left needle_noise": 1}
+
+
+def test_a_sweep_directory_in_use_by_another_process_is_refused(default_model, tmp_path, short_answers):
+    """Two writers of one sweep directory (a second terminal, a --rescore or --refresh while it runs) lost rows:
+    each rewrites the result files from what it read (an audit: 393 of 1,000 rows appended meanwhile gone). A
+    sweep, a refresh and a rescore hold the directory, one at a time; another is refused at once, naming it."""
+    import os
+    import re
+
+    from kvpress.eval.sweep import lock_name, refresh_sweep, rescore_sweep
+    from kvpress.files import held_alone
+
+    model, tokenizer = default_model
+    kwargs = dict(presses=["snapkv"], ratios=[0, 0.5], tasks=["needle_noise"], out=tmp_path, examples=1, length=160,
+                  progress=False)  # fmt: skip
+    run_sweep(model, tokenizer, **kwargs)
+    rows = (tmp_path / "results.jsonl").read_text()
+    refused = re.escape(f"the sweep directory {tmp_path} is in use by another process (pid {os.getpid()}")
+    with held_alone(tmp_path / lock_name(0), "a sweep"):  # (another open file: flock refuses it as another process)
+        with pytest.raises(ValueError, match=refused):
+            run_sweep(model, tokenizer, **{**kwargs, "examples": 2})
+        with pytest.raises(ValueError, match=refused):
+            rescore_sweep(tmp_path, tokenizer)
+        with pytest.raises(ValueError, match=refused):
+            refresh_sweep(model, tokenizer, tmp_path)
+    assert (tmp_path / "results.jsonl").read_text() == rows
+    run_sweep(model, tokenizer, **{**kwargs, "examples": 2})  # free again once the holder is gone
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 4
+
+
+def test_runs_whose_results_could_not_be_written_are_refused_before_they_run(tmp_path, monkeypatch, capsys):
+    """An --out that cannot be written was found after the compute (bench_stream: a traceback after its 6 runs, about
+    15 minutes, nothing written; a sweep: a NotADirectoryError traceback): each refuses it before its model loads."""
+    import importlib
+
+    from kvpress.files import check_writable
+
+    monkeypatch.setattr(kvpress, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    (tmp_path / "a-file").write_text("")
+    for bad in ("/dev/full/x.json", str(tmp_path / "a-file" / "x.json")):
+        for name in ("bench_stream", "bench_core", "bench_heads", "bench_chat"):
+            bench = importlib.import_module(f"kvpress.eval.{name}")
+            with pytest.raises(SystemExit) as stop:
+                bench.main(["--out", bad])
+            assert stop.value.code == 2 and f"--out {bad}: cannot write there" in capsys.readouterr().err
+        assert main(["--out", bad, "--presses", "snapkv", "--tasks", "needle_noise"]) == 2
+        assert f"kvpress sweep: --out {bad}: cannot write there" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="is a directory: give the file to write"):
+        check_writable(tmp_path, "--out")
+    with pytest.raises(ValueError, match="is a file: give a directory"):
+        check_writable(tmp_path / "a-file", "--out", directory=True)
+    check_writable(tmp_path / "new" / "deeper" / "x.json", "--out")  # missing directories are made on the way
+    check_writable(tmp_path / "new" / "dir", "--out", directory=True)
+    assert not (tmp_path / "new").exists()  # (the check makes nothing)
