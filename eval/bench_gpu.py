@@ -53,7 +53,7 @@ import kvpress
 from kvpress.engine import maybe_installed
 from kvpress.eval.bench_core import long_ids
 from kvpress.eval.bench_long import _key as long_key
-from kvpress.eval.bench_long import configurations, markdown, pending, stamped_generate, summary
+from kvpress.eval.bench_long import configurations, markdown, pending, run_settings, stamped_generate, summary
 from kvpress.eval.memory import TensorPeak, unread_weight_bytes
 from kvpress.eval.sweep import append_row, read_rows
 from kvpress.files import write_text_whole
@@ -201,15 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--no-varlen is a CUDA switch: a --cpu-stand-in run attends pair by pair already")
         if args.config is not None and not (Path(args.config) / "config.json").is_file():
             raise ValueError(f"--config {args.config} is not a directory with a config.json (and a tokenizer)")
-        if args.decode_steps < 2 or args.chunk < 0:
-            raise ValueError("--decode-steps must be >= 2 and --chunk >= 0")
+        ratios = run_settings(args.ratios, args.decode_steps, args.chunk)
         if not all(n.isdigit() for n in args.lengths.split(",")):
             raise ValueError(f"--lengths must be token counts separated by commas, got {args.lengths!r}")
         plan = {args.model: tuple(int(n) for n in args.lengths.split(","))}
-        try:
-            ratios = [float(r) for r in args.ratios.split(",")]
-        except ValueError:
-            raise ValueError(f"--ratios must be fractions separated by commas, got {args.ratios!r}") from None
         runs = configurations(plan, args.presses.split(","), ratios, args.chunk or None, args.decode_steps)
     except ValueError as err:
         print(f"kvpress bench-gpu: {err}", file=sys.stderr)

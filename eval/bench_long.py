@@ -160,6 +160,19 @@ def _run(row: dict) -> tuple:
     return _key({**row, "spec": None})
 
 
+def run_settings(ratios: str, decode_steps: int, chunk: int) -> list[float]:
+    """`--ratios` read, `--decode-steps` and `--chunk` checked (bench-long's and bench-gpu's), each refusal naming
+    its flag and value."""
+    if decode_steps < 2:
+        raise ValueError(f"--decode-steps must be at least 2, got {decode_steps}")
+    if chunk < 0:
+        raise ValueError(f"--chunk must be a token count >= 0 (0: no chunked prefill), got {chunk}")
+    try:
+        return [float(r) for r in ratios.split(",")]
+    except ValueError:
+        raise ValueError(f"--ratios must be fractions separated by commas, got {ratios!r}") from None
+
+
 def configurations(plan: dict, presses: list[str], ratios: list[float], chunk, steps: int,
                    decode_malloc: str | None = None, one_chunk_runs: int = 1) -> list[dict]:  # fmt: skip
     """In run order: per model its one-chunk runs (with `chunk`; numbered by `repeat` when more than one), then
@@ -363,14 +376,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(json.loads(args.child))))
         return 0
     try:
-        plan = PLAN if not args.models else parse_models(args.models)
-        ratios = [float(r) for r in args.ratios.split(",")]
-        if args.decode_steps < 2 or args.chunk < 0:
-            raise ValueError("--decode-steps must be >= 2 and --chunk >= 0")
+        try:
+            plan = PLAN if not args.models else parse_models(args.models)
+        except ValueError as err:
+            raise ValueError(f"{err} (--models is model:length,length;model:...)") from None
+        ratios = run_settings(args.ratios, args.decode_steps, args.chunk)
         runs = configurations(plan, args.presses.split(","), ratios, args.chunk or None, args.decode_steps,
                               DECODE_MALLOC, ONE_CHUNK_RUNS)  # fmt: skip
     except ValueError as err:
-        print(f"kvpress bench-long: {err} (--models is model:length,length;model:...)", file=sys.stderr)
+        print(f"kvpress bench-long: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

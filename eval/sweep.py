@@ -82,7 +82,7 @@ from kvpress.eval.tasks import (
     task_version,
 )
 from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
-from kvpress.files import check_writable, held_alone, write_text_whole
+from kvpress.files import check_writable, held_alone, write_text_whole, write_whole
 from kvpress.models import DEFAULT_MODEL, PACKAGED_MODELS, cache_dir
 from kvpress.patches.cache import scratch
 from kvpress.pipeline import answer_ids_from_cache, check_chunk_size, prefill_context, split_prompt
@@ -222,6 +222,8 @@ def run_sweep(
     out.mkdir(parents=True, exist_ok=True)
     rank, world, state = _shard()
     with held_alone(out / lock_name(rank), f"the sweep directory {out}"):
+        if state is not None:  # every process waits for process 0 to hold the directory (refused, it never comes)
+            state.wait_for_everyone()
         settings = {"examples": examples, "length": length, "seed": seed, "query_aware": query_aware,
                     "perplexity_chunk": CHUNK, "model": model_name(model), "prefill_chunk_size": prefill_chunk_size}
         _check_resume(out, settings)
@@ -693,7 +695,7 @@ def write_summary(out: Path) -> list[dict]:
     writer = csv.DictWriter(table, fieldnames=list(summary[0]))
     writer.writeheader()
     writer.writerows(summary)
-    write_text_whole(out / "summary.csv", table.getvalue())
+    write_whole(out / "summary.csv", lambda tmp: tmp.write_text(table.getvalue(), newline=""))  # (csv's \r\n)
     write_text_whole(out / "table.md", _table(summary))
     plot_sweep(summary, rows, out)
     return summary

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from kvpress.engine import maybe_installed, observe
 from kvpress.patches import model_access
-from kvpress.pipeline import check_no_outer_press, check_press, check_token_ids, greedy
+from kvpress.pipeline import check_no_outer_press, check_positions, check_press, check_token_ids, greedy
 from kvpress.presses.base import BasePress
 from kvpress.round_store import RoundStore
 from kvpress.rounds import RoundPolicy
@@ -127,13 +127,18 @@ class ChatSession:
         _check_one_of(self.press, self.round_policy)  # both are attributes a caller may set between turns
         if self.press is None and self.round_policy is None:  # (a press given is refused as a second one)
             check_no_outer_press(self.model, "ChatSession.send", "the chat")
-        if not isinstance(text, str) or not text.strip():
+        for what, given in (("message", text), ("reply", reply)):
+            if given is not None and not isinstance(given, str):
+                raise TypeError(f"the {what} is a string (the chat template adds the roles), got "
+                                f"{type(given).__name__}")  # fmt: skip
+        if text is None or not text.strip():
             raise ValueError("the message is empty")
-        if reply is not None and (not isinstance(reply, str) or not reply.strip()):
+        if reply is not None and not reply.strip():
             raise ValueError("the reply is empty")
         if reply is not None and (streamer is not None or max_new_tokens is not None):
             raise ValueError("reply= records a given answer: streamer and max_new_tokens do not apply to it")
-        if streamer is not None and not all(callable(getattr(streamer, m, None)) for m in ("put", "end")):
+        if streamer is not None and (isinstance(streamer, type)  # (the class: its methods are found, unbound)
+                                     or not all(callable(getattr(streamer, m, None)) for m in ("put", "end"))):
             raise TypeError(f"streamer must be a transformers streamer (with put() and end(), such as TextStreamer), "
                             f"got {streamer!r:.60}")  # fmt: skip
         max_new_tokens = self.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -143,12 +148,7 @@ class ChatSession:
         new = self.new_tokens(messages)
         reply_ids, with_reply = self._reply_tokens(messages, reply) if reply is not None else ([], "")
         total = len(self._ids) + len(new) + (len(reply_ids) if reply is not None else max_new_tokens)
-        limit = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-        if limit is not None and total > limit and (self.press is None or not self.press.rerotate):
-            raise ValueError(
-                f"this turn would reach position {total}, past the model's {limit} positions; "
-                "use a press with rerotate=True, or start a new session"
-            )
+        check_positions(self.model, total, self.press, "this turn", "start a new session")
         prefix = self.prefix_tokens if self.rounds else self._prefix_length()
         start = len(self._ids)
         policy = self.round_policy

@@ -482,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
             if path is None:
                 continue
             name, parent = f"--{flag.replace('_', '-')} {path}", Path(path).resolve().parent
+            if not path:  # (Path("") is the working directory: 'is a directory' below)
+                raise ValueError(f"--{flag.replace('_', '-')} is empty: give the file to write")
             if not parent.is_dir():
                 raise ValueError(f"{name}: its directory does not exist (the result would be lost after the run): "
                                  "create it first")  # fmt: skip

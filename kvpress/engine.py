@@ -306,6 +306,7 @@ class PressInstallation:
         if wrong:
             raise TypeError(f"an observer is a callable taking an Observation, got {', '.join(wrong)}")
         self.intercept = Intercept(model, self)  # refuses models kvpress cannot intercept
+        check_tokenizer(model, tokenizer)
         self.model, self.press, self.observers, self.tokenizer = model, press, tuple(observers), tokenizer
         self._inv_freq, self._dynamic_length, self._checked = None, None, None
         if press is not None:
@@ -669,6 +670,21 @@ SCORING = threading.RLock()
 
 # the observers `observe()` adds to an active installation, per caller
 _OBSERVING: contextvars.ContextVar[dict | None] = contextvars.ContextVar("kvpress_observing", default=None)
+
+
+def check_tokenizer(model: nn.Module, tokenizer) -> None:
+    """Refuse a `tokenizer=` that cannot be the model's (a press writing a prompt of its own failed inside with
+    'str' object is not callable, or an IndexError in the embedding): a name or a class in place of the object, or
+    more tokens than the model's vocabulary. None passes (a press that needs one says so as it is entered)."""
+    if tokenizer is None:
+        return
+    if isinstance(tokenizer, (str, bytes, int, float, type)):  # (a name, or the class: not the object)
+        raise TypeError(f"tokenizer must be the model's tokenizer object (AutoTokenizer.from_pretrained(...)), got "
+                        f"{tokenizer!r}")  # fmt: skip
+    vocab = model.get_input_embeddings().num_embeddings
+    if hasattr(tokenizer, "__len__") and len(tokenizer) > vocab:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's vocabulary of {vocab}: "
+                         "pass the model's own tokenizer")  # fmt: skip
 
 
 def maybe_installed(press: Installable | None, model: nn.Module, tokenizer=None):

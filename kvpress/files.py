@@ -60,8 +60,9 @@ def held_alone(lock: str | Path, what: str) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise ValueError(f"{what} is in use by another process (pid {holder}, holding {lock}): its rows would be "
-                             "lost to one rewrite or the other; wait for it to end, or use another directory") from None
+            who = "another call of this process" if holder == str(os.getpid()) else "another process"
+            raise ValueError(f"{what} is in use by {who} (pid {holder}, holding {lock}): its rows would be lost to "
+                             "one rewrite or the other; wait for it to end, or use another directory") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
@@ -73,7 +74,12 @@ def check_writable(path: str | Path, name: str, directory: bool = False) -> None
     """Raise ValueError unless this process can write the file `path` (`directory`: the directory `path`), its
     missing directories made on the way, so that a run finds out before its compute, not after it; `name` names the
     option in the message."""
-    target = Path(path).absolute()
+    if not str(path):  # (Path("") is the working directory)
+        raise ValueError(f"{name} is empty: give the {'directory' if directory else 'file'} to write")
+    target = Path(os.path.realpath(path))  # (where a symbolic link leads: what is written)
+    if Path(path).is_symlink() and not target.exists() and directory:
+        raise ValueError(f"{name} {path} is a symbolic link to {target}, which does not exist: create it, or give "
+                         "another directory")  # fmt: skip
     if directory and target.exists() and not target.is_dir():
         raise ValueError(f"{name} {path} is a file: give a directory (made if missing)")
     if not directory and target.is_dir():

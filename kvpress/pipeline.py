@@ -68,6 +68,15 @@ def check_token_ids(model, ids: torch.Tensor, what: str, tokenized: bool = False
                          f"{int(ids.max())}{hint}")  # fmt: skip
 
 
+def check_positions(model, total: int, press, what: str, instead: str) -> None:
+    """Refuse `what` reaching position `total` past the model's positions (transformers generates on with a
+    'friendly reminder'), unless `press` re-rotates keys into the cache's own positions; `instead` says what to do."""
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit is not None and total > limit and (press is None or not press.rerotate):
+        raise ValueError(f"{what} would reach position {total}, past the model's {limit} positions; use a press with "
+                         f"rerotate=True, or {instead}")  # fmt: skip
+
+
 def check_no_outer_press(model, caller: str, what: str) -> None:
     """Refuse `caller`'s press=None (a full cache) inside a press active on `model`, which would compress `what`."""
     if active_handler(model) is not None:
@@ -158,6 +167,8 @@ def generate(
     ctx_ids, q_ids = ctx_ids.to(device), q_ids.to(device)
     cache = DynamicCache(config=model.config) if cache is None else cache
     ids = torch.cat([ctx_ids, q_ids], dim=-1)
+    check_positions(model, ids.shape[1] + max_new_tokens, press, f"the prompt ({ids.shape[1]} tokens) and its answer",
+                    "a shorter context or max_new_tokens")  # fmt: skip
     prefill = ids[:, :-1] if query_aware else ctx_ids  # generate feeds at least the last token itself
     check_compresses(press, prefill.shape[1])  # (query-aware: the question is compressed with the context)
     prefill_context(model, prefill, press, cache, tokenizer, next_ids=ids[:, -1:] if query_aware else None,

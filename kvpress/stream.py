@@ -31,7 +31,13 @@ def stream_ids(tokenizer, text_or_ids) -> torch.Tensor:
                             f"ids in place of the text), got tokenizer={tokenizer!r}")  # fmt: skip
         ids = tokenizer(text_or_ids, return_tensors="pt").input_ids[0]
     else:
-        ids = torch.as_tensor(text_or_ids)
+        try:
+            ids = torch.as_tensor(text_or_ids)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"the stream is a text or its token ids (a tensor, array or sequence of integers), got "
+                            f"{type(text_or_ids).__name__}") from None  # fmt: skip
+        if not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):  # (those: check_token_ids)
+            ids = ids.long()  # (int32 ids, numpy's: the loss takes int64 targets)
     if ids.dim() == 2 and ids.shape[0] == 1:
         ids = ids[0]
     if ids.dim() != 1 or ids.numel() < 2:

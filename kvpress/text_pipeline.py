@@ -24,6 +24,7 @@ from kvpress.pipeline import (
     answer_from_cache,
     check_compresses,
     check_no_outer_press,
+    check_positions,
     check_press,
     prefill_context,
     split_prompt,
@@ -92,6 +93,9 @@ class KVPressTextGenerationPipeline(Pipeline):
         asked = [question] if questions is None else list(questions)
         if not all(isinstance(q, str) and q for q in asked):
             raise ValueError(f"every question is a non-empty string, got {asked!r}")
+        if not isinstance(answer_prefix, str):
+            raise TypeError(f"answer_prefix is the text the answer starts with (a string, '' for none), got "
+                            f"{answer_prefix!r}")  # fmt: skip
         parts = [split_prompt(self.tokenizer, context, q, chat_template) for q in asked]
         context_ids = parts[0][0]
         if any(not torch.equal(ids, context_ids) for ids, _ in parts):
@@ -109,6 +113,9 @@ class KVPressTextGenerationPipeline(Pipeline):
         if press is None:  # (before the prefill: its scratch cache refused only after)
             check_no_outer_press(self.model, TASK, "the context")
         check_compresses(press, context_ids.shape[1])  # as kvpress.generate: one question gives its answer
+        longest = context_ids.shape[1] + max(q.shape[1] for q in inputs["question_ids"]) + max_new_tokens
+        check_positions(self.model, longest, press, "the context, a question and its answer",
+                        "a shorter context or max_new_tokens")  # fmt: skip
         prefill_context(self.model, context_ids, press, cache, self.tokenizer)
         answers = []
         for question_ids in inputs["question_ids"]:

@@ -70,6 +70,7 @@ class PressedLayer(DynamicLayer):
     _spare = 0  # the room the next growth leaves (see `SPARE`)
     rewrites = 0  # times held slots were evicted or rewritten in place (a `Scratch` cannot undo those)
     in_inference = False  # a forward under torch.inference_mode() made or wrote its tensors (`leave_inference`)
+    graded = False  # a slot was written with autograd history: a backward through held slots is refused
 
     @property
     def is_croppable(self) -> bool:
@@ -125,7 +126,7 @@ class PressedLayer(DynamicLayer):
         """Append new keys/values, in place when a freed slot is available."""
         if torch.is_inference_mode_enabled():
             self.in_inference = True
-        elif self.in_inference:
+        elif made_in_inference(self):
             leave_inference(self)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -195,8 +196,12 @@ class PressedLayer(DynamicLayer):
         if not self.driven:
             self.commit(None)
             self.trim_window()  # the attention still gets every slot (views of the storage trimming replaces)
-            if self.n > q and torch.is_grad_enabled() and key_states.requires_grad:  # (copies: written in place next)
-                keys, values = without_backward(keys), without_backward(values)
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            if self.n > q:  # held slots: copies (later steps write into the storage in place), whose backward
+                # refuses where those slots were written with autograd history (gathered since without it)
+                keys, values = (map(without_backward, (keys, values)) if self.graded
+                                else (keys.clone(), values.clone()))  # fmt: skip
+            self.graded = True
         return keys, values
 
     def get_seq_length(self) -> int:
@@ -232,7 +237,7 @@ class PressedLayer(DynamicLayer):
         super().reset()
         self.seen = self.n = self.pending = 0
         self.slots, self.real_seen, self.shift, self.rotated, self.padded = {}, None, None, False, False
-        self.torn = self._trimmed = False
+        self.torn = self._trimmed = self.graded = False
         self._spare = 0
         self.kv_bits, self.key_stats = None, None  # dense again until a press quantizes the next prompt
         self.key_channels = None  # every channel again until a press thins the next prompt's keys
@@ -702,6 +707,13 @@ class PressedLayer(DynamicLayer):
             self.key_channels = fn(self.key_channels)
 
 
+def made_in_inference(layer) -> bool:
+    """Whether `layer` holds tensors made under `torch.inference_mode()`: its flag (a forward under it), or, read
+    cheaply, its keys or per-row counts (a saved cache loaded, a rewind or a copy made under it)."""
+    return layer.in_inference or any(isinstance(t, torch.Tensor) and t.is_inference()
+                                     for t in (layer.keys, layer.real_seen))  # fmt: skip
+
+
 def leave_inference(layer) -> None:
     """Copy the tensors a forward under `torch.inference_mode()` left on a cache layer into ordinary ones, before a
     forward outside it writes into them: torch refuses in-place writes into inference tensors outside inference
@@ -742,8 +754,8 @@ class _NoBackward(torch.autograd.Function):
 
 
 def without_backward(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` (copied), whose backward raises a clear error: what a forward computed over slots held from an
-    earlier forward of a pressed cache (gathered without autograd, then overwritten in place by later steps)."""
+    """`tensor` (copied), whose backward raises a clear error: held slots that a forward wrote with autograd
+    history, which a press gathered since without it (and later steps overwrite in place)."""
     return _NoBackward.apply(tensor)
 
 

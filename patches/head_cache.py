@@ -33,7 +33,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvpress.patches import kv_quantization as quant
-from kvpress.patches.cache import PressedLayer, leave_inference
+from kvpress.patches.cache import PressedLayer, leave_inference, made_in_inference
 
 
 class HeadwiseLayer(DynamicLayer):
@@ -137,7 +137,7 @@ class HeadwiseLayer(DynamicLayer):
         """Hold the new keys/values until the intercept commits them to every head."""
         if torch.is_inference_mode_enabled():
             self.in_inference = True
-        elif self.in_inference:
+        elif made_in_inference(self):
             leave_inference(self)
         if not self.driven and not (self.seen or self.pending):
             raise RuntimeError(

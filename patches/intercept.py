@@ -67,7 +67,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from kvpress.patches import blocked_attention as blocked
 from kvpress.patches import model_access, sdpa_backends
-from kvpress.patches.cache import PressedLayer, leave_inference, without_backward
+from kvpress.patches.cache import PressedLayer, leave_inference, made_in_inference, without_backward
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.patches.headwise_attention import headwise_attention
 
@@ -354,7 +354,7 @@ class Intercept:
         model_access.complete_layers(cache, self.model)
         if not torch.is_inference_mode_enabled():  # (before anything writes into a layer)
             for layer in cache.layers:
-                if getattr(layer, "in_inference", False):
+                if isinstance(layer, _DRIVEN) and made_in_inference(layer):
                     leave_inference(layer)
         newly = []  # layers this forward drives first: a refused forward leaves them as they were
         for i, layer in enumerate(cache.layers):
@@ -368,6 +368,7 @@ class Intercept:
                 layer.driven = True
                 newly.append(layer)
         try:
+            check_inputs(cache, args, kwargs)
             if _torn(cache):
                 raise ValueError(
                     "this cache was left inconsistent by a forward that raised half-way (its layers hold different "
@@ -426,7 +427,8 @@ class Intercept:
             self.handler.after_headwise(module, query, layer, hidden, call.compressing, ids, mass)
             layer.compact()  # evictions free slots in place: a layer with too much spare room is packed tight
             layer.settle()
-            return (without_backward(out) if grad else out), None  # (it attended to slots held from before)
+            # (it attended to slots held from before, which later steps rewrite in place in their storage)
+            return (without_backward(out) if out.requires_grad else out), None
         thin = layer.key_channels is not None  # keys of fewer channels (ThinK): the queries meet only those
         if thin:
             query = layer.query_channels(query)
@@ -482,8 +484,6 @@ class Intercept:
             replacement.driven = True
             call.cache.layers[module.layer_idx] = replacement
         layer.trim_window()  # a sliding-window layer drops what left its window (the handler may have already)
-        if grad and key.shape[2] > q_len:  # slots held from an earlier forward: gathered without autograd
-            out = (without_backward(out[0]), *out[1:])
         return out
 
 
@@ -605,6 +605,28 @@ def new_padding(mask: torch.Tensor | None, q: int) -> torch.Tensor | None:
         return None
     new = mask[:, -q:].bool()
     return None if bool(new.all()) else new
+
+
+def check_inputs(cache: DynamicCache, args: tuple, kwargs: dict) -> None:
+    """Refuse, naming it, what a press would misread in a forward's inputs: ids not `[batch, tokens]` (or
+    embeddings not `[batch, tokens, hidden]`), a 2D attention mask not `[batch, tokens seen + new]` (it marks each
+    row's padding among every token seen: a shorter one raised inside the cache, a longer one was read wrongly)."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is not None and not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point()):
+        got = f"shape {list(ids.shape)}, {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"input_ids must be a [batch, tokens] tensor of token ids, got {got}")
+    embeds = kwargs.get("inputs_embeds") if ids is None else None
+    if ids is None and not (isinstance(embeds, torch.Tensor) and embeds.dim() == 3):
+        got = f"shape {list(embeds.shape)}" if isinstance(embeds, torch.Tensor) else repr(embeds)
+        raise ValueError(f"a forward takes input_ids [batch, tokens] or inputs_embeds [batch, tokens, hidden], got "
+                         f"inputs_embeds {got}")  # fmt: skip
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        inputs = ids if ids is not None else embeds
+        expected = [inputs.shape[0], cache.get_seq_length() + inputs.shape[1]]
+        if list(mask.shape) != expected:
+            raise ValueError(f"attention_mask must be [batch, tokens seen + new] = {expected} (it marks each row's "
+                             f"padding among every token the cache has seen), got {list(mask.shape)}")  # fmt: skip
 
 
 def new_tokens(args: tuple, kwargs: dict) -> torch.Tensor:

@@ -45,9 +45,9 @@ def check_is_model(model: nn.Module) -> None:
     """Raise TypeError unless `model` is a transformers PreTrainedModel (what a function given no press reads)."""
     if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # (it passes attribute lookups to the model)
         raise TypeError(f"kvpress needs the transformers model itself, got torch.compile's wrapper of a "
-                        f"{type(model._orig_mod).__name__} (its attention would not reach the press): press the "
-                        "model it wraps (`compiled._orig_mod`, the compiled one may be called inside the block), or "
-                        "compile in place with model.compile()")  # fmt: skip
+                        f"{type(model._orig_mod).__name__} (a press on it compressed nothing): give the model it wraps "
+                        "(`compiled._orig_mod`; the compiled one may be called inside a press's block), or compile "
+                        "in place with model.compile()")  # fmt: skip
     if getattr(model, "config", None) is None or not hasattr(model, "_can_set_attn_implementation"):
         raise TypeError(f"kvpress needs a transformers PreTrainedModel, got {type(model).__name__}")
 

@@ -242,6 +242,14 @@ def test_cli_refuses_an_output_it_could_not_write(tmp_path, capsys, monkeypatch)
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # (a test run as root may write anywhere)
     assert main(["calibrate-heads", "--out", str(tmp_path / "p.json")]) == 2
     assert f"--out {tmp_path / 'p.json'}: cannot write in {tmp_path}" in capsys.readouterr().err
+    assert main(["calibrate-heads", "--out", ""]) == 2  # ('--out  is a directory' before: "" is the working one)
+    assert "--out is empty: give the file to write" in capsys.readouterr().err
+    from kvpress.eval.sweep import main as sweep  # (it took "" and wrote in the working directory)
+
+    assert sweep(["--out", "", "--presses", "snapkv", "--tasks", "needle_noise"]) == 2
+    assert "--out is empty: give the directory to write" in capsys.readouterr().err
+    with pytest.raises(TypeError, match="offloaded_bytes counts a transformers Cache .*, got NoneType"):
+        kvpress.offloaded_bytes(None)  # (an AttributeError on 'layers' before)
 
 
 def test_cli_budget_in_the_press_name_is_the_budget():
@@ -532,6 +540,12 @@ def test_generate_and_a_chat_refuse_a_tokenizer_past_the_models_vocabulary_and_a
         kvpress.ChatSession(small, tokenizer, max_new_tokens=2).send("hi")
     with pytest.raises(TypeError, match="takes a model and its tokenizer, got LlamaForCausalLM and NoneType"):
         kvpress.generate(small, None, CONTEXT, "Where?")
+    # a press entered with a tokenizer that cannot be the model's (KVzip's own prompt: "'str' object is not
+    # callable", an IndexError in the embedding; SnapKV took it without a word)
+    with pytest.raises(TypeError, match="tokenizer must be the model's tokenizer object .*, got 'gpt2'"):
+        kvpress.SnapKVPress(0.5)(small, tokenizer="gpt2")
+    with pytest.raises(ValueError, match="the tokenizer has 49152 tokens, more than the model's vocabulary of 128"):
+        kvpress.KVzipPress(compression_ratio=0.5)(small, tokenizer=tokenizer)
     for context, question in ((CONTEXT, "   "), (" \n", "Where?")):  # (whitespace was answered; a chat refuses it)
         with pytest.raises(ValueError, match="must be a string with some text"):
             kvpress.generate(small, tokenizer, context, question)
@@ -600,6 +614,8 @@ def test_public_functions_name_a_bad_argument(tokenized, tmp_path):
         (lambda: stream("model", tokenizer, "some text here"), "needs a transformers PreTrainedModel, got str"),
         (lambda: ChatSession("model", tokenizer), "needs a transformers PreTrainedModel, got str"),
         (lambda: ChatSession(model, tokenizer).send("hi", max_new_tokens=2, streamer="x"), "streamer must be a"),
+        (lambda: ChatSession(model, tokenizer).send("hi", max_new_tokens=2, streamer=transformers.TextStreamer),
+         "streamer must be a"),  # (the class, not one: put() missing an argument, after the prefill)
         (lambda: RoundPolicy(inner=SnapKVPress(compression_ratio=0.5, decode_slack=0.5)), "decode_slack does not "),
         (lambda: KVzipPress(compression_ratio=0.5, rerotate=True), "KVzipPress scores the whole context once"),
         (lambda: ThinKPress(press, key_channel_ratio=0.05)(model), r"key_channel_ratio=0.05 prunes none of the 16"),

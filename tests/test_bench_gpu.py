@@ -78,7 +78,8 @@ def test_random_weights_from_a_config_directory(tmp_path, tokenized):
 
 @pytest.mark.parametrize("argv, said", [
     (["--attn", "sdpa,eager"], "--attn eager is not one of sdpa, flash_attention_2"),
-    (["--decode-steps", "1"], "--decode-steps must be >= 2"),
+    (["--decode-steps", "1"], "--decode-steps must be at least 2, got 1"),
+    (["--chunk", "-1"], "--chunk must be a token count >= 0 (0: no chunked prefill), got -1"),  # (both flags named)
     (["--lengths", "16k"], "--lengths must be token counts separated by commas, got '16k'"),
     (["--ratios", "0.5,half"], "--ratios must be fractions separated by commas, got '0.5,half'"),
     (["--cpu-stand-in", "--no-cudnn"], "--no-cudnn is a CUDA switch"),

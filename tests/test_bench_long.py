@@ -155,7 +155,9 @@ def test_a_press_still_to_run_runs_again_beside_its_own_no_press_run():
                                   ["--models", "nosuch:4096"], ["--models", "smollm2-135m"]])  # fmt: skip
 def test_bad_arguments_are_refused_before_anything_runs(argv, tmp_path, capsys):
     assert main([*argv, "--out", str(tmp_path)]) == 2
-    assert "kvpress bench-long:" in capsys.readouterr().err and not list(tmp_path.iterdir())
+    said = capsys.readouterr().err
+    assert "kvpress bench-long:" in said and not list(tmp_path.iterdir())
+    assert ("--models is model:length" in said) == (argv[0] == "--models")  # (the hint was added to every refusal)
 
 
 def test_a_rerun_with_other_decode_settings_into_the_same_out_is_refused(tmp_path, capsys):

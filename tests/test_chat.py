@@ -47,6 +47,10 @@ def test_errors_leave_the_session_unchanged(default_model):
     before = _state(session)
     with pytest.raises(ValueError, match="the message is empty"):
         session.send("   ")
+    with pytest.raises(TypeError, match="the message is a string .*, got list"):  # ('the message is empty' before)
+        session.send([{"role": "user", "content": "Hello."}])
+    with pytest.raises(TypeError, match="the reply is a string .*, got int"):
+        session.send("Hello.", reply=5)
     with pytest.raises(ValueError, match=r"past the model's 8192 positions"):
         session.send("Tell me a story.", max_new_tokens=9000)
     session.press = kvpress.KVzipPress(compression_ratio=0.5)  # set between turns: checked at the next send

@@ -757,6 +757,10 @@ def test_head_pattern_for_another_model_is_refused():
 def test_bad_arguments_are_refused():
     with pytest.raises(TypeError, match="wraps a token-level press"):
         AdaKVPress()
+    with pytest.raises(TypeError, match=r"got <class .*SnapKVPress'>: build one first, AdaKVPress\(SnapKVPress\("):
+        AdaKVPress(SnapKVPress)  # (the class: said as 'got None' before)
+    with pytest.raises(TypeError, match="wraps a token-level press such as SnapKVPress, got 0.5"):
+        AdaKVPress(0.5)
     with pytest.raises(ValueError, match="rerotate"):
         AdaKVPress(SnapKVPress(0.5, rerotate=True))
     with pytest.raises(ValueError, match="alpha_safeguard"):

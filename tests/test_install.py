@@ -1,5 +1,7 @@
 """Installing a press patches one model for one block and leaves it exactly as it was."""
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache, StaticCache, T5Config, T5ForConditionalGeneration
@@ -165,6 +167,36 @@ def test_presses_run_with_autograd_enabled():
                 assert step.requires_grad
                 with pytest.raises(RuntimeError, match="no gradient flows through a compressed cache"):
                     step.sum().backward()
+        # only the last layer's value projection trained (its query carries no gradient): refused alike (it was
+        # not, and the held tokens' share of the gradient was silently dropped)
+        last = f"layers.{model.config.num_hidden_layers - 1}.self_attn.v_proj"
+        for name, p in model.named_parameters():
+            p.requires_grad_(last in name)
+        cache = DynamicCache(config=model.config)
+        with SnapKVPress(compression_ratio=0.5, window_size=4)(model):
+            model(ids, cache=cache)
+            step = model(ids[:, :1], cache=cache).logits
+        with pytest.raises(RuntimeError, match="no gradient flows through a compressed cache"):
+            step.sum().backward()
+        for p in model.parameters():
+            p.requires_grad_(True)
+        # slots written without autograd (a prefill under no_grad) are constants: a backward through later forwards
+        # gives their gradients, also once a later step has written into the storage in place (it was refused,
+        # or torch's in-place error before that)
+        cache = DynamicCache(config=model.config)
+        press = SnapKVPress(compression_ratio=0.5, window_size=4)
+        with press(model):
+            with torch.no_grad():
+                model(ids, cache=cache)
+            again = copy.deepcopy(cache)
+            model.zero_grad()
+            model(ids[:, :2], cache=again).logits.sum().backward()  # alone
+            alone = {name: p.grad.clone() for name, p in model.named_parameters()}
+            first = model(ids[:, :2], cache=cache).logits
+            model(ids[:, 2:3], cache=cache)  # (appended in place into the storage `first` attended to)
+        model.zero_grad()
+        first.sum().backward()
+        assert all(torch.equal(p.grad, alone[name]) for name, p in model.named_parameters())
         dense = DynamicCache(config=model.config)  # a plain forward over a compressed cache, after the block
         with HeavyHitterPress(compression_ratio=0.5)(model):
             model(ids, cache=dense)
@@ -174,15 +206,15 @@ def test_presses_run_with_autograd_enabled():
             after.sum().backward()
 
 
-def test_a_cache_filled_under_inference_mode_goes_on_outside_it():
+def test_a_cache_filled_under_inference_mode_goes_on_outside_it(tmp_path):
     """A pressed cache filled under torch.inference_mode() (`kvpress.stream`'s was) is continued outside it, with
     the press or without, dense or head-wise, as one filled under no_grad (torch refused the in-place writes into
     inference tensors: 'Inplace update to inference tensor outside InferenceMode', the layers torn)."""
     with torch.inference_mode(False):  # (the tests run inside inference mode: conftest)
-        _filled_in_inference_mode()
+        _filled_in_inference_mode(tmp_path)
 
 
-def _filled_in_inference_mode() -> None:
+def _filled_in_inference_mode(tmp) -> None:
     model = tiny_model("llama")
     ids = prompt(1, 80)
     for press in (SnapKVPress(compression_ratio=0.5, window_size=4), AdaKVPress(SnapKVPress(compression_ratio=0.5))):
@@ -202,6 +234,24 @@ def _filled_in_inference_mode() -> None:
         model(ids[:, :1], cache=cache)  # a plain forward, outside the press
         model(ids[:, 1:2], cache=cache)
     assert [layer.seen for layer in cache.layers] == [82, 82]
+    for press in (SnapKVPress(compression_ratio=0.5, window_size=4), AdaKVPress(SnapKVPress(compression_ratio=0.5))):
+        saved = tmp / f"{type(press).__name__}.safetensors"  # a saved cache loaded under inference mode
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad(), press(model):
+            model(ids, cache=cache)
+        kvpress.save_cache(cache, saved, model)
+        with torch.inference_mode():
+            cache = kvpress.load_cache(saved, model)
+        with torch.no_grad(), press(model):
+            model(ids[:, :1], cache=cache)
+        assert [layer.seen for layer in cache.layers] == [81, 81]
+    cache = DynamicCache(config=model.config)  # re-rotated keys: rotated in place before any layer's update
+    rerotating = kvpress.SinkWindowPress(n_sink=4, window=16, rerotate=True)
+    with torch.inference_mode(), rerotating(model):
+        model(ids, cache=cache)
+    with torch.no_grad(), rerotating(model):
+        model(ids[:, :1], cache=cache)
+    assert [layer.seen for layer in cache.layers] == [81, 81]
     cache = DynamicCache(config=model.config)
     sink = kvpress.SinkWindowPress(n_sink=4, window=16)
     list(kvpress.stream(model, None, ids[0, :64], press=sink, cache=cache, chunk=16, progress=False))
@@ -452,3 +502,28 @@ def test_an_install_that_fails_half_way_is_undone_and_the_next_one_runs():
     assert _snapshot(model) == before and not _registered()
     with SnapKVPress(compression_ratio=0.5)(model):
         assert model.config._attn_implementation.startswith("kvpress")
+
+
+def test_inputs_a_press_would_misread_are_refused_by_name():
+    """1-D or list ids under a press raised IndexError or AttributeError inside the engine; a 2D attention mask
+    shorter than the tokens seen + new raised inside the cache, a longer or wider one was read wrongly (its last
+    columns taken as the new tokens' padding). Each is refused, naming the shape; the cache is left as it was."""
+    model = tiny_model("llama")
+    ids = prompt(1, 40)
+    cache = DynamicCache(config=model.config)
+    with SnapKVPress(compression_ratio=0.5, window_size=4)(model):
+        with pytest.raises(ValueError, match=r"input_ids must be a \[batch, tokens\] tensor of token ids, got shape"):
+            model(ids[0], cache=cache)
+        with pytest.raises(ValueError, match="input_ids must be .*, got list"):
+            model(ids[0].tolist(), cache=cache)
+        for mask in (torch.ones(1, 30, dtype=torch.long), torch.ones(2, 40, dtype=torch.long),
+                     torch.ones(1, 50, dtype=torch.long)):  # fmt: skip
+            with pytest.raises(ValueError, match=rf"attention_mask must be \[batch, tokens seen \+ new\] = \[1, 40\]"
+                                                 rf" .*, got \[{mask.shape[0]}, {mask.shape[1]}\]"):  # fmt: skip
+                model(ids, attention_mask=mask, cache=cache)
+        assert cache.get_seq_length() == 0
+        model(ids, attention_mask=torch.ones(1, 40, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match=r"= \[1, 41\] .*, got \[1, 1\]"):  # (a step's mask covers every token)
+            model(ids[:, :1], attention_mask=torch.ones(1, 1, dtype=torch.long), cache=cache)
+        model(ids[:, :1], attention_mask=torch.ones(1, 41, dtype=torch.long), cache=cache)
+    assert [layer.seen for layer in cache.layers] == [41, 41]

@@ -82,6 +82,13 @@ def test_bad_arguments():
         kvpress.stream(model, None, prompt(1, 10)[0], "sink-window")
     with pytest.raises(ValueError, match="KVzipPress compresses a whole prompt once"):
         kvpress.stream(model, None, prompt(1, 10)[0], kvpress.KVzipPress(compression_ratio=0.5))
+    for other in (None, b"abc", ["a b", "c d"], iter([5, 7])):  # (torch's own errors before)
+        with pytest.raises(TypeError, match=f"a text or its token ids .*, got {type(other).__name__}"):
+            kvpress.stream(model, None, other)
+    ids = prompt(1, 30)[0]  # int32 ids (numpy's default on some systems) streamed as int64 ones: torch's loss refused
+    for narrow in (ids.int(), ids.int().numpy()):  # them after the first forward
+        assert torch.equal(torch.cat(list(kvpress.stream(model, None, narrow, progress=False))),
+                           torch.cat(list(kvpress.stream(model, None, ids, progress=False))))
     cache = DynamicCache(config=model.config)
     list(kvpress.stream(model, None, prompt(1, 10)[0], cache=cache, progress=False))
     with pytest.raises(ValueError, match="cache= already holds 10 tokens: a stream starts from an empty cache"):

@@ -1048,13 +1048,15 @@ def test_rows_scored_by_the_older_rule_are_scored_again_from_their_answers(tmp_p
     assert said == {"rescored": 0, "changed": 0, "left needle_noise": 1}
 
 
-def test_a_sweep_directory_in_use_by_another_process_is_refused(default_model, tmp_path, short_answers):
+def test_a_sweep_directory_in_use_by_another_process_is_refused(default_model, tmp_path, short_answers,
+                                                                 monkeypatch):  # fmt: skip
     """Two writers of one sweep directory (a second terminal, a --rescore or --refresh while it runs) lost rows:
     each rewrites the result files from what it read (an audit: 393 of 1,000 rows appended meanwhile gone). A
     sweep, a refresh and a rescore hold the directory, one at a time; another is refused at once, naming it."""
     import os
     import re
 
+    from kvpress.eval import sweep
     from kvpress.eval.sweep import lock_name, refresh_sweep, rescore_sweep
     from kvpress.files import held_alone
 
@@ -1063,7 +1065,8 @@ def test_a_sweep_directory_in_use_by_another_process_is_refused(default_model, t
                   progress=False)  # fmt: skip
     run_sweep(model, tokenizer, **kwargs)
     rows = (tmp_path / "results.jsonl").read_text()
-    refused = re.escape(f"the sweep directory {tmp_path} is in use by another process (pid {os.getpid()}")
+    refused = re.escape(f"the sweep directory {tmp_path} is in use by another call of this process (pid "
+                        f"{os.getpid()}")  # fmt: skip
     with held_alone(tmp_path / lock_name(0), "a sweep"):  # (another open file: flock refuses it as another process)
         with pytest.raises(ValueError, match=refused):
             run_sweep(model, tokenizer, **{**kwargs, "examples": 2})
@@ -1071,6 +1074,17 @@ def test_a_sweep_directory_in_use_by_another_process_is_refused(default_model, t
             rescore_sweep(tmp_path, tokenizer)
         with pytest.raises(ValueError, match=refused):
             refresh_sweep(model, tokenizer, tmp_path)
+        # a data-parallel sweep's process 1 waits for its process 0 to hold the directory: refused, process 0 never
+        # comes (the launcher then ends them), and process 1 wrote nothing meanwhile (it measured and appended)
+        class Launch:
+            def wait_for_everyone(self):
+                raise RuntimeError("process 0 never came")
+
+        monkeypatch.setattr(sweep, "_shard", lambda: (1, 2, Launch()))
+        with pytest.raises(RuntimeError, match="process 0 never came"):
+            run_sweep(model, tokenizer, **{**kwargs, "examples": 2})
+        assert not (tmp_path / "results.rank1.jsonl").exists()
+        monkeypatch.undo()
     assert (tmp_path / "results.jsonl").read_text() == rows
     run_sweep(model, tokenizer, **{**kwargs, "examples": 2})  # free again once the holder is gone
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 4
@@ -1100,3 +1114,9 @@ def test_runs_whose_results_could_not_be_written_are_refused_before_they_run(tmp
     check_writable(tmp_path / "new" / "deeper" / "x.json", "--out")  # missing directories are made on the way
     check_writable(tmp_path / "new" / "dir", "--out", directory=True)
     assert not (tmp_path / "new").exists()  # (the check makes nothing)
+    (tmp_path / "link.json").symlink_to("/dev/full/x.json")  # what a link leads to is what is written
+    with pytest.raises(ValueError, match=r"link.json: cannot write there \(/dev/full is not a directory"):
+        check_writable(tmp_path / "link.json", "--out")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")  # (a mkdir of it fails after the model loads)
+    with pytest.raises(ValueError, match="is a symbolic link to .*nowhere, which does not exist"):
+        check_writable(tmp_path / "gone", "--out", directory=True)

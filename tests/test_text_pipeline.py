@@ -63,6 +63,8 @@ def test_bad_calls_are_refused(tokenized):
         pipe(CONTEXT, question="a", temperature=0.5)
     with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
         pipe(CONTEXT, question="a", max_new_tokens=0)
+    with pytest.raises(TypeError, match="answer_prefix is the text the answer starts with .*, got 5"):
+        pipe(CONTEXT, question="a", answer_prefix=5)  # (the tokenizer's own error before)
     full = DynamicCache(config=model.config)
     model(torch.tensor([[5, 6]]), cache=full)
     with pytest.raises(ValueError, match="already holds 2 tokens"):
@@ -170,3 +172,18 @@ def test_kvpress_own_generate_calls_hold_whatever_the_generation_config_says(tok
             assert [chat.send("My name is Ada."), chat.send("What is my name?")] == turns, settings
     finally:
         model.generation_config = saved
+
+
+def test_an_answer_past_the_models_positions_is_refused_as_a_chat_turn_is(tokenized):
+    """kvpress.generate and the pipeline generated past the model's positions (512 here) with only transformers'
+    'friendly reminder', where a chat turn was refused: refused alike, before the prefill, unless the press
+    re-rotates its keys into the cache's positions."""
+    model, tokenizer = tokenized
+    with pytest.raises(ValueError, match=r"the prompt \(\d+ tokens\) and its answer would reach position \d+, past "
+                                         r"the model's 512 positions; use a press with rerotate=True"):  # fmt: skip
+        kvpress.generate(model, tokenizer, CONTEXT, QUESTION, press=SnapKVPress(0.5), max_new_tokens=600)
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="a question and its answer would reach position .* past the model's 512"):
+        pipe(CONTEXT, question=QUESTION, press=SnapKVPress(0.5), max_new_tokens=600)
+    rerotating = kvpress.SinkWindowPress(n_sink=4, window=16, rerotate=True)
+    kvpress.pipeline.check_positions(model, 600, rerotating, "an answer", "...")  # (taken)

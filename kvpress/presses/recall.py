@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache
 
 from kvpress.patches.cache import PressedLayer
 from kvpress.presses.base import BasePress, Observation
@@ -177,5 +177,7 @@ def _attention_over(obs: Observation, keys: torch.Tensor) -> torch.Tensor:
 
 def offloaded_bytes(cache: DynamicCache) -> int:
     """Bytes a recalling press keeps outside the working cache (its stores), over every layer of `cache`."""
+    if not isinstance(cache, Cache):
+        raise TypeError(f"offloaded_bytes counts a transformers Cache (a DynamicCache), got {type(cache).__name__}")
     return sum(layer.offloaded.nbytes() for layer in cache.layers
                if isinstance(layer, PressedLayer) and layer.offloaded is not None)  # fmt: skip

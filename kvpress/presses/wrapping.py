@@ -61,7 +61,10 @@ class WrapsPress:
         deep = next((p for p in wrapped_chain(self.press)[1:] if isinstance(p, refused)), None)
         if not isinstance(self.press, BasePress) or isinstance(self.press, refused) or deep is not None:
             inside = "" if deep is None else f" (it wraps a {type(deep).__name__}, which {name} cannot wrap either)"
-            raise TypeError(f"{name} wraps a token-level press such as SnapKVPress, got {self.press!r}{inside}")
+            shown = self.press if self.press is not None else given  # (a class or a number given positionally)
+            if isinstance(shown, type):
+                inside += f": build one first, {name}({shown.__name__}(compression_ratio=0.5))"
+            raise TypeError(f"{name} wraps a token-level press such as SnapKVPress, got {shown!r}{inside}")
         if not self.press.wrappable:
             raise TypeError(f"{name} cannot wrap {type(self.press).__name__}: it decides its layers or slots itself "
                             "(use it alone)")  # fmt: skip
