@@ -745,17 +745,19 @@ class _NoBackward(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(
             "kvpress: no gradient flows through a compressed cache. This forward attended to keys and values a "
-            "press's cache held before it (from an earlier forward, or from the first part of a prompt that a press "
-            "scoring whole prompts feeds in parts), which the press chose, moved and overwrote in place outside "
-            "autograd: their gradients would be missing or wrong. A backward works through a forward into an empty "
-            "cache under a press that scores tokens as they are cached (a prefill, a training step's loss); for "
-            "gradients through earlier tokens, run without a press (a full cache)"
+            "press's cache held before it, written with autograd history (by an earlier forward, or by the first "
+            "part of a prompt that a press scoring whole prompts feeds in parts) or held head by head (AdaKV, "
+            "DuoAttention), which the press chose and moves in place outside autograd: their gradients would be "
+            "missing or wrong. A backward works through a forward into an empty cache under a press that scores "
+            "tokens as they are cached (a prefill, a training step's loss), and over dense slots written under "
+            "torch.no_grad() (constants); for gradients through earlier tokens, run without a press (a full cache)"
         )
 
 
 def without_backward(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` (copied), whose backward raises a clear error: held slots that a forward wrote with autograd
-    history, which a press gathered since without it (and later steps overwrite in place)."""
+    history, which a press gathered since without it (and later steps overwrite in place), or a head-wise layer's
+    attention over its held slots."""
     return _NoBackward.apply(tensor)
 
 

@@ -427,7 +427,7 @@ class Intercept:
             self.handler.after_headwise(module, query, layer, hidden, call.compressing, ids, mass)
             layer.compact()  # evictions free slots in place: a layer with too much spare room is packed tight
             layer.settle()
-            # (it attended to slots held from before, which later steps rewrite in place in their storage)
+            # (it attended to slots held from before, whose storage later steps rewrite in place: no backward)
             return (without_backward(out) if out.requires_grad else out), None
         thin = layer.key_channels is not None  # keys of fewer channels (ThinK): the queries meet only those
         if thin:
