@@ -126,7 +126,7 @@ class PressedLayer(DynamicLayer):
         """Append new keys/values, in place when a freed slot is available."""
         if torch.is_inference_mode_enabled():
             self.in_inference = True
-        elif made_in_inference(self):
+        elif not self.driven and made_in_inference(self):  # (a driven layer's: copied as its forward began)
             leave_inference(self)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)

@@ -33,7 +33,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvpress.patches import kv_quantization as quant
-from kvpress.patches.cache import PressedLayer, leave_inference, made_in_inference
+from kvpress.patches.cache import PressedLayer
 
 
 class HeadwiseLayer(DynamicLayer):
@@ -135,10 +135,8 @@ class HeadwiseLayer(DynamicLayer):
     # ----- the transformers layer API -----------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Hold the new keys/values until the intercept commits them to every head."""
-        if torch.is_inference_mode_enabled():
+        if torch.is_inference_mode_enabled():  # (copied as the next forward outside it begins: `intercept`)
             self.in_inference = True
-        elif made_in_inference(self):
-            leave_inference(self)
         if not self.driven and not (self.seen or self.pending):
             raise RuntimeError(
                 "this cache's head-wise layers were emptied (reset): it takes its next prompt inside `with "
