@@ -221,7 +221,7 @@ def run_sweep(
     check_spellings(out, presses)
     out.mkdir(parents=True, exist_ok=True)
     rank, world, state = _shard()
-    with held_alone(out / lock_name(rank), f"the sweep directory {out}"):
+    with holding(out, rank):
         if state is not None:  # every process waits for process 0 to hold the directory (refused, it never comes)
             state.wait_for_everyone()
         settings = {"examples": examples, "length": length, "seed": seed, "query_aware": query_aware,
@@ -302,7 +302,7 @@ def refresh_sweep(model: nn.Module, tokenizer, out: str | Path, progress: bool =
     settings = json.loads(settings_path.read_text())
     if named_model(settings.get("model", model_name(model))) != model_name(model):
         raise ValueError(f"{out} was measured with {settings['model']!r}, not {model_name(model)!r}")
-    with held_alone(out / lock_name(0), f"the sweep directory {out}"):
+    with holding(out):
         return _refreshed(model, tokenizer, out, settings, progress)
 
 
@@ -337,7 +337,7 @@ def rescore_sweep(out: str | Path, tokenizer, builders: dict | None = None) -> d
     is not at hand are left as they are and counted (`left`, by task). Rewrites the result files and the summary."""
     out = Path(out)
     settings = json.loads((out / "settings.json").read_text())
-    with held_alone(out / lock_name(0), f"the sweep directory {out}"):
+    with holding(out):
         return _rescored(out, tokenizer, settings, builders)
 
 
@@ -462,6 +462,12 @@ def lock_name(rank: int) -> str:
     """The lock file of a sweep directory that process `rank` of a sweep holds while it writes there (`held_alone`):
     one sweep (or refresh, or rescore) at a time, each of its processes on its own."""
     return ".lock" if rank == 0 else f".lock.rank{rank}"
+
+
+def holding(out: Path, rank: int = 0):
+    """The block in which process `rank` of a sweep (or a refresh, or a rescore) holds the directory `out`
+    (`held_alone` on `lock_name(rank)`)."""
+    return held_alone(out / lock_name(rank), f"the sweep directory {out}")
 
 
 PLAN_KEYS = ("presses", "ratios", "tasks", "processes")  # settings.json's keys of the last run's plan, not of its rows
