@@ -232,7 +232,7 @@ class KVPressLM(HFLM):
         if isinstance(pretrained, str):  # a local directory: HFLM loads it (and shards data under accelerate)
             if not convert and (pretrained == "default" or pretrained in PACKAGED_MODELS):
                 return pretrained, kwargs, beside
-            pretrained = str(resolve_model_path(None if pretrained == "default" else pretrained))
+            pretrained = str(resolve_model_path(pretrained))
             kwargs.setdefault("dtype", "float32")
             kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
         tokenizer = kwargs.get("tokenizer")

@@ -64,7 +64,7 @@ class _Probe:
 
 @torch.inference_mode()
 def calibrate_heads(
-    model: nn.Module, tokenizer, name: str, examples: int = 16, length: int = 1024, seed: int = 0, progress=True
+    model: nn.Module, tokenizer, name: str, examples: int = 16, length: int = 1024, seed: int = 0, progress: bool = True
 ) -> dict:
     """A head pattern for `model` (see `kvpress.patterns`), from `examples` passkey prompts of `length` tokens."""
     check_whole(examples=(examples, 1), length=(length, 100), seed=(seed, 0))

@@ -6,7 +6,8 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from torch import nn
+from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from kvpress.engine import maybe_installed, observe
 from kvpress.patches import model_access
@@ -36,10 +37,13 @@ class ChatSession:
             where rounds begin and end, and the policy sees every layer's attention during a turn.
         max_new_tokens: the default answer length.
         system: an optional system prompt.
+
+    `send`'s `streamer` is any object with transformers' streamer methods `put()` and `end()` (a TextStreamer).
     """
 
-    def __init__(self, model, tokenizer, press: BasePress | None = None, max_new_tokens: int = 256, system=None,
-                 round_policy: RoundPolicy | None = None):  # fmt: skip
+    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, press: BasePress | None = None,
+                 max_new_tokens: int = 256, system: str | None = None,
+                 round_policy: RoundPolicy | None = None) -> None:  # fmt: skip
         model_access.check_is_model(model)
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"{type(tokenizer).__name__} has no chat template; ChatSession needs one")
@@ -110,7 +114,8 @@ class ChatSession:
         return self.tokenizer(with_reply[len(prompt) :], add_special_tokens=False).input_ids, with_reply
 
     @torch.no_grad()  # not inference_mode: `chat.cache` stays usable outside it
-    def send(self, text: str, max_new_tokens: int | None = None, streamer=None, reply: str | None = None) -> str:
+    def send(self, text: str, max_new_tokens: int | None = None, streamer: object | None = None,
+             reply: str | None = None) -> str:
         """Add a user turn, answer it greedily and return the answer.
 
         A refused input (empty message, a turn past the model's positions) leaves the session unchanged,

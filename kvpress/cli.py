@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import os
 import sys
 import time
 from pathlib import Path
@@ -197,7 +196,7 @@ def cmd_calibrate_heads(args: argparse.Namespace) -> int:
 
     model, tokenizer = kvpress.load_model(args.model)
     name = args.model or kvpress.models.DEFAULT_MODEL
-    pattern = calibrate_heads(model, tokenizer, name, examples=args.examples, length=args.length, seed=args.seed)
+    pattern = calibrate_heads(model, tokenizer, name, **_trainer_args(calibrate_heads, args))
     save_pattern(pattern, args.out)
     flat = sorted(((s, layer, head) for layer, row in enumerate(pattern["scores"]) for head, s in enumerate(row)))
     top = ", ".join(f"L{layer}H{head} {s:.3f}" for s, layer, head in reversed(flat[-5:]))
@@ -263,18 +262,21 @@ def cmd_presses(args: argparse.Namespace) -> int:
     return 0
 
 
-_NOT_FLAGS = ("model", "tokenizer", "name", "log")  # a trainer's arguments that are not its command's flags
+# a trainer's (or calibration's) arguments that are not its command's flags
+_NOT_FLAGS = ("model", "tokenizer", "name", "log", "progress")
 
 
-def _trainer(sub, command: str, fn, help: str, **helps: str) -> argparse.ArgumentParser:
-    """The subcommand `command` that runs the trainer `fn`: `--model`, `--out`, and a flag per keyword of `fn`, its
-    default and type from `fn`'s signature (`helps`: their help texts; texts and tokens have theirs)."""
+def _trainer(sub, command: str, fn, help: str, out: str = "the safetensors file to write", **helps: str
+             ) -> argparse.ArgumentParser:  # fmt: skip
+    """The subcommand `command` that runs the trainer (or calibration) `fn`: `--model`, `--out` (`out`: its help),
+    and a flag per keyword of `fn`, its default and type from `fn`'s signature (`helps`: their help texts; texts
+    and tokens have theirs)."""
     from kvpress.models import MODEL_HELP
 
     helps = {"texts": "training texts", "tokens": "tokens per text", **helps}
     parser = sub.add_parser(command, help=help)
     parser.add_argument("--model", default=None, help=MODEL_HELP)
-    parser.add_argument("--out", required=True, help="the safetensors file to write")
+    parser.add_argument("--out", required=True, help=out)
     for param in inspect.signature(fn).parameters.values():
         if param.name in _NOT_FLAGS:
             continue
@@ -428,16 +430,14 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("lm-eval", help="run lm-eval with --model kvpress (all lm-eval flags; kvpress tasks included)")
     sub.add_parser("sweep", help="score vs kept KV memory for presses x ratios, one prefill per example")
-    cal = sub.add_parser("calibrate-heads", help="find retrieval heads and write a head pattern for DuoAttention")
-    cal.add_argument("--model", default=None, help=kvpress.models.MODEL_HELP)
-    cal.add_argument("--out", required=True, help="the JSON file to write")
-    cal.add_argument("--examples", type=int, default=16)
-    cal.add_argument("--length", type=int, default=1024, help="tokens per passkey prompt")
-    cal.add_argument("--seed", type=int, default=0)
-    cal.set_defaults(fn=cmd_calibrate_heads)
+    from kvpress.calibrate_heads import calibrate_heads
     from kvpress.train_gates import train_gates
     from kvpress.train_scorer import train_scorer
 
+    cal = _trainer(sub, "calibrate-heads", calibrate_heads, "find retrieval heads and write a head pattern for "
+                   "DuoAttention", out="the JSON file to write", examples="passkey prompts",
+                   length="tokens per passkey prompt")  # fmt: skip
+    cal.set_defaults(fn=cmd_calibrate_heads)
     train = _trainer(sub, "train-scorer", train_scorer, "fit KVzapPress's per-layer scorers to KVzip's scores on "
                      "offline text", held_out="validation texts, and as many test texts",
                      attention_mass="also read the attention each token received, and how many queries saw it "
@@ -477,21 +477,11 @@ def main(argv: list[str] | None = None) -> int:
             from kvpress.train_gates import check_arguments, train_gates
 
             check_arguments(**_trainer_args(train_gates, args))  # (lr, sparsity, tokens past the training text)
-        for flag in ("out", "save_cache"):  # files written after the run
-            path = getattr(args, flag, None)
-            if path is None:
-                continue
-            name, parent = f"--{flag.replace('_', '-')} {path}", Path(path).resolve().parent
-            if not path:  # (Path("") is the working directory: 'is a directory' below)
-                raise ValueError(f"--{flag.replace('_', '-')} is empty: give the file to write")
-            if not parent.is_dir():
-                raise ValueError(f"{name}: its directory does not exist (the result would be lost after the run): "
-                                 "create it first")  # fmt: skip
-            if Path(path).is_dir():
-                raise ValueError(f"{name} is a directory: give the file to write (the result would be lost after "
-                                 "the run)")  # fmt: skip
-            if not os.access(parent, os.W_OK):
-                raise ValueError(f"{name}: cannot write in {parent} (the result would be lost after the run)")
+        from kvpress.files import check_writable
+
+        for flag in ("out", "save_cache"):  # files written after the run (by writers that make no directory)
+            if getattr(args, flag, None) is not None:
+                check_writable(getattr(args, flag), f"--{flag.replace('_', '-')}", makes_directories=False)
         return args.fn(args)
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"kvpress {args.command}: {err}", file=sys.stderr)

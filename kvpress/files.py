@@ -70,10 +70,11 @@ def held_alone(lock: str | Path, what: str) -> Iterator[None]:
         os.close(fd)  # (releases the lock)
 
 
-def check_writable(path: str | Path, name: str, directory: bool = False) -> None:
+def check_writable(path: str | Path, name: str, directory: bool = False, makes_directories: bool = True) -> None:
     """Raise ValueError unless this process can write the file `path` (`directory`: the directory `path`), its
-    missing directories made on the way, so that a run finds out before its compute, not after it; `name` names the
-    option in the message."""
+    missing directories made on the way (`makes_directories=False`: for a writer that makes none, the file's
+    directory must exist), so that a run finds out before its compute, not after it; `name` names the option (or
+    argument) in the message."""
     if not str(path):  # (Path("") is the working directory)
         raise ValueError(f"{name} is empty: give the {'directory' if directory else 'file'} to write")
     target = Path(os.path.realpath(path))  # (where a symbolic link leads: what is written)
@@ -85,6 +86,8 @@ def check_writable(path: str | Path, name: str, directory: bool = False) -> None
     if not directory and target.is_dir():
         raise ValueError(f"{name} {path} is a directory: give the file to write")
     existing = target if directory else target.parent
+    if not makes_directories and not existing.is_dir():
+        raise ValueError(f"{name} {path}: its directory does not exist: create it first")
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):

@@ -28,10 +28,9 @@ def split_prompt(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids `[1, n]` of the context part and of the question part of one prompt: in the tokenizer's
     chat template when it has one and `chat_template` is true, else plain text `context + "\n\n" + question`."""
-    if not isinstance(context, str) or not context:
-        raise ValueError("context must be a non-empty string")
-    if not isinstance(question, str) or not question:
-        raise ValueError("question must be a non-empty string")
+    for name, text in (("context", context), ("question", question)):
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"{name} must be a non-empty string, got {text!r:.40}")
     if not isinstance(chat_template, bool):
         raise ValueError(f"chat_template must be True or False, got {chat_template!r}")
     if chat_template and getattr(tokenizer, "chat_template", None):
@@ -88,7 +87,7 @@ def check_press(press) -> None:
     """Refuse anything but a press or None where a press is expected, saying what is allowed."""
     if press is not None and not isinstance(press, BasePress):
         hint = " (a RoundPolicy is a chat policy: kvpress.ChatSession(..., round_policy=...))" \
-            if type(press).__name__ in ("RoundPolicy", "RoundPress") else ""  # fmt: skip
+            if type(press).__name__ == "RoundPolicy" else ""  # fmt: skip
         raise TypeError(f"press must be a kvpress press (kvpress.press_from_name('snapkv', compression_ratio=0.5), "
                         f"...) or None, got {press!r}{hint}")  # fmt: skip
 

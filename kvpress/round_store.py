@@ -17,13 +17,18 @@ class RoundStore:
     """
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
+        if not isinstance(device, (str, torch.device)):  # (torch's own error lists its overloads)
+            raise TypeError(f"RoundStore's device is where stored spans are kept, a str or torch.device such as "
+                            f"'cpu', got {device!r}")  # fmt: skip
         self.device = torch.device(device)
         self._rounds: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     def put(self, layer_idx: int, round_idx: int, slots: dict[str, torch.Tensor]) -> None:
+        """Keep `slots` (name -> tensor), moved to `device`, as span `round_idx` of layer `layer_idx`."""
         self._rounds[layer_idx, round_idx] = {name: t.to(self.device) for name, t in slots.items()}
 
     def get(self, layer_idx: int, round_idx: int) -> dict[str, torch.Tensor]:
+        """The slots stored as span `round_idx` of layer `layer_idx` (a KeyError if none were)."""
         return self._rounds[layer_idx, round_idx]
 
     def spans(self, layer_idx: int) -> list[dict[str, torch.Tensor]]:

@@ -42,7 +42,7 @@ from kvpress.engine import evict
 from kvpress.patches import model_access
 from kvpress.patches.cache import PressedLayer
 from kvpress.patterns import config_hash
-from kvpress.presses.base import BasePress, Observation, check_field_types
+from kvpress.presses.base import BasePress, Observation, PlainNumbers, check_field_types
 from kvpress.round_store import RoundStore
 
 OFFLOAD = ("cpu", "none")
@@ -81,7 +81,7 @@ class _Turn:
 
 
 @dataclass
-class RoundPolicy:
+class RoundPolicy(PlainNumbers):
     """Keep the system prompt, the recent rounds and the top-k relevant past rounds (see module docstring).
 
     `compression_ratio` and `max_tokens` are refused: rounds are bounded by `top_k_rounds` and

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import DynamicCache
 
-from kvpress.files import read_tensors, write_whole
+from kvpress.files import check_writable, read_tensors, write_whole
 from kvpress.patches import model_access
 from kvpress.patches.cache_io import check_savable, layer_from_state, layer_state
 from kvpress.patterns import config_hash
@@ -33,7 +33,7 @@ def save_cache(cache: DynamicCache, path: str | Path, model: nn.Module, press: s
     recorded as the press it names for `model`) to the safetensors file `path`."""
     if not isinstance(cache, DynamicCache):
         raise TypeError(f"save_cache saves a DynamicCache, got {type(cache).__name__}")
-    _check_path(path)
+    check_writable(_check_path(path), "save_cache's path", makes_directories=False)
     model_access.check_is_model(model)
     if press is not None and press != "none":  # a spec the loaded cache can be continued with, budget included
         if not isinstance(press, str):

@@ -241,7 +241,8 @@ def test_cli_refuses_an_output_it_could_not_write(tmp_path, capsys, monkeypatch)
 
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # (a test run as root may write anywhere)
     assert main(["calibrate-heads", "--out", str(tmp_path / "p.json")]) == 2
-    assert f"--out {tmp_path / 'p.json'}: cannot write in {tmp_path}" in capsys.readouterr().err
+    assert f"--out {tmp_path / 'p.json'}: cannot write there ({tmp_path} is not a directory this process can " \
+           "write in)" in capsys.readouterr().err  # fmt: skip
     assert main(["calibrate-heads", "--out", ""]) == 2  # ('--out  is a directory' before: "" is the working one)
     assert "--out is empty: give the file to write" in capsys.readouterr().err
     from kvpress.eval.sweep import main as sweep  # (it took "" and wrote in the working directory)
@@ -627,3 +628,47 @@ def test_public_functions_name_a_bad_argument(tokenized, tmp_path):
     policy.inner.decode_slack = 0.5  # set between turns: refused at the next
     with pytest.raises(ValueError, match="decode_slack does not apply there"):
         policy.check_model(model)
+
+
+def test_numpy_numbers_are_taken_and_other_bad_inputs_named(tokenized, tmp_path):
+    """A budget from a numpy sweep was refused as if it were no number ("max_tokens must be a positive integer, got
+    np.int64(64)"; np.float32 ratios refused, np.float64 ones kept as numpy scalars); the others raised deep inside
+    (save_cache to a directory or a missing one: a rename error naming a temporary file, safetensors' I/O error),
+    named no value, printed a whole model, or measured a stream a budget held whole (nothing compressed)."""
+    import numpy as np
+    from transformers import DynamicCache
+
+    from kvpress import DuoAttentionPress, RoundPolicy, RoundStore, SnapKVPress, save_cache, stream
+    from kvpress.models import resolve_model_path
+    from kvpress.pipeline import split_prompt
+    from tiny import prompt
+
+    model, tokenizer = tokenized
+    press = SnapKVPress(max_tokens=np.int64(64), window_size=np.int32(8), layer_scales=np.array([1, 2, 1], "f4"))
+    assert (press.max_tokens, press.window_size, press.layer_scales) == (64, 8, (1.0, 2.0, 1.0))
+    assert type(press.max_tokens) is int and all(type(s) is float for s in press.layer_scales)
+    ratio = SnapKVPress(compression_ratio=np.float32(0.5))
+    assert type(ratio.compression_ratio) is float and ratio.compression_ratio == 0.5
+    ratio.compression_ratio = np.float64(0.25)  # set between runs, as a tuning loop does
+    assert type(ratio.compression_ratio) is float
+    assert RoundPolicy(top_k_rounds=np.int64(3)).top_k_rounds == 3
+    assert DuoAttentionPress(ratio, retrieval_fraction=0.5).press is ratio  # positional, as the wrappers take it
+    assert resolve_model_path("default") == resolve_model_path()  # as "default" names a press (and lm-eval's model)
+    cache = DynamicCache()
+    model(prompt(1, 12), cache=cache)
+    refused = [
+        (lambda: SnapKVPress(model), "got a LlamaForCausalLM: a press is built with its budget, then applied"),
+        (lambda: SnapKVPress(np.array([0.5, 0.6])), "compression_ratio must be a number"),
+        (lambda: DuoAttentionPress(compression_ratio=0.5, head_pattern={}), "head pattern given as a dict is malf"),
+        (lambda: RoundStore(device=None), "RoundStore's device is where stored spans are kept, .* got None"),
+        (lambda: save_cache(cache, tmp_path, model), f"save_cache's path {tmp_path} is a directory"),
+        (lambda: save_cache(cache, tmp_path / "no" / "c.safetensors", model), "its directory does not exist"),
+        (lambda: split_prompt(tokenizer, None, "q"), "context must be a non-empty string, got None"),
+        (lambda: stream(model, tokenizer, prompt(1, 20)[0], SnapKVPress(max_tokens=20, window_size=4)),
+         r"max_tokens=20 is not smaller than the context \(20 tokens\)"),
+    ]  # fmt: skip
+    for call, said in refused:
+        with pytest.raises((TypeError, ValueError), match=said):
+            call()
+    assert not list(tmp_path.iterdir()) and len(list(stream(model, tokenizer, prompt(1, 21)[0],
+                                                            SnapKVPress(max_tokens=20, window_size=4)))) == 1

@@ -69,7 +69,7 @@ def test_not_an_object(write):
 def test_missing_keys(write):
     path = write(json.dumps(_good(config_hash=..., scores=...)))
     _refused(path, str(path), "lacks the keys ['config_hash', 'scores']")
-    _refused(_good(model=...), "None (a dict)", "lacks the keys ['model']")
+    _refused(_good(model=...), "given as a dict", "lacks the keys ['model']")
 
 
 def test_model_and_hash_are_strings():
@@ -121,7 +121,8 @@ def test_check_pattern_refuses_another_architecture_or_a_malformed_dict():
     three = _good(scores=[[0.1, 0.2, 0.3]] * 2, kv_heads=3)
     with pytest.raises(ValueError, match=re.escape("2 layers x 3 KV heads), not for this LlamaForCausalLM")):
         check_pattern(three, model)
-    with pytest.raises(ValueError, match=rf"pattern 'tiny' is malformed: it lacks the keys \['scores'\]; make .*{HOW}"):
+    malformed = r"pattern 'tiny' \(a dict\) is malformed: it lacks the keys \['scores'\]; make "
+    with pytest.raises(ValueError, match=rf"{malformed}.*{HOW}"):
         check_pattern(_good(scores=...), model)
 
 

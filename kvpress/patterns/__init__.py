@@ -95,11 +95,15 @@ def _check(data: object, name: str) -> None:
         raise ValueError(f"head pattern {name} is malformed: {problem}; {_HOW}")
 
 
+def _named(pattern: dict) -> str:
+    """How a pattern given as a dict is named in a message: by its model, where it names one."""
+    return f"{pattern['model']!r} (a dict)" if "model" in pattern else "given as a dict"
+
+
 def load_pattern(pattern: str | Path | dict) -> dict:
     """A validated pattern from a dict, a JSON file path, or the name of a packaged pattern."""
     if isinstance(pattern, dict):
-        name = f"{pattern.get('model')!r} (a dict)"
-        data = pattern
+        name, data = _named(pattern), pattern
     else:
         is_packaged = str(pattern) in packaged()
         path = packaged_or_path(pattern, _HERE / f"{pattern}.json" if is_packaged else None, "head pattern")
@@ -134,7 +138,7 @@ def find_pattern(model: nn.Module) -> dict:
 
 def check_pattern(pattern: dict, model: nn.Module) -> None:
     """Raise ValueError unless `pattern` is well formed and was made for a model with `model`'s architecture."""
-    _check(pattern, f"{pattern.get('model')!r}" if isinstance(pattern, dict) else "(not a dict)")
+    _check(pattern, _named(pattern) if isinstance(pattern, dict) else "(not a dict)")
     shape = (model_access.text_config(model).num_hidden_layers, model_access.kv_heads(model))
     scores = pattern["scores"]
     found = (len(scores), len(scores[0]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import threading
 import types
 import typing
@@ -54,6 +55,22 @@ def shares_within(shares: tuple[float, ...], compression_ratio: float | None = N
         capped |= over
 
 
+def plain_number(value):
+    """A numpy (or other `numbers`-registered) scalar as the Python int or float it holds (np.int64(4) -> 4), so
+    that a budget taken from a numpy sweep passes the checks of an int or float field; anything else as it is."""
+    if type(value) in (int, float, bool) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+class PlainNumbers:
+    """A dataclass whose fields take numpy scalars as the Python numbers they hold (`plain_number`), as it is built
+    and when a field is set later (`press.max_tokens = np.int64(256)`)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, plain_number(value))
+
+
 # `check_budget` syncs a wrapper's budget with the press it wraps (and a window press's with its window): one thread
 # at a time, so a press installed on two models at once reads one budget (re-entrant: a wrapper checks its press)
 BUDGET_LOCK = threading.RLock()
@@ -62,6 +79,9 @@ BUDGET_LOCK = threading.RLock()
 def _check_ratio(value: float | None) -> None:
     if value is None:
         return
+    if isinstance(value, nn.Module):  # (`SnapKVPress(model)`: its first field is the ratio)
+        raise TypeError(f"compression_ratio must be a number in [0, 1), got a {type(value).__name__}: a press is "
+                        "built with its budget, then applied to the model (`with SnapKVPress(0.5)(model):`)")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"compression_ratio must be a number in [0, 1), got {value!r}")
     if not 0 <= value < 1:
@@ -117,7 +137,7 @@ _WEAK_TABLES = "_kvpress_weak_tables"  # (`BasePress.__getstate__`: the names of
 
 
 @dataclass
-class BasePress(Installable):
+class BasePress(PlainNumbers, Installable):
     """Base of every press.
 
     Parameters:
@@ -186,7 +206,7 @@ class BasePress(Installable):
             if isinstance(self.layer_scales, (dict, set, frozenset)):  # (a dict's keys, a set in no order)
                 raise ValueError(f"layer_scales must be a list of positive numbers in layer order, got "
                                  f"{self.layer_scales!r}")  # fmt: skip
-            self.layer_scales = tuple(self.layer_scales)
+            self.layer_scales = tuple(plain_number(x) for x in self.layer_scales)
             if not self.layer_scales or any(isinstance(x, bool) or not isinstance(x, (int, float)) or
                                             not math.isfinite(x) or x <= 0 for x in self.layer_scales):  # fmt: skip
                 raise ValueError(f"layer_scales must be positive numbers (finite), one per layer, got "

@@ -65,6 +65,8 @@ class DuoAttentionPress(HeadwisePress):
     press: BasePress | None = None
 
     def __post_init__(self) -> None:
+        if self.press is None and isinstance(self.compression_ratio, BasePress):  # DuoAttentionPress(SnapKVPress(...))
+            self.press, self.compression_ratio = self.compression_ratio, None
         if self.press is not None:
             if not isinstance(self.press, BasePress) or self.press.per_head or self.press.needs_whole_context \
                     or not self.press.wrappable:  # fmt: skip
