@@ -15,6 +15,8 @@ the import; no model is touched).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
@@ -31,9 +33,6 @@ from kvpress.pipeline import (
 )
 
 TASK = "kv-press-text-generation"
-# each argument the task takes and the stage that takes it (its default is that stage's)
-PARAMETERS = {"question": "preprocess", "questions": "preprocess", "answer_prefix": "preprocess",
-              "chat_template": "preprocess", "press": "forward", "max_new_tokens": "forward", "cache": "forward"}
 
 
 class KVPressTextGenerationPipeline(Pipeline):
@@ -126,6 +125,13 @@ class KVPressTextGenerationPipeline(Pipeline):
 
     def postprocess(self, outputs: dict):
         return {"answer": outputs["answers"][0]} if outputs["one"] else {"answers": outputs["answers"]}
+
+
+# each argument the task takes and the stage that takes it (its default is that stage's): the keywords of
+# `preprocess` after the context, and of `_forward` after the inputs
+PARAMETERS = {name: stage for stage, fn in (("preprocess", KVPressTextGenerationPipeline.preprocess),
+                                            ("forward", KVPressTextGenerationPipeline._forward))
+              for name in list(inspect.signature(fn).parameters)[2:]}  # fmt: skip
 
 
 PIPELINE_REGISTRY.register_pipeline(TASK, pipeline_class=KVPressTextGenerationPipeline, pt_model=AutoModelForCausalLM)
