@@ -14,8 +14,10 @@ from safetensors.torch import load_file
 
 
 def write_whole(path: str | Path, write: Callable[[Path], None]) -> None:
-    """`write(tmp)` to a temporary file beside `path`, then that file in place of `path` (one rename). A symlink's
-    target is the file replaced, an existing file keeps its mode, and what a killed writer left is removed."""
+    """`write(tmp)` to a temporary file beside `path`, then that file in place of `path` (one rename, after the file
+    reached the disk: a system that stops between the two leaves the old file or the new one, not an empty one). A
+    symlink's target is the file replaced, an existing file keeps its mode, and what a killed writer left is
+    removed."""
     path = Path(os.path.realpath(path))
     for stale in path.parent.glob(f".{path.name}.partial-*"):  # (a writer killed before it could remove its own)
         if not _alive(stale.name.rsplit("-", 1)[-1]):
@@ -23,6 +25,8 @@ def write_whole(path: str | Path, write: Callable[[Path], None]) -> None:
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
         write(tmp)
+        with open(tmp, "rb") as written:
+            os.fsync(written.fileno())
         if path.exists():
             os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
         os.replace(tmp, path)

@@ -209,10 +209,15 @@ def test_a_file_here_named_as_a_packaged_one_is_refused_not_shadowed(tmp_path, m
     assert load_pattern("qwen2.5-0.5b")["model"] == "qwen2.5-0.5b"  # (no such file here: the packaged one)
 
 
-def test_a_whole_write_replaces_a_symlinks_target_keeps_the_mode_and_clears_a_killed_writers_leftover(tmp_path):
+def test_a_whole_write_replaces_a_symlinks_target_keeps_the_mode_and_clears_a_killed_writers_leftover(tmp_path,
+                                                                                                      monkeypatch):
     import os
 
     from kvpress.files import write_text_whole
+
+    synced, replace = [], os.replace  # the new file reaches the disk before it replaces the old one
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")))
+    monkeypatch.setattr(os, "replace", lambda src, dst: (synced.append("replace"), replace(src, dst)))
 
     real, link = tmp_path / "real.json", tmp_path / "link.json"
     real.write_text("old")
@@ -222,3 +227,4 @@ def test_a_whole_write_replaces_a_symlinks_target_keeps_the_mode_and_clears_a_ki
     write_text_whole(link, "new")
     assert link.is_symlink() and real.read_text() == "new" and oct(real.stat().st_mode & 0o777) == "0o664"
     assert sorted(os.listdir(tmp_path)) == ["link.json", "real.json"]
+    assert synced == [os.path.join(os.path.realpath(tmp_path), f".real.json.partial-{os.getpid()}"), "replace"]
