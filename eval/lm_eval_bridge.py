@@ -54,7 +54,6 @@ import os
 import re
 import sys
 import traceback
-import warnings
 from pathlib import Path
 
 import torch
@@ -72,6 +71,7 @@ from kvpress.eval.tasks.perplexity import CHUNK, chunked_nll
 from kvpress.files import check_writable
 from kvpress.models import PACKAGED_MODELS, resolve_model_path
 from kvpress.patches.model_access import cache_keyword
+from kvpress.patches.user_warnings import warn
 from kvpress.pipeline import check_chunk_size, holds_whole, prefill_context
 from kvpress.presses import (
     BasePress,
@@ -269,8 +269,8 @@ class KVPressLM(HFLM):
             groups.setdefault(tuple(full[: split + 1 if self.query_aware else split]), []).append(i)
         cut = sum(len(full) < len(requests[i][1]) + len(requests[i][2]) for i, (full, _) in enumerate(tokens))
         if cut:  # as lm-eval's own model does (it logs it too)
-            warnings.warn(f"{cut} of {len(requests)} loglikelihood requests were cut from the left to "
-                          f"max_length={self.max_length} + 1 tokens", stacklevel=2)  # fmt: skip
+            warn(f"{cut} of {len(requests)} loglikelihood requests were cut from the left to "
+                 f"max_length={self.max_length} + 1 tokens")  # fmt: skip
         results: list = [None] * len(requests)
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="kvpress loglikelihood")
         for key, members in groups.items():  # query-aware: the prefix and the token fed next (Lookahead drafts)
@@ -454,15 +454,14 @@ class KVPressLM(HFLM):
         return torch.cat([context, new.to(context.dtype)], dim=1)
 
     def _check_compresses(self, tokens: int) -> None:
-        """Count a compressed prefill the press's `max_tokens` holds whole (and say so, the first time): its requests
-        are answered over an uncompressed context (frozen: nothing more is evicted), which `kvpress.generate` refuses
-        for its one context. (Query-aware generation evicts while it decodes: not counted there.)"""
-        if not holds_whole(self.press, tokens):
+        """Count a compressed prefill the press's budget keeps whole (`holds_whole`; and say so, the first time): its
+        requests are answered over an uncompressed context (frozen: nothing more is evicted), which `kvpress.generate`
+        refuses for its one context. (Query-aware generation evicts while it decodes: not counted there.)"""
+        if (why := holds_whole(self.press, tokens)) is None:
             return
         if not self.kept_whole:
-            warnings.warn(f"a context of {tokens} tokens is within max_tokens={self.press.max_tokens}: it is kept "
-                          "whole, uncompressed (each such prefill is counted in kv_summary's kept_whole)",
-                          stacklevel=3)  # fmt: skip
+            warn(f"a context of {tokens} tokens is kept whole, uncompressed: {why} (each such prefill is "
+                 "counted in kv_summary's kept_whole)")  # fmt: skip
         self.kept_whole += 1
 
     # ----- memory records ----------------------------------------------------------------------------------

@@ -24,12 +24,12 @@ import json
 import math
 import statistics
 import sys
-import warnings
 from pathlib import Path
 
 from kvpress.eval.confidence import mean_half_width, no_spread_interval
 from kvpress.eval.sweep import summary_rows
 from kvpress.eval.tasks import row_version
+from kvpress.patches.user_warnings import warn
 
 # the row fields a pair can be compared on (`sweep.py`), each with the range of its values where it has one (a score
 # and a top-1 agreement lie in [0, 1]; a KL has no upper bound): a difference's interval is clipped to what the
@@ -57,8 +57,8 @@ def paired_examples(rows: list[dict], base: str, variant: str, metric: str = "sc
     apart = sum(1 for found in versions.values() if all(len(p) == 1 for p in found.values())
                 and set().union(*found.values()) == {base, variant})  # fmt: skip
     if apart:
-        warnings.warn(f"{apart} examples measured with {base} and {variant} on different versions of their task's "
-                      "builder (task_version) are not paired: their examples differ", stacklevel=3)  # fmt: skip
+        warn(f"{apart} examples measured with {base} and {variant} on different versions of their task's "
+             "builder (task_version) are not paired: their examples differ")  # fmt: skip
     cells: dict[tuple, dict[tuple, tuple[float, float]]] = {}
     for (task, ratio, example, version), pair in sorted(scores.items()):
         if base in pair and variant in pair:

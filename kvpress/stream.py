@@ -8,7 +8,6 @@ can be followed over millions of tokens with the memory of a few thousand.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -17,6 +16,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from kvpress.patches import model_access
+from kvpress.patches.user_warnings import warn
 from kvpress.pipeline import check_compresses, check_no_outer_press, check_press, check_token_ids
 from kvpress.presses.base import BasePress
 
@@ -106,10 +106,10 @@ def stream(
             "pass a press (for example SinkWindowPress(window=..., rerotate=True)) or limit="
         )
     if press is not None and not press.rerotate and max_positions is not None and ids.numel() > max_positions:
-        warnings.warn(f"{type(press).__name__} without rerotate=True streams {ids.numel()} tokens at their own "
-                      f"positions, past the model's {max_positions}: the tokens after them run at positions it never "
-                      "saw (StreamingLLM's point: perplexity climbs); rerotate=True keeps every position within "
-                      "the cache", stacklevel=2)  # fmt: skip
+        warn(f"{type(press).__name__} without rerotate=True streams {ids.numel()} tokens at their own "
+             f"positions, past the model's {max_positions}: the tokens after them run at positions it never "
+             "saw (StreamingLLM's point: perplexity climbs); rerotate=True keeps every position within "
+             "the cache")  # fmt: skip
     installation = press(model) if press is not None else None  # (refuses a model kvpress cannot intercept)
     cache = DynamicCache(config=model.config) if cache is None else cache
     return _nlls(model, ids.to(model.device), installation, chunk, cache, progress)

@@ -8,4 +8,5 @@ It imports nothing from the rest of kvpress (`tests/test_layout.py`).
 - `headwise_attention`: attention over per-head storage.
 - `model_access`: what a model family looks like (decoder, rotary embedding, eager kernel, cache keyword).
 - `rope`: re-rotating cached keys to new positions.
+- `user_warnings`: `warn`, which says a warning at the user's line, in the category `KVPressWarning`.
 """

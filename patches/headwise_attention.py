@@ -29,7 +29,6 @@ chunk over a sliding window, autograd, a GPU older than sm80 or a torch without 
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 from torch import nn
@@ -37,6 +36,7 @@ from torch import nn
 from kvpress.patches import blocked_attention as blocked
 from kvpress.patches.cache import PressedLayer
 from kvpress.patches.head_cache import HeadwiseLayer
+from kvpress.patches.user_warnings import warn
 
 VARLEN_DEVICES = ("cuda",)  # the device types a head-wise layer's attention runs in one variable-length call on
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # the dtypes torch's flash kernel takes
@@ -128,8 +128,8 @@ def _flash_runs_on(device: torch.device) -> bool:
         return False
     why = _kernel_check(device)
     if why is not None:
-        warnings.warn(f"torch's variable-length flash kernel failed kvpress's check on {device} ({why}): head-wise "
-                      "layers attend pair by pair there", stacklevel=2)  # fmt: skip
+        warn(f"torch's variable-length flash kernel failed kvpress's check on {device} ({why}): head-wise "
+             "layers attend pair by pair there")  # fmt: skip
     return why is None
 
 

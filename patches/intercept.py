@@ -52,9 +52,7 @@ import contextlib
 import contextvars
 import functools
 import itertools
-import sys
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -70,6 +68,7 @@ from kvpress.patches import model_access, sdpa_backends
 from kvpress.patches.cache import PressedLayer, leave_inference, made_in_inference, without_backward
 from kvpress.patches.head_cache import HeadwiseLayer
 from kvpress.patches.headwise_attention import headwise_attention
+from kvpress.patches.user_warnings import warn
 
 _PREFIX = "kvpress_"
 _counter = itertools.count()
@@ -82,15 +81,6 @@ UNPRESSED = (
     "block with its context: `threading.Thread(target=contextvars.copy_context().run, args=(model.generate,), "
     "kwargs=...)`"
 )
-
-
-def _warn_unregistered(message: str) -> None:
-    """`warnings.warn(message, stacklevel=3)` (the caller of the caller) without an entry in Python's registry of
-    warnings said: a message naming a thread is said once a thread by its own bookkeeping, and the registry kept one
-    per thread for good (1,000 short-lived threads: 1,000 entries, about 1 MB)."""
-    frame = sys._getframe(2)
-    warnings.warn_explicit(message, UserWarning, frame.f_code.co_filename, frame.f_lineno,
-                           module=frame.f_globals.get("__name__"), registry=None, module_globals=frame.f_globals)
 
 
 OUTSIDE = (
@@ -204,9 +194,9 @@ class Intercept:
             try:
                 self._forwards.pop(threading.get_ident(), None)  # this thread's own forwards are over
                 if not self._flight.wait_for(lambda: not any(self._forwards.values()), timeout=wait_s):
-                    warnings.warn(f"another thread's forward of this {type(self.model).__name__} was still running "
-                                  f"{wait_s:g} s after the press's block ended: the press is removed under it (its "
-                                  "next layers run without it)", stacklevel=3)  # fmt: skip
+                    warn(f"another thread's forward of this {type(self.model).__name__} was still running "
+                         f"{wait_s:g} s after the press's block ended: the press is removed under it (that "
+                         "forward fails at its next attention layer, whose mask was built for the press)")  # fmt: skip
             except BaseException as caught:  # (KeyboardInterrupt in the wait: restore all the same)
                 error = caught
             for step in steps:
@@ -304,7 +294,7 @@ class Intercept:
                     thread = threading.current_thread()  # (not its id: a finished thread's id is reused)
                     if thread not in self._warned:
                         self._warned.add(thread)
-                        _warn_unregistered(UNPRESSED.format(model=type(self.model).__name__, thread=thread.name))
+                        warn(UNPRESSED.format(model=type(self.model).__name__, thread=thread.name), once_per_line=False)
                     return forward(*args, **kwargs)
                 outer, outer_ids = call.cache, call.ids  # a cache already: this forward runs inside another
                 self._prepare(call, args, kwargs)
@@ -404,7 +394,7 @@ class Intercept:
             ours = self._modules.get(module.layer_idx) is module  # (not another model built on the same config)
             if not self._said_outside and ours and call is not None and call.cache is None:  # (once per install)
                 self._said_outside = True
-                warnings.warn(OUTSIDE.format(model=type(self.model).__name__), stacklevel=2)
+                warn(OUTSIDE.format(model=type(self.model).__name__))
             return inner(module, query, key, value, info.standard() if info else attention_mask, **kwargs)
         if info is None and attention_mask is not None:
             raise ValueError("kvpress builds its own masks: pass a 2D attention_mask, not a 4D one")

@@ -672,3 +672,73 @@ def test_numpy_numbers_are_taken_and_other_bad_inputs_named(tokenized, tmp_path)
             call()
     assert not list(tmp_path.iterdir()) and len(list(stream(model, tokenizer, prompt(1, 21)[0],
                                                             SnapKVPress(max_tokens=20, window_size=4)))) == 1
+
+
+def test_a_budget_that_compresses_nothing_is_refused_or_said(tokenized):
+    """Each kept the whole context without a word: a ratio too small to remove one token (its max_tokens twin was
+    refused), DuoAttention at a ratio whose budget is not more than a streaming head (r = 0.75 kept everything where
+    r = 0.5 halved it), a whole-context press fed one token a forward (prefill_chunk_size=1: each chunk looked like
+    a decoding step). Subnormal layer_scales divided by zero."""
+    import warnings
+
+    from transformers import DynamicCache
+
+    from kvpress import DuoAttentionPress, KnormPress, generate, press_from_name
+    from tiny import prompt, tiny_pattern
+
+    model, tokenizer = tokenized
+    context = "Ada keeps her bicycle in the blue shed. " * 4  # (about 40 tokens)
+    kvzip = press_from_name("kvzip", compression_ratio=0.5, window_size=2)
+    refused = [
+        (lambda: generate(model, tokenizer, context, "Where?", KnormPress(0.01)),
+         r"nothing would be compressed: compression_ratio=0.01 removes floor\(\d+ x 0.01\) = 0 of the context's"),
+        (lambda: generate(model, tokenizer, context * 5, "Where?",
+                          DuoAttentionPress(compression_ratio=0.75, head_pattern=tiny_pattern(model))),
+         r"DuoAttentionPress's budget at compression_ratio=0.75 \(\d+ of the context's \d+ tokens\) is not more than"),
+        (lambda: generate(model, tokenizer, context, "Where?", kvzip, prefill_chunk_size=1),
+         "a chunk of one token is a decoding step to it, kept unscored: nothing would be compressed"),
+        (lambda: KnormPress(0.5, layer_scales=(5e-324, 1.0, 1.0)), "layer_scales must each be at least 1e-9"),
+    ]  # fmt: skip
+    for call, said in refused:
+        with pytest.raises(ValueError, match=said):
+            call()
+    assert generate(model, tokenizer, context * 5, "Where?", DuoAttentionPress(compression_ratio=0.5,
+                                                                               head_pattern=tiny_pattern(model)))
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        for chunk in (1, 1, 2):  # said once per press
+            with kvzip(model, tokenizer=tokenizer):
+                model.generate(prompt(1, 10), cache=DynamicCache(config=model.config), max_new_tokens=1,
+                               prefill_chunk_size=chunk, do_sample=False)  # fmt: skip
+    single = [w for w in told if "this one is a single token" in str(w.message)]
+    assert len(single) == 1 and "prefill_chunk_size=1, compresses nothing" in str(single[0].message)
+
+
+def test_warnings_name_the_users_line_in_kvpress_category():
+    """A press's warning named a line deep inside kvpress or transformers (`base.py:400`, `generation/utils.py`,
+    `modeling_llama.py`), so it could be filtered only by that module: it names the caller's line now, as a
+    KVPressWarning, and filtering that category silences it alone."""
+    import warnings
+
+    from kvpress import KVPressWarning, SnapKVPress
+    from tiny import prompt, tiny_model
+
+    model = tiny_model("llama")
+
+    def run(press):
+        with press(model):
+            model.generate(prompt(1, 20), max_new_tokens=2, do_sample=False, pad_token_id=0)  # (the line said)
+        return run.__code__.co_firstlineno + 2
+
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        line = run(SnapKVPress(compression_ratio=0.5))  # its window of 64 holds all 20 tokens: it keeps them all
+        model.model(prompt(1, 4))  # no press: nothing said
+    floor = [w for w in told if "are always kept" in str(w.message)]
+    assert len(floor) == 1 and floor[0].category is KVPressWarning and issubclass(KVPressWarning, UserWarning)
+    assert (floor[0].filename, floor[0].lineno) == (__file__, line)
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=KVPressWarning)
+        run(SnapKVPress(compression_ratio=0.5))
+    assert not told

@@ -57,7 +57,8 @@ def test_compressed_context_scores_against_the_compressed_cache(default_model):
     assert bridge.kv_records[0]["full_bytes"] == full_cache_bytes(model, tokens) == tokens * 46080
     assert summary["kept_whole"] == 0
     budget = KVPressLM(pretrained=model, tokenizer=tokenizer, press="knorm", max_tokens=100, query_aware=True)
-    with pytest.warns(UserWarning, match=r"a context of \d+ tokens is within max_tokens=100: it is kept whole") as told:
+    whole = r"a context of \d+ tokens is kept whole, uncompressed: max_tokens=100 is not"
+    with pytest.warns(UserWarning, match=whole) as told:
         _loglikelihood(budget, [(context, " Item 0."), ("Two plus two equals", " four"), ("Two plus two", " is")])
     assert len([w for w in told if "kept whole" in str(w.message)]) == 1  # said once, counted each time
     assert budget.kv_summary()["kept_whole"] == 2

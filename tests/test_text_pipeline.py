@@ -181,9 +181,9 @@ def test_an_answer_past_the_models_positions_is_refused_as_a_chat_turn_is(tokeni
     model, tokenizer = tokenized
     with pytest.raises(ValueError, match=r"the prompt \(\d+ tokens\) and its answer would reach position \d+, past "
                                          r"the model's 512 positions; use a press with rerotate=True"):  # fmt: skip
-        kvpress.generate(model, tokenizer, CONTEXT, QUESTION, press=SnapKVPress(0.5), max_new_tokens=600)
+        kvpress.generate(model, tokenizer, CONTEXT, QUESTION, press=SnapKVPress(0.5, window_size=8), max_new_tokens=600)
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
     with pytest.raises(ValueError, match="a question and its answer would reach position .* past the model's 512"):
-        pipe(CONTEXT, question=QUESTION, press=SnapKVPress(0.5), max_new_tokens=600)
+        pipe(CONTEXT, question=QUESTION, press=SnapKVPress(0.5, window_size=8), max_new_tokens=600)
     rerotating = kvpress.SinkWindowPress(n_sink=4, window=16, rerotate=True)
     kvpress.pipeline.check_positions(model, 600, rerotating, "an answer", "...")  # (taken)

@@ -171,7 +171,10 @@ def test_a_press_pickles_fresh_and_used(tokenized, name):
     from tiny import tiny_pattern
 
     model, tokenizer = tokenized
-    own = {"head_pattern": tiny_pattern(model)} if name == "duo-attention" else {}  # (none is packaged for it)
+    allowed = kvpress.press_parameters(name)  # a window below the 40-token context's budget: a press that compresses
+    own = {key: 8 for key in ("window_size", "window")
+           if key in allowed and key not in kvpress.press_class(name).budget_parameters}  # (sink-window's: its budget)
+    own |= {"head_pattern": tiny_pattern(model)} if name == "duo-attention" else {}  # (none is packaged for it)
     press = kvpress.press_from_name(name, compression_ratio=0.5, **own)
     run = lambda p: kvpress.generate(model, tokenizer, f"Question: {CONTEXT}", f"Question: {QUESTION}",  # noqa: E731
                                      press=p, query_aware=True, chat_template=False, max_new_tokens=4)  # fmt: skip

@@ -16,7 +16,6 @@ import numbers
 import threading
 import types
 import typing
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import ClassVar
@@ -29,6 +28,7 @@ from kvpress.engine import Installable, Observation, same_value
 from kvpress.patches import kv_quantization as quant
 from kvpress.patches.cache import PressedLayer
 from kvpress.patches.head_cache import HeadwiseLayer
+from kvpress.patches.user_warnings import warn
 
 
 @functools.lru_cache(maxsize=256)
@@ -211,6 +211,9 @@ class BasePress(PlainNumbers, Installable):
                                             not math.isfinite(x) or x <= 0 for x in self.layer_scales):  # fmt: skip
                 raise ValueError(f"layer_scales must be positive numbers (finite), one per layer, got "
                                  f"{self.layer_scales!r}")  # fmt: skip
+            if min(self.layer_scales) < 1e-9 * max(self.layer_scales):  # (shares of 5e-324 divided by zero)
+                raise ValueError(f"layer_scales must each be at least 1e-9 of the largest (a layer of a smaller share "
+                                 f"keeps one token at any length), got {self.layer_scales!r}")  # fmt: skip
         if not isinstance(self.decode_slack, (int, float)) or not 0 <= self.decode_slack < 1:
             raise ValueError(f"decode_slack must be a fraction in [0, 1), got {self.decode_slack!r}")
         if type(self).needs_whole_context is True and self.decode_slack != BasePress.decode_slack:
@@ -375,6 +378,25 @@ class BasePress(PlainNumbers, Installable):
         return shares_within(normalised(self.layer_scales), self.compression_ratio)[layer_idx]
 
     # ----- budgets ------------------------------------------------------------------------------------
+    def keeps_whole(self, tokens: int) -> str | None:
+        """Why a context of `tokens` tokens would be kept whole, nothing compressed (None: it is compressed): a
+        `max_tokens` that holds it, or a `compression_ratio` > 0 too small to remove one of its tokens. The budget is
+        read as it stands (`check_budget` first: a wrapper's is its press's)."""
+        self.check_budget()
+        if self.max_tokens is not None and self.max_tokens >= tokens:
+            return (f"max_tokens={self.max_tokens} is not smaller than the context ({tokens} tokens): use a smaller "
+                    "max_tokens or a compression_ratio")  # fmt: skip
+        if self.compression_ratio and not floor_share(tokens, self.compression_ratio):
+            return (f"compression_ratio={self.compression_ratio} removes floor({tokens} x {self.compression_ratio}) "
+                    f"= 0 of the context's {tokens} tokens: use a larger ratio")  # fmt: skip
+        if self.compression_ratio or self.max_tokens is not None:  # (r = 0 keeps everything as asked)
+            keep = self.kept_share(tokens)
+            if self.sink_count() + self.recent_count(keep) >= tokens:
+                return (f"{type(self).__name__} always keeps its {self.sink_count()} sinks and window of "
+                        f"{self.recent_count(keep)}, the whole context of {tokens} tokens: use a smaller window "
+                        "(its window_size or window parameter, n_sink)")  # fmt: skip
+        return None
+
     def row_budgets(self, layer_idx: int, n_layers: int, spans: list[int]) -> list[int]:
         """Tokens each row may keep in layer `layer_idx` of `n_layers`, for rows that would hold `spans` tokens
         with no press (host integers): `budget_of` at the layer's share (`layer_scale`). A press whose plan differs
@@ -385,34 +407,40 @@ class BasePress(PlainNumbers, Installable):
         return [self.budget_of(n, scale) for n in spans]
 
     def budget_of(self, seen: int, scale: float = 1.0) -> int:
-        """Tokens a row that would hold `seen` tokens with no press may keep in a layer of share `scale`."""
-        if self.max_tokens is not None:
-            keep = min(seen, math.floor(self.max_tokens * scale))
-            if self.max_tokens <= seen < math.floor(self.max_tokens * scale) and not self.__dict__.get("_said_share"):
-                self.__dict__["_said_share"] = True
-                warnings.warn(f"{type(self).__name__}: a layer's share of max_tokens={self.max_tokens} "
-                              f"({math.floor(self.max_tokens * scale)} tokens) is more than the {seen} it holds: it "
-                              "keeps them all, so the layers keep less than the budget in total", stacklevel=2)
-        else:
-            keep = seen - floor_share(seen, self.compression_ratio)
-            if scale != 1.0 and self.compression_ratio:  # r = 0 keeps everything, in every layer
-                keep = min(seen, math.floor(keep * scale))
+        """Tokens a row that would hold `seen` tokens with no press may keep in a layer of share `scale`: its share
+        of the budget (`kept_share`), or its protected sinks and window where they are more."""
+        keep = self.kept_share(seen, scale)
         floor = min(seen, self.sink_count() + self.recent_count(keep))
         if max(keep, floor) == 0 < seen:  # a layer's share rounded to nothing, and nothing protected: keep one
             keep = 1
             if not self.__dict__.get("_said_zero"):
                 self.__dict__["_said_zero"] = True
-                warnings.warn(f"{type(self).__name__}: a layer's share of the budget ({scale:.3g} of it) rounds to no "
-                              f"token of {seen}: it keeps one (a larger budget keeps each layer's share)", stacklevel=2)
+                warn(f"{type(self).__name__}: a layer's share of the budget ({scale:.3g} of it) rounds to no "
+                     f"token of {seen}: it keeps one (a larger budget keeps each layer's share)")
         if floor > keep and not self.__dict__.get("_said_floor"):
             self.__dict__["_said_floor"] = True  # once per press: it holds for every later step alike
-            warnings.warn(
+            warn(
                 f"{type(self).__name__} keeps {floor} of {seen} tokens where its budget allows {keep}: its "
                 f"{self.sink_count()} sinks and window of {self.recent_count(keep)} are always kept (a smaller "
-                "window, or a larger budget, keeps to the budget)",
-                stacklevel=2,
+                "window, or a larger budget, keeps to the budget)"
             )
         return max(keep, floor)
+
+    def kept_share(self, seen: int, scale: float = 1.0) -> int:
+        """A layer of share `scale`'s part of the budget for a row that would hold `seen` tokens with no press,
+        before its protected tokens (`budget_of`)."""
+        if self.max_tokens is not None:
+            keep = min(seen, math.floor(self.max_tokens * scale))
+            if self.max_tokens <= seen < math.floor(self.max_tokens * scale) and not self.__dict__.get("_said_share"):
+                self.__dict__["_said_share"] = True
+                warn(f"{type(self).__name__}: a layer's share of max_tokens={self.max_tokens} "
+                     f"({math.floor(self.max_tokens * scale)} tokens) is more than the {seen} it holds: it "
+                     "keeps them all, so the layers keep less than the budget in total")
+        else:
+            keep = seen - floor_share(seen, self.compression_ratio)
+            if scale != 1.0 and self.compression_ratio:  # r = 0 keeps everything, in every layer
+                keep = min(seen, math.floor(keep * scale))
+        return keep
 
     def target(self, budget: torch.Tensor, q_len: int) -> torch.Tensor:
         """What a row over `budget` is cut to: the budget at prefill, `decode_slack` below it when decoding."""

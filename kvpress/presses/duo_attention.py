@@ -14,7 +14,6 @@ retrieval heads keep what that press keeps of them at its own budget, instead of
 from __future__ import annotations
 
 import math
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import ClassVar
@@ -26,6 +25,7 @@ from kvpress.counts import floor_share
 from kvpress.patches import kv_quantization as quant
 from kvpress.patches import model_access
 from kvpress.patches.head_cache import HeadwiseLayer
+from kvpress.patches.user_warnings import warn
 from kvpress.patterns import check_pattern, find_pattern, load_pattern
 from kvpress.presses.base import BasePress, Observation, _check_ratio, check_field_types
 from kvpress.presses.head_budget import HeadwisePress, descending_rank, head_observation, observe_every_head
@@ -206,6 +206,17 @@ class DuoAttentionPress(HeadwisePress):
         retrieval = retrieval | ~ready[:, None]
         return torch.where(retrieval.to(pos.device, non_blocking=True)[:, :, None], whole, streaming)
 
+    def keeps_whole(self, tokens: int) -> str | None:
+        """As `BasePress.keeps_whole`, and with `compression_ratio` a context whose budget is not more than a
+        streaming head's: its heads wait to split (`_ready`), keeping everything."""
+        if (why := super().keeps_whole(tokens)) is not None or self._ready([tokens])[0]:
+            return why
+        return (f"DuoAttentionPress's budget at compression_ratio={self.compression_ratio} "
+                f"({tokens - floor_share(tokens, self.compression_ratio)} of the context's {tokens} tokens) is not "
+                f"more than a streaming head's n_sink + window ({self.n_sink + self.window}): its heads split only "
+                "once a row's budget holds more, and every head keeps the whole context until then (a smaller window, "
+                "or retrieval_fraction, splits them)")  # fmt: skip
+
     def _ready(self, seen: list[int]) -> list[bool]:
         """Per row that has seen `seen` real tokens: whether its heads split now (with `compression_ratio`, once
         its budget holds more than a streaming head's `n_sink + window`; with `retrieval_fraction`, always)."""
@@ -220,10 +231,10 @@ class DuoAttentionPress(HeadwisePress):
         if not all(ready):
             self.__dict__["_said_whole"] = True  # as BasePress says its protected tokens over the budget
             n = seen[ready.index(False)]
-            warnings.warn(f"DuoAttentionPress keeps all {n} tokens of a row: its budget at compression_ratio="
-                          f"{self.compression_ratio} ({n - floor_share(n, self.compression_ratio)}) is not more than a "
-                          f"streaming head's n_sink + window ({self.n_sink + self.window}); its heads split once the "
-                          "row's budget holds more (a longer context, or a smaller window)", stacklevel=3)  # fmt: skip
+            warn(f"DuoAttentionPress keeps all {n} tokens of a row: its budget at compression_ratio="
+                 f"{self.compression_ratio} ({n - floor_share(n, self.compression_ratio)}) is not more than a "
+                 f"streaming head's n_sink + window ({self.n_sink + self.window}); its heads split once the "
+                 "row's budget holds more (a longer context, or a smaller window)")  # fmt: skip
 
     def _targets(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
         """`[B]` on the host: the press's budget for each row of `obs`, and what a head over it is cut to."""

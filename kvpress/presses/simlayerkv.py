@@ -18,7 +18,6 @@ paper, nothing is evicted while decoding: lazy layers grow from their window, an
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -26,6 +25,7 @@ import torch
 from torch import nn
 
 from kvpress.engine import Observation
+from kvpress.patches.user_warnings import warn
 from kvpress.presses.base import BasePress
 
 
@@ -67,7 +67,7 @@ class SimLayerKVPress(BasePress):
         self.lazy = {idx: [False] * rows for idx in spans}
         for row in range(rows):
             span = {idx: n[row] for idx, n in spans.items()}
-            budget = sum(self.budget_of(n) for n in span.values())
+            budget = sum(self.kept_share(n) for n in span.values())  # (over all layers: no layer's own floor)
             kept = sum(span.values())
             for idx in sorted(span, key=lambda i: -laziness[i][row]):
                 if kept <= budget:
@@ -75,9 +75,9 @@ class SimLayerKVPress(BasePress):
                 self.lazy[idx][row] = True
                 kept -= span[idx] - min(span[idx], self.n_sink + self.window_size)
             if kept > budget:
-                warnings.warn(f"SimLayerKVPress keeps {kept} tokens over all layers where its budget allows "
-                              f"{budget}: every layer is lazy and keeps its {self.n_sink} sinks and window of "
-                              f"{self.window_size}", stacklevel=2)  # fmt: skip
+                warn(f"SimLayerKVPress keeps {kept} tokens over all layers where its budget allows "
+                     f"{budget}: every layer is lazy and keeps its {self.n_sink} sinks and window of "
+                     f"{self.window_size}")  # fmt: skip
 
     def _laziness(self, obs: Observation) -> list[float]:
         """Per row, the last `n_last` queries' attention mass on the sinks and the recent window, averaged."""
