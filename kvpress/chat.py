@@ -116,7 +116,8 @@ class ChatSession:
     @torch.no_grad()  # not inference_mode: `chat.cache` stays usable outside it
     def send(self, text: str, max_new_tokens: int | None = None, streamer: object | None = None,
              reply: str | None = None) -> str:
-        """Add a user turn, answer it greedily and return the answer.
+        """Add a user turn, answer it greedily and return the answer (decoded without special tokens, as kept in
+        `.messages`: not stripped, where `kvpress.generate`'s answer is).
 
         A refused input (empty message, a turn past the model's positions) leaves the session unchanged,
         and so does an error inside the model when there is no press (the cache is cropped back); with a

@@ -117,7 +117,8 @@ def generate(
     query_aware: bool = False,
     prefill_chunk_size: int | None = None,
 ) -> str:
-    """Greedy answer to `question` about `context`, with only the context compressed by `press`.
+    """Greedy answer to `question` about `context` (decoded without special tokens, whitespace around it stripped),
+    with only the context compressed by `press`.
 
     The context is prefilled and compressed once; the question and the answer are then appended to
     the compressed cache without further eviction (pass an empty `cache=` to inspect it afterwards; one that
