@@ -36,9 +36,9 @@ press (its prefill and scoring run outside HFLM's autocast and softmax). A logli
 Every request records the KV bytes it held (summed over the cache's tensors) next to what a full
 cache would hold; `kv_summary()` (also in lm-eval's results under `config.kvpress`) gives their
 means per request, the peak resident memory of the process and, on a GPU, the peak allocated CUDA memory, and
-`kept_whole`: the compressed prefills a press's `max_tokens` held whole (a benchmark's short documents; warned the
-first time). `kvpress lm-eval` says a refused press, parameter or task in a line (`KVPRESS_TRACEBACK=1`: the whole
-traceback).
+`kept_whole`: the compressed prefills a press's budget kept whole (`BasePress.keeps_whole`: a benchmark's short
+documents; warned the first time). `kvpress lm-eval` says a refused press, parameter or task in a line
+(`KVPRESS_TRACEBACK=1`: the whole traceback).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class KVPressLM(HFLM):
             check_chunk_size(self.prefill_chunk_size, self.press)  # (any other press: checked by _settle)
         self.kv_records: list[dict] = []
         self._all_totals: list[dict] | None = None  # data-parallel, on process 0: every process's `_totals`
-        self.kept_whole = 0  # contexts within the press's max_tokens: nothing to compress (said once, counted)
+        self.kept_whole = 0  # contexts the press's budget keeps whole: nothing compressed (said once, counted)
         if cpu_processes and self._world_size == 1:  # HFLM shards data only across GPUs: shard it here
             from accelerate import Accelerator
 
@@ -232,7 +232,7 @@ class KVPressLM(HFLM):
         if isinstance(pretrained, str):  # a local directory: HFLM loads it (and shards data under accelerate)
             if not convert and (pretrained == "default" or pretrained in PACKAGED_MODELS):
                 return pretrained, kwargs, beside
-            pretrained = str(resolve_model_path(pretrained))
+            pretrained = str(resolve_model_path(None if pretrained == "default" else pretrained))
             kwargs.setdefault("dtype", "float32")
             kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
         tokenizer = kwargs.get("tokenizer")
@@ -349,8 +349,8 @@ class KVPressLM(HFLM):
     @torch.inference_mode()
     def _prefill(self, prefix: list[int], following: list[int] | None = None) -> DynamicCache:
         cache = DynamicCache(config=self.model.config)
-        self._check_compresses(len(prefix))
         if prefix:
+            self._check_compresses(len(prefix))
             ids = torch.tensor([prefix], device=self.device)
             after = None if following is None else torch.tensor([list(following)], device=self.device)
             prefill_context(self.model, ids, self.press, cache, self.tokenizer, next_ids=after,

@@ -91,12 +91,13 @@ def check_writable(path: str | Path, name: str, directory: bool = False, makes_d
         raise ValueError(f"{name} {path} is a directory: give the file to write")
     existing = target if directory else target.parent
     if not makes_directories and not existing.is_dir():
-        raise ValueError(f"{name} {path}: its directory does not exist: create it first")
+        what = "is not a directory" if existing.exists() else "does not exist"
+        raise ValueError(f"{name} {path}: its directory {what}: create it first")
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"{name} {path}: cannot write there ({existing} is not a directory this process can write "
-                         "in), and the results would be lost after the run")  # fmt: skip
+                         "in)")  # fmt: skip
 
 
 def packaged_or_path(source: str | Path, packaged: Path | None, what: str) -> Path:

@@ -214,12 +214,11 @@ def _convert_gguf(name: str, out: Path, replace: bool = False) -> None:
 
 
 def resolve_model_path(name_or_path: str | None = None) -> Path:
-    """A local directory for `name_or_path`: a packaged model name (converted on first use), a directory, or None or
-    "default" (the default model, as a press spec says "default")."""
+    """A local directory for `name_or_path`: a packaged model name (converted on first use) or a directory."""
     if name_or_path is not None and (not isinstance(name_or_path, (str, Path)) or not str(name_or_path).strip()):
         raise ValueError(f"model must be a packaged model name ({', '.join(PACKAGED_MODELS)}), a local directory or "
-                         f"None or 'default' (the default, {DEFAULT_MODEL}), got {name_or_path!r}")  # fmt: skip
-    name = DEFAULT_MODEL if name_or_path is None or name_or_path == "default" else str(name_or_path)
+                         f"None (the default, {DEFAULT_MODEL}), got {name_or_path!r}")  # fmt: skip
+    name = str(name_or_path) if name_or_path is not None else DEFAULT_MODEL
     if name in PACKAGED_MODELS:
         out = cache_dir() / name
         if not (out / "config.json").exists():  # never converted, or a copy a killed run left unfinished
@@ -232,8 +231,8 @@ def resolve_model_path(name_or_path: str | None = None) -> Path:
     path = Path(name).expanduser()
     if not (path / "config.json").exists():
         raise FileNotFoundError(
-            f"model {name_or_path!r} is neither a packaged model ({', '.join(PACKAGED_MODELS)}, or 'default': "
-            f"{DEFAULT_MODEL}) nor a local transformers directory with a config.json"
+            f"model {name_or_path!r} is neither a packaged model ({', '.join(PACKAGED_MODELS)}) "
+            "nor a local transformers directory with a config.json"
         )
     return path
 

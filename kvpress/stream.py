@@ -17,7 +17,7 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from kvpress.patches import model_access
 from kvpress.patches.user_warnings import warn
-from kvpress.pipeline import check_compresses, check_no_outer_press, check_press, check_token_ids
+from kvpress.pipeline import check_no_outer_press, check_press, check_token_ids
 from kvpress.presses.base import BasePress
 
 
@@ -98,7 +98,6 @@ def stream(
             raise ValueError(f"limit must be an integer of at least 2 tokens, got {limit!r}")
         ids = ids[:limit]
     check_token_ids(model, ids, "the stream's token ids")
-    check_compresses(press, ids.numel())  # (a budget that holds the whole stream: press=None measures that)
     max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if press is None and max_positions is not None and ids.numel() > max_positions:
         raise ValueError(

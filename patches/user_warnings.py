@@ -21,7 +21,8 @@ class KVPressWarning(UserWarning):
 
 def warn(message: str, once_per_line: bool = True) -> None:
     """Warn of `message` (a `KVPressWarning`) at the first frame outside kvpress, transformers, torch and the
-    wrappers they run through (the outermost frame where all are theirs, as under the CLI). `once_per_line=False`
+    wrappers they run through (the console script's line under `kvpress ...`; a thread started on
+    `model.generate` itself has no frame of the user's: its `threading` frame). `once_per_line=False`
     keeps no entry in Python's registry of warnings said: for a message its caller says once per thread, where the
     registry would keep one entry per thread for good."""
     frame = sys._getframe(1)

@@ -180,6 +180,9 @@ class BasePress(PlainNumbers, Installable):
     # the press's own parameters that set its budget in place of compression_ratio / max_tokens (SinkWindow's
     # window): a spec that gives one has its budget (the CLI adds no ratio beside it)
     budget_parameters: ClassVar[tuple[str, ...]] = ()
+    # True for presses that also shrink the tokens they keep (ThinK prunes key channels): a budget that keeps every
+    # token still compresses (`keeps_whole`)
+    shrinks_kept_tokens: ClassVar[bool] = False
 
     compression_ratio: float | None = None
     max_tokens: int | None = None
@@ -379,10 +382,15 @@ class BasePress(PlainNumbers, Installable):
 
     # ----- budgets ------------------------------------------------------------------------------------
     def keeps_whole(self, tokens: int) -> str | None:
-        """Why a context of `tokens` tokens would be kept whole, nothing compressed (None: it is compressed): a
-        `max_tokens` that holds it, or a `compression_ratio` > 0 too small to remove one of its tokens. The budget is
-        read as it stands (`check_budget` first: a wrapper's is its press's)."""
+        """Why a context of `tokens` tokens would be kept whole, nothing compressed (None: it is compressed, or may
+        be): a `max_tokens` that holds it, a `compression_ratio` > 0 too small to remove one of its tokens, or
+        protected sinks and window that cover it. Said only where every layer keeps one share of the budget and kept
+        tokens stay as they are (no `kv_bits`, no channels pruned: those compress all the same). The budget is read
+        as it stands (`check_budget` first: a wrapper's is its press's)."""
         self.check_budget()
+        if self.kv_bits is not None or self.shrinks_kept_tokens or self.spreads_over_layers or \
+                type(self).row_budgets is not BasePress.row_budgets:  # fmt: skip
+            return None
         if self.max_tokens is not None and self.max_tokens >= tokens:
             return (f"max_tokens={self.max_tokens} is not smaller than the context ({tokens} tokens): use a smaller "
                     "max_tokens or a compression_ratio")  # fmt: skip

@@ -207,10 +207,16 @@ class DuoAttentionPress(HeadwisePress):
         return torch.where(retrieval.to(pos.device, non_blocking=True)[:, :, None], whole, streaming)
 
     def keeps_whole(self, tokens: int) -> str | None:
-        """As `BasePress.keeps_whole`, and with `compression_ratio` a context whose budget is not more than a
-        streaming head's: its heads wait to split (`_ready`), keeping everything."""
-        if (why := super().keeps_whole(tokens)) is not None or self._ready([tokens])[0]:
+        """As `BasePress.keeps_whole`, and (without `press=`) a context a streaming head holds whole, or with
+        `compression_ratio` one whose budget is not more than a streaming head's: its heads wait to split (`_ready`),
+        keeping everything."""
+        if (why := super().keeps_whole(tokens)) is not None or self.kv_bits is not None or self.press is not None:
             return why
+        if tokens <= self.n_sink + self.window:
+            return (f"DuoAttentionPress's streaming heads keep their {self.n_sink} sinks and window of {self.window}, "
+                    f"the whole context of {tokens} tokens: use a smaller window")  # fmt: skip
+        if self._ready([tokens])[0]:
+            return None
         return (f"DuoAttentionPress's budget at compression_ratio={self.compression_ratio} "
                 f"({tokens - floor_share(tokens, self.compression_ratio)} of the context's {tokens} tokens) is not "
                 f"more than a streaming head's n_sink + window ({self.n_sink + self.window}): its heads split only "

@@ -74,7 +74,8 @@ class SimLayerKVPress(BasePress):
                     break
                 self.lazy[idx][row] = True
                 kept -= span[idx] - min(span[idx], self.n_sink + self.window_size)
-            if kept > budget:
+            if kept > budget and not self.__dict__.get("_said_lazy"):
+                self.__dict__["_said_lazy"] = True  # (once per press, as its budget's other warnings)
                 warn(f"SimLayerKVPress keeps {kept} tokens over all layers where its budget allows "
                      f"{budget}: every layer is lazy and keeps its {self.n_sink} sinks and window of "
                      f"{self.window_size}")  # fmt: skip

@@ -49,6 +49,7 @@ class ThinKPress(WrapsPress, BasePress):
     """
 
     wrappable: ClassVar[bool] = False
+    shrinks_kept_tokens: ClassVar[bool] = True  # (the keys it keeps lose channels)
 
     press: BasePress | None = None
     key_channel_ratio: float = 0.4
