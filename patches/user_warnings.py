@@ -29,6 +29,7 @@ def warn(message: str, once_per_line: bool = True) -> None:
     while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in _INSIDE:
         frame = frame.f_back
     registry = frame.f_globals.setdefault("__warningregistry__", {}) if once_per_line else None
+    # (no module_globals, as warnings.warn gives none: the loader of a module run as `python -m` refused to read
+    # its source under the name __main__, and the warning raised ImportError)
     warnings.warn_explicit(message, KVPressWarning, frame.f_code.co_filename, frame.f_lineno,
-                           module=frame.f_globals.get("__name__"), registry=registry,
-                           module_globals=frame.f_globals)  # fmt: skip
+                           module=frame.f_globals.get("__name__"), registry=registry)  # fmt: skip

@@ -735,6 +735,17 @@ def test_a_budget_that_compresses_nothing_is_refused_or_said(tokenized):
     assert len(single) == 1 and "prefill_chunk_size=1, compresses nothing" in str(single[0].message)
 
 
+def test_a_warning_in_a_module_run_as_main_is_said(tmp_path):
+    """`python -m kvpress.eval.bench_core` died at its first warning: the line was looked up through the module's
+    loader under the name __main__ (ImportError from inside warnings)."""
+    (tmp_path / "pkgx").mkdir()
+    (tmp_path / "pkgx" / "__init__.py").write_text("")
+    (tmp_path / "pkgx" / "run.py").write_text("from kvpress.patches.user_warnings import warn\nwarn('said')\n")
+    done = subprocess.run([sys.executable, "-W", "always", "-m", "pkgx.run"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and "run.py:2: KVPressWarning: said" in done.stderr, done.stderr
+
+
 def test_warnings_name_the_users_line_in_kvpress_category():
     """A press's warning named a line deep inside kvpress or transformers (`base.py:400`, `generation/utils.py`,
     `modeling_llama.py`), so it could be filtered only by that module: it names the caller's line now, as a
