@@ -33,8 +33,10 @@ run)
     fi
     export PYTHONPATH=/tmp/kv:/tmp/site PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    # outside the checkout: its kvpress/ would shadow the installed package (kvpress.eval lives in eval/)
-    cd /tmp && timeout "${BENCH_TIMEOUT:-400}" python3 -m kvpress.eval.bench_gpu --config "$repo/.gpu/qwen2.5-0.5b" \
+    # outside the checkout: its kvpress/ would shadow the installed package (kvpress.eval lives in eval/); in a
+    # directory of its own, not /tmp itself (`-m` puts the working directory first on sys.path: a module another
+    # user left in /tmp would be imported)
+    cd "$(mktemp -d)" && timeout "${BENCH_TIMEOUT:-400}" python3 -m kvpress.eval.bench_gpu --config "$repo/.gpu/qwen2.5-0.5b" \
         --out "$OUT" "$@" 2>&1 | tee -a "$OUT/log.txt" ;;
 *)
     echo "usage: $0 prepare | run [bench_gpu arguments]" >&2; exit 2 ;;

@@ -235,6 +235,10 @@ class KVPressLM(HFLM):
             pretrained = str(resolve_model_path(None if pretrained == "default" else pretrained))
             kwargs.setdefault("dtype", "float32")
             kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+        for extra in ("peft", "delta"):  # adapters or weight deltas HFLM reads: a name not found here goes to the hub
+            if kwargs.get(extra) and not Path(str(kwargs[extra])).expanduser().exists():
+                raise ValueError(f"{extra}={kwargs[extra]!r} is not a local path: kvpress runs offline (lm-eval would "
+                                 f"fetch it from the model hub); give the directory that holds it")  # fmt: skip
         tokenizer = kwargs.get("tokenizer")
         if isinstance(tokenizer, str) and (convert or tokenizer not in PACKAGED_MODELS):  # (a hub name: to the hub)
             resolved = str(resolve_model_path(tokenizer))  # refuses what is neither a packaged model nor a directory

@@ -24,6 +24,7 @@ def write_whole(path: str | Path, write: Callable[[Path], None]) -> None:
             stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
+        _create_alone(tmp)
         write(tmp)
         with open(tmp, "rb") as written:
             os.fsync(written.fileno())
@@ -32,6 +33,19 @@ def write_whole(path: str | Path, write: Callable[[Path], None]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _create_alone(tmp: Path) -> None:
+    """Create the empty file `tmp`, never through a symbolic link or into a file left there (`O_EXCL`: a link another
+    user planted at this predictable name had its target overwritten); what is there is removed first (a link itself,
+    not its target)."""
+    for _ in range(2):
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return
+        except FileExistsError:
+            os.unlink(tmp)
+    raise FileExistsError(f"{tmp} came back after it was removed: another process writes there")
 
 
 def _alive(pid: str) -> bool:
@@ -58,7 +72,13 @@ def held_alone(lock: str | Path, what: str) -> Iterator[None]:
     except ImportError:  # (not POSIX)
         yield
         return
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # (never through a symbolic link: its target would be truncated, the pid written in it)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as error:
+        if not os.path.islink(lock):
+            raise
+        raise ValueError(f"{lock} is a symbolic link: {what} takes its lock in a file of its own (remove the link)"
+                         ) from error  # fmt: skip
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

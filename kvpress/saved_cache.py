@@ -117,10 +117,16 @@ def read_metadata(path: str | Path) -> dict:
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {})["kvpress"])
-    except (SafetensorError, ValueError, KeyError, TypeError, OSError) as error:
+    except (SafetensorError, ValueError, KeyError, TypeError, OSError, RecursionError) as error:
         raise ValueError(f"{path} is not a cache saved by kvpress.save_cache (or it is damaged): {error}") from error
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} is not a cache saved by kvpress.save_cache: its metadata is not a JSON object")
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path} is a saved cache of format {meta.get('format')!r}; this kvpress reads {FORMAT}")
+    missing = [key for key in ("config_hash", "model", "press", "layers") if key not in meta]
+    if missing or not isinstance(meta["layers"], list) or not all(isinstance(x, dict) for x in meta["layers"]):
+        raise ValueError(f"saved cache {path} is damaged: its metadata " + (f"lacks {missing}" if missing else
+                         "has no list of layers"))  # fmt: skip
     return meta
 
 
@@ -159,6 +165,9 @@ def load_cache(path: str | Path, model: nn.Module) -> DynamicCache:
         tensors = read_tensors(path)
     except (SafetensorError, OSError, RuntimeError) as error:
         raise ValueError(f"saved cache {path} is damaged: {error}") from error
+    if len(meta["layers"]) != len(model_access.layer_types(model)):
+        raise ValueError(f"saved cache {path} holds {len(meta['layers'])} layers and this {type(model).__name__} has "
+                         f"{len(model_access.layer_types(model))}: a cache only continues the model that made it")
     modules = model_access.attention_modules(model)
     cache = DynamicCache(config=model.config)
     cache.layers = []
@@ -168,6 +177,8 @@ def load_cache(path: str | Path, model: nn.Module) -> DynamicCache:
             cache.layers.append(layer_from_state(tensors, fields, f"layer{i}", device))
         except KeyError as error:
             raise ValueError(f"saved cache {path} is damaged: layer {i} lacks the tensor {error}") from error
+        except (TypeError, AttributeError) as error:  # (fields of the wrong kind)
+            raise ValueError(f"saved cache {path} is damaged: layer {i}'s fields do not parse ({error})") from error
     return cache
 
 

@@ -76,8 +76,13 @@ def layer_from_state(tensors: dict[str, torch.Tensor], fields: dict, prefix: str
         if isinstance(value, dict) and "device" in value:
             value = device
         elif isinstance(value, dict) and "dtype" in value:
-            value = getattr(torch, value["dtype"].removeprefix("torch."))
+            value = getattr(torch, str(value["dtype"]).removeprefix("torch."), None)
+            if not isinstance(value, torch.dtype):  # (any attribute of torch was taken: a function, say)
+                raise ValueError(f"{cls.__name__}.{attr} names no torch dtype")
         state[attr] = value
+    for attr in (*state, *fields["tensor"], *fields["list"], *fields["dict"], *fields["dict_list"]):
+        if not str(attr).isidentifier() or attr.startswith("__") or callable(getattr(cls, attr, None)):
+            raise ValueError(f"{cls.__name__} has no field {attr!r} (a method or a name no layer sets)")
     take = lambda key: tensors[f"{prefix}.{key}"].to(device)  # noqa: E731
     state.update({attr: take(attr) for attr in fields["tensor"]})
     state.update({attr: [take(f"{attr}.{i}") for i in range(n)] for attr, n in fields["list"].items()})

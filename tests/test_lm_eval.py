@@ -129,6 +129,10 @@ def test_model_info_asks_no_model_hub(default_model, monkeypatch):
     with pytest.raises(FileNotFoundError, match="is neither a packaged model"):  # (lm-eval asked the hub for it)
         KVPressLM(pretrained=model, tokenizer="HuggingFaceTB/SmolLM2-135M-Instruct", press="knorm",
                   compression_ratio=0.5)
+    for extra in ("peft", "delta"):  # (HFLM fetched a hub name)
+        with pytest.raises(ValueError, match=f"{extra}='org/adapter' is not a local path: kvpress runs offline"):
+            KVPressLM(pretrained=model, tokenizer=tokenizer, press="knorm", compression_ratio=0.5,
+                      **{extra: "org/adapter"})
 
 
 def _rolling(lm, texts):

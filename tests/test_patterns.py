@@ -228,3 +228,23 @@ def test_a_whole_write_replaces_a_symlinks_target_keeps_the_mode_and_clears_a_ki
     assert link.is_symlink() and real.read_text() == "new" and oct(real.stat().st_mode & 0o777) == "0o664"
     assert sorted(os.listdir(tmp_path)) == ["link.json", "real.json"]
     assert synced == [os.path.join(os.path.realpath(tmp_path), f".real.json.partial-{os.getpid()}"), "replace"]
+
+
+def test_a_link_planted_at_a_partial_or_lock_name_is_not_written_through(tmp_path):
+    """The temporary file's name is predictable and the lock was opened following links: a link planted there had
+    its target overwritten (a whole write), or truncated to the writer's pid (a sweep's lock; an audit)."""
+    import os
+
+    from kvpress.files import held_alone, write_text_whole
+
+    victim = tmp_path / "victim"
+    victim.write_text("mine")
+    (tmp_path / f".out.json.partial-{os.getpid()}").symlink_to(victim)
+    write_text_whole(tmp_path / "out.json", "new")
+    assert victim.read_text() == "mine" and (tmp_path / "out.json").read_text() == "new"
+    assert not (tmp_path / "out.json").is_symlink()
+    (tmp_path / ".lock").symlink_to(victim)
+    with pytest.raises(ValueError, match="is a symbolic link: this sweep takes its lock in a file of its own"):
+        with held_alone(tmp_path / ".lock", "this sweep"):
+            pass
+    assert victim.read_text() == "mine"

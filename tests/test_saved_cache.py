@@ -184,3 +184,51 @@ def test_a_cache_of_another_window_another_model_or_a_half_updated_forward_is_re
     hook.remove()
     with pytest.raises(ValueError, match=r"seen different numbers of tokens \(40 to 45\): a forward that raised"):
         kvpress.save_cache(cache, path, model)
+
+
+def test_a_crafted_saved_cache_is_refused_by_name(tmp_path):
+    """A saved cache's metadata rebuilt a layer from any attribute it named: a field named after a method replaced it
+    (`get_seq_length` became torch.seed), a dtype could name any attribute of torch (`torch.load`); metadata that is
+    not an object, lacks its keys, nests deeply or lists other layers than the model's raised AttributeError,
+    KeyError, RecursionError, or loaded (an audit of untrusted files)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    with SnapKVPress(0.5, window_size=4)(model):
+        model(prompt(1, 40), cache=cache)
+    path = tmp_path / "cache.safetensors"
+    kvpress.save_cache(cache, path, model)
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["kvpress"])
+    tensors = load_file(path)
+
+    def crafted(change) -> Path:
+        made = tmp_path / "crafted.safetensors"
+        save_file(tensors, made, metadata={"kvpress": change(json.loads(json.dumps(meta)))})
+        return made
+
+    def plain(**fields):
+        def change(m):
+            m["layers"][0]["plain"].update(fields)
+            return json.dumps(m)
+        return change
+
+    cases = [
+        (plain(get_seq_length={"dtype": "seed"}), "names no torch dtype"),
+        (plain(anything={"dtype": "load"}), "names no torch dtype"),
+        (plain(get_seq_length=3), "PressedLayer has no field 'get_seq_length'"),
+        (plain(__class__="x"), "PressedLayer has no field '__class__'"),
+        (lambda m: json.dumps([m]), "its metadata is not a JSON object"),
+        (lambda m: json.dumps({k: v for k, v in m.items() if k != "config_hash"}), r"lacks \['config_hash'\]"),
+        (lambda m: json.dumps({**m, "layers": "x"}), "has no list of layers"),
+        (lambda m: json.dumps({**m, "layers": m["layers"][:1]}), "holds 1 layers and this LlamaForCausalLM has 2"),
+        (lambda m: "[" * 100_000 + "]" * 100_000, "not a cache saved by kvpress.save_cache"),
+    ]
+    for change, said in cases:
+        with pytest.raises(ValueError, match=said):
+            kvpress.load_cache(crafted(change), model)
+    assert kvpress.load_cache(crafted(lambda m: json.dumps(m)), model).get_seq_length() == 40

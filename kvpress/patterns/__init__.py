@@ -115,7 +115,7 @@ def load_pattern(pattern: str | Path | dict) -> dict:
             )
         try:
             data = json.loads(path.read_text(), parse_constant=_reject_constant)
-        except ValueError as error:  # JSONDecodeError, a NaN/Infinity literal, bytes that are not UTF-8
+        except (ValueError, RecursionError) as error:  # bad JSON, NaN, not UTF-8, too deep
             where = f" at line {error.lineno}, column {error.colno}" if isinstance(error, json.JSONDecodeError) else ""
             raise ValueError(f"head pattern {name} is not valid JSON{where}: {error}; {_HOW}") from error
     _check(data, name)
