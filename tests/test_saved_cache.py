@@ -86,13 +86,19 @@ def test_a_saved_dense_layer_holds_its_slots_not_the_room_after_them(tmp_path):
     assert not maps.exists() or str(path) not in maps.read_text()
 
 
-def test_another_architecture_or_a_damaged_file_is_refused(tmp_path):
+def _saved(tmp_path: Path) -> tuple:
+    """A tiny Llama, a cache SnapKV compressed from 40 tokens, and the file it was saved to."""
     model = tiny_model("llama")
     cache = DynamicCache(config=model.config)
     with SnapKVPress(0.5, window_size=4)(model):
         model(prompt(1, 40), cache=cache)
     path = tmp_path / "cache.safetensors"
     kvpress.save_cache(cache, path, model)
+    return model, cache, path
+
+
+def test_another_architecture_or_a_damaged_file_is_refused(tmp_path):
+    model, cache, path = _saved(tmp_path)
     with pytest.raises(ValueError, match="only continues the model that made it"):
         kvpress.load_cache(path, tiny_model("llama", num_hidden_layers=3))
     half = copy.deepcopy(model).to(torch.bfloat16)  # same architecture, another dtype: sdpa would refuse the keys
@@ -196,12 +202,7 @@ def test_a_crafted_saved_cache_is_refused_by_name(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    model = tiny_model("llama")
-    cache = DynamicCache(config=model.config)
-    with SnapKVPress(0.5, window_size=4)(model):
-        model(prompt(1, 40), cache=cache)
-    path = tmp_path / "cache.safetensors"
-    kvpress.save_cache(cache, path, model)
+    model, cache, path = _saved(tmp_path)
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads(f.metadata()["kvpress"])
     tensors = load_file(path)
